@@ -1,0 +1,47 @@
+"""Benchmarks, each a command: ``python -m radixkv.bench NAME [options]``.
+
+Every benchmark module has a ``main(argv) -> int`` and states in its docstring the command that
+produced its committed results (``benchmarks/results/``).  Ratios are measured side by side in one
+run; medians, not means, because the machines they run on are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+BENCHMARKS = ("copy", "hash", "index", "tiers")
+
+
+def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeat`` runs after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine_line() -> str:
+    """One line naming the machine a result was measured on (CPU model, cores, torch version)."""
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, {gpu}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, torch threads {torch.get_num_threads()}")

@@ -1,0 +1,21 @@
+"""``python -m radixkv.bench NAME [options]``: run one benchmark (see ``radixkv.bench``)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from radixkv.bench import BENCHMARKS
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: python -m radixkv.bench {{{','.join(BENCHMARKS)}}} [options]  (--help on each)")
+        return 2
+    module = importlib.import_module(f"radixkv.bench.{argv[0]}")
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

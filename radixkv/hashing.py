@@ -1,0 +1,185 @@
+"""Token validation, namespaces and chained chunk keys.
+
+Every process on every machine must find the same prefix under the same keys, so keys are a pure
+function of the namespace and the token ids — never Python's ``hash()``, which is salted per process:
+
+    root = xxh3_128(canonical bytes of the Namespace)
+    K0   = xxh3_128(root     || le_int32(tokens[0:C]))
+    Ki   = xxh3_128(K(i-1)   || le_int32(tokens[i*C:(i+1)*C]))
+
+A key therefore names a chunk *and everything before it*: equal keys mean equal prefixes.  The
+partial tail chunk gets no key.  The golden vectors in ``tests/test_hashing.py`` pin this format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+
+if TYPE_CHECKING:
+    from radixkv.pool import KVLayout
+
+__all__ = ["MAX_TOKEN_ID", "Namespace", "as_token_bytes", "chunk_keys", "keys_from_token_bytes"]
+
+MAX_TOKEN_ID = 2**31 - 1
+_FORMAT_TAG = b"radixkv/namespace/v1"
+
+
+def as_token_bytes(tokens: Any, name: str = "tokens") -> bytes:
+    """Validate token ids and return them as little-endian int32 bytes (4 bytes a token).
+
+    Accepts a list, tuple, numpy array or torch tensor of integers.  Floats and bools raise
+    ``TypeError``; negative ids, ids >= 2**31 and arrays that are not 1-D raise ``ValueError``;
+    both name ``name``.  Cost: O(n) in C (numpy / array), no Python work per token for arrays and
+    tensors; a list costs one pass of ``type()`` per element.
+
+    >>> as_token_bytes([1, 2]).hex()
+    '0100000002000000'
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype == torch.bool or tokens.dtype.is_floating_point or tokens.is_complex():
+            raise TypeError(f"{name} must hold integer token ids, got a {tokens.dtype} tensor")
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+        if tokens.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() > MAX_TOKEN_ID):
+            raise ValueError(f"{name} must be token ids in [0, 2**31), got min {tokens.min()}, max {tokens.max()}")
+        return tokens.astype("<i4", copy=False).tobytes()
+    if isinstance(tokens, (list, tuple)):
+        if not set(map(type, tokens)) <= {int}:
+            bad = next(t for t in tokens if type(t) is not int)
+            if isinstance(bad, (bool, np.bool_)) or not isinstance(bad, (int, np.integer)):
+                raise TypeError(f"{name} must hold integer token ids, got {type(bad).__name__} {bad!r}")
+        try:
+            arr = np.array(tokens, dtype=np.int64)
+        except OverflowError:
+            raise ValueError(f"{name} must be token ids in [0, 2**31), got one beyond int64") from None
+        return as_token_bytes(arr, name)
+    raise TypeError(f"{name} must be a list, tuple, numpy array or torch tensor of ints, "
+                    f"got {type(tokens).__name__}")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What makes two caches compatible.  Everything here seeds the hash chain.
+
+    A model update (``revision``), another KV dtype or layout, another tensor-parallel shard, a LoRA
+    adapter or another tenant (``salt``) gives other keys, so it can never hit foreign KV.  The
+    layout fields are usually filled from a ``KVLayout`` by ``bind``; ``PrefixCache`` does that.
+
+    >>> ns = Namespace(model="m")
+    >>> len(ns.root), len(ns.id), ns.id == ns.root[:8]
+    (16, 8, True)
+    """
+
+    model: str
+    revision: str = "main"
+    kv_dtype: str = ""
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    page_size: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    lora_id: str = ""
+    salt: bytes = b""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "str" and not isinstance(value, str):
+                raise TypeError(f"Namespace.{f.name} must be a str, got {type(value).__name__}")
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"Namespace.{f.name} must be a non-negative int, got {value!r}")
+        if not isinstance(self.salt, bytes):
+            raise TypeError(f"Namespace.salt must be bytes, got {type(self.salt).__name__}")
+        if not self.model:
+            raise ValueError("Namespace.model must not be empty")
+        if self.tp_size < 1 or self.tp_rank >= self.tp_size:
+            raise ValueError(f"Namespace.tp_rank must be in [0, tp_size), got {self.tp_rank} of {self.tp_size}")
+        # The digest is computed once (a frozen dataclass needs object.__setattr__ for that).
+        object.__setattr__(self, "_root", xxhash.xxh3_128_digest(self._canonical()))
+
+    def _canonical(self) -> bytes:
+        # Length-prefixed fields in a fixed order: no separator can be forged by a field's content.
+        parts = [_FORMAT_TAG]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            raw = value if isinstance(value, bytes) else str(value).encode()
+            parts.append(f.name.encode() + b"=" + len(raw).to_bytes(4, "little") + raw)
+        return b"\0".join(parts)
+
+    @property
+    def root(self) -> bytes:
+        """16-byte digest that seeds every chain of this namespace."""
+        return self._root  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def id(self) -> bytes:
+        """8-byte id that prefixes every stored key of this namespace (the first 8 bytes of ``root``)."""
+        return self.root[:8]
+
+    def bind(self, layout: KVLayout) -> Namespace:
+        """This namespace with the layout fields filled from ``layout``.
+
+        Fields already set must agree with the layout (``ValueError`` names the field otherwise).
+        """
+        wanted = {"kv_dtype": str(layout.dtype).removeprefix("torch."), "num_layers": layout.num_layers,
+                  "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+                  "page_size": layout.page_size}
+        for key, value in wanted.items():
+            have = getattr(self, key)
+            if have not in ("", 0) and have != value:
+                raise ValueError(f"namespace.{key} is {have!r} but the layout says {value!r}")
+        return replace(self, **wanted)
+
+
+def keys_from_token_bytes(data: bytes, chunk_size: int, root: bytes) -> list[bytes]:
+    """Chained keys of the full chunks of validated int32 token bytes (see ``chunk_keys``).
+
+    One xxh3-128 per chunk and no Python work per token: the 16-byte parent digest is written just
+    in front of each chunk in one scratch buffer (over bytes of the previous chunk, which is already
+    hashed), so each key is a single digest call over ``parent || chunk`` with no concatenation.
+    """
+    chunk_bytes = 4 * chunk_size
+    n = len(data) // chunk_bytes
+    if n == 0:
+        return []
+    buf = bytearray(16 + n * chunk_bytes)
+    buf[16:] = memoryview(data)[:n * chunk_bytes]
+    view = memoryview(buf)
+    digest = xxhash.xxh3_128_digest
+    keys = []
+    key = root
+    for start in range(0, n * chunk_bytes, chunk_bytes):
+        view[start:start + 16] = key
+        key = digest(view[start:start + 16 + chunk_bytes])
+        keys.append(key)
+    return keys
+
+
+def chunk_keys(tokens: Any, chunk_size: int, namespace: Namespace) -> list[bytes]:
+    """Chained 16-byte keys of every full ``chunk_size``-token chunk of ``tokens``.
+
+    Deterministic across processes, machines and ``PYTHONHASHSEED``; the partial tail chunk gets no
+    key.  Cost: O(len(tokens)) bytes hashed plus O(len(tokens) / chunk_size) Python steps.
+
+    >>> ns = Namespace(model="m")
+    >>> keys = chunk_keys(list(range(10)), 4, ns)
+    >>> len(keys), len(keys[0])
+    (2, 16)
+    >>> chunk_keys(list(range(8)), 4, ns) == keys
+    True
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if not isinstance(namespace, Namespace):
+        raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+    return keys_from_token_bytes(as_token_bytes(tokens), chunk_size, namespace.root)
