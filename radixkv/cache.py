@@ -239,7 +239,7 @@ class PrefixCache:
     def stats(self) -> dict[str, Any]:
         """Counters and occupancy: matches, query and hit tokens, hit rate, pages free / cached /
         held by the engine, evictions.  O(num_pages) (counts the page states)."""
-        c = dict(self._counters)
+        c: dict[str, Any] = dict(self._counters)
         counts = np.bincount(self._state, minlength=3)
         c.update(
             hit_rate=c["hit_tokens"] / c["query_tokens"] if c["query_tokens"] else 0.0,

@@ -131,7 +131,7 @@ class Namespace:
 
         Fields already set must agree with the layout (``ValueError`` names the field otherwise).
         """
-        wanted = {"kv_dtype": str(layout.dtype).removeprefix("torch."), "num_layers": layout.num_layers,
+        wanted: dict[str, Any] = {"kv_dtype": str(layout.dtype).removeprefix("torch."), "num_layers": layout.num_layers,
                   "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
                   "page_size": layout.page_size}
         for key, value in wanted.items():

@@ -1,0 +1,35 @@
+"""The README's main command and the benchmarks run end to end (small sizes; no timing asserted)."""
+
+import re
+import subprocess
+import sys
+
+
+def run(*args):
+    out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_demo_reports_hits_and_savings():
+    out = run("radixkv", "demo", "--requests", "200", "--system-prompts", "4")
+    rate = float(re.search(r"token hit rate ([\d.]+)%", out).group(1))
+    assert 30 < rate < 100                     # 4 shared 2K-token prompts over 200 requests
+    assert "modelled prefill compute saved" in out
+
+
+def test_bench_index_smoke(tmp_path):
+    out = run("radixkv.bench", "index", "--requests", "300", "--page-sizes", "16,1",
+              "--pool-tokens", "200000", "--evict-sizes", "200,2000", "--out", str(tmp_path / "r.txt"))
+    assert "req/s" in out and "evict cost per node" in out
+    assert (tmp_path / "r.txt").read_text().startswith("# python -m radixkv.bench index")
+
+
+def test_bench_hash_smoke():
+    out = run("radixkv.bench", "hash", "--tokens", "8192", "--repeat", "1")
+    assert "M tokens/s" in out
+
+
+def test_bench_usage():
+    out = subprocess.run([sys.executable, "-m", "radixkv.bench"], capture_output=True, text=True)
+    assert out.returncode == 2 and "usage" in out.stdout
