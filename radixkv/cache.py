@@ -11,20 +11,36 @@ when it raises):
 
 Every page is in exactly one place at any moment: free in the pool, held by the tree, or held by
 the engine (allocated and not yet inserted).  ``check()`` verifies it.
+
+With ``tiers``, the cache is the waterfall of DESIGN.md: ``match`` continues from the first chunk
+the tree does not fully cover, asks the ``TierStack`` which of the following chunks the tiers hold,
+loads and verifies them, scatters them into new pool pages (only the pages past the tree's match
+when that match ends inside a chunk), inserts them into the tree and returns one match covering
+both.  Writes go down asynchronously: ``write_through`` stores every new full chunk when it is
+inserted; ``write_back`` stores a chunk when the tree evicts the node it ends in.
+
+A ``PrefixCache`` is used from one engine thread; the tier stack does its writes on its own thread.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
+from radixkv import ops
 from radixkv.hashing import Namespace, as_token_bytes
 from radixkv.pool import KVLayout, KVPool, as_page_ids, has_duplicates
-from radixkv.tree import RadixNode, RadixTree
+from radixkv.tree import MatchResult, RadixNode, RadixTree
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from radixkv.backends import Tier
+    from radixkv.tiers import TierStack
 
 __all__ = ["Match", "PoolExhausted", "PrefixCache"]
 
@@ -41,12 +57,14 @@ class Match:
     """A cached prefix, locked against eviction until ``PrefixCache.release``.
 
     ``pages`` (int64, CPU) holds the KV of ``tokens[:num_tokens]``; ``num_tokens`` is a multiple
-    of the page size.
+    of the page size.  ``tier_tokens`` of them were loaded from the tiers by this match (the rest
+    were resident in the pool already).
     """
 
     num_tokens: int
     pages: torch.Tensor
     id: int
+    tier_tokens: int = 0
 
     def __repr__(self) -> str:
         return f"Match({self.num_tokens} tokens in {len(self.pages)} pages, id={self.id})"
@@ -69,8 +87,8 @@ class PrefixCache:
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu",
-                 namespace: Namespace | None = None, tiers: Any = (), chunk_size: int = 256,
-                 write_policy: str = "write_through") -> None:
+                 namespace: Namespace | None = None, tiers: Sequence[Tier] | TierStack = (),
+                 chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 \
@@ -81,8 +99,6 @@ class PrefixCache:
             raise ValueError(f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}")
         if namespace is not None and not isinstance(namespace, Namespace):
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
-        if list(tiers):
-            raise NotImplementedError("tiers: lower tiers are not wired into PrefixCache yet; pass tiers=[]")
         self.layout = layout
         self.page_size = layout.page_size
         self.chunk_size = chunk_size
@@ -93,8 +109,35 @@ class PrefixCache:
         self._state = np.zeros(num_pages, dtype=np.uint8)   # _FREE / _ENGINE / _TREE per page
         self._live: dict[int, RadixNode] = {}
         self._counters = dict.fromkeys(
-            ("matches", "query_tokens", "hit_tokens", "inserts", "inserted_tokens", "duplicate_pages",
-             "allocs", "allocated_pages", "evicted_pages", "evictions"), 0)
+            ("matches", "query_tokens", "hit_tokens", "pool_hit_tokens", "tier_hit_tokens", "inserts",
+             "inserted_tokens", "duplicate_pages", "allocs", "allocated_pages", "evicted_pages", "evictions",
+             "chunks_stored", "chunks_not_queued"), 0)
+        self.stack = self._make_stack(tiers, promote)
+        self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
+
+    def _make_stack(self, tiers: Any, promote: bool) -> TierStack | None:
+        from radixkv.tiers import TierStack   # here, so that a cache without tiers needs no backend
+
+        if isinstance(tiers, TierStack):
+            if (tiers.namespace, tiers.layout, tiers.chunk_size) != (self.namespace, self.layout, self.chunk_size):
+                raise ValueError("tiers: the TierStack's namespace, layout or chunk_size differ from the cache's")
+            return tiers
+        tiers = list(tiers)
+        if not tiers:
+            return None
+        return TierStack(tiers, namespace=self.namespace, layout=self.layout, chunk_size=self.chunk_size,
+                         promote=promote)
+
+    def close(self) -> None:
+        """Finish queued tier writes and close the tiers.  Idempotent."""
+        if self.stack is not None:
+            self.stack.close()
+
+    def __enter__(self) -> PrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return (f"PrefixCache({self.pool.num_pages} pages x {self.page_size} tokens, "
@@ -107,19 +150,80 @@ class PrefixCache:
 
         With ``leave_last`` (the default) the match never covers the last token, since the engine
         needs its logits; pass ``False`` for a pure lookup.  The match holds a reference until
-        ``release``.  Cost: O(d + L/page_size + log n), as ``RadixTree.match_prefix``.
+        ``release``.  With tiers, chunks past the tree's match that the tiers hold are loaded into
+        new pool pages and inserted first (a tier fault is a miss, never an exception).
+        Cost: O(d + L/page_size + log n), as ``RadixTree.match_prefix``; with tiers, plus one hash
+        pass over the prefix when the tree does not cover every full chunk, one lookup round trip
+        per tier, and one decode and scatter per loaded chunk.
         """
         data = as_token_bytes(tokens)
         usable = data[:-4] if leave_last and data else data
         result = self.tree._match(usable)
         self.tree.lock(result.node)
-        match = Match(result.num_tokens, torch.from_numpy(result.pages), next(_match_ids))
+        pool_tokens = result.num_tokens
+        if self.stack is not None and result.num_tokens // self.chunk_size < len(usable) // 4 // self.chunk_size:
+            result = self._load_from_tiers(usable, result)
+        match = Match(result.num_tokens, torch.from_numpy(result.pages), next(_match_ids),
+                      result.num_tokens - pool_tokens)
         self._live[match.id] = result.node
         c = self._counters
         c["matches"] += 1
         c["query_tokens"] += len(data) // 4
         c["hit_tokens"] += result.num_tokens
+        c["pool_hit_tokens"] += pool_tokens
+        c["tier_hit_tokens"] += result.num_tokens - pool_tokens
         return match
+
+    def prefetch(self, tokens: Any) -> Future[list[torch.Tensor]]:
+        """Start loading what the tiers hold of ``tokens`` past what the pool holds, on a worker
+        thread, and return its future (see ``TierStack.prefetch``).  Chunks found below the top tier
+        are promoted into the tiers above, so a ``match`` a moment later loads them from the fastest
+        tier.  Without tiers the future is already done, with no chunks.  Cost on the caller's
+        thread: one tree walk and one hash pass.
+        """
+        from concurrent.futures import Future
+
+        data = as_token_bytes(tokens)
+        if self.stack is None:
+            done: Future[list[torch.Tensor]] = Future()
+            done.set_result([])
+            return done
+        start = self.tree._match(data).num_tokens // self.chunk_size
+        return self.stack.prefetch(tokens, start)
+
+    def _load_from_tiers(self, data: bytes, result: MatchResult) -> MatchResult:
+        """Extend a locked tree match with the chunks the tiers hold; return the new (locked) match."""
+        assert self.stack is not None
+        cs, ps = self.chunk_size, self.page_size
+        first = result.num_tokens // cs                      # the first chunk the tree does not cover
+        refs = self.stack.refs_from_bytes(data[:len(data) // (4 * cs) * 4 * cs])[first:]
+        where = self.stack.lookup([ref.key for ref in refs])
+        if not where:
+            return result
+        skip = (result.num_tokens - first * cs) // ps       # pages of that chunk already in the tree
+        # Load no more chunks than the pool can take without touching locked or engine pages.
+        room = self.pool.num_free + self.tree.evictable_size // ps
+        n = min(len(where), (room + skip) // (cs // ps))
+        chunks = self.stack.load(refs[:n], where=where[:n]) if n else []
+        if not chunks:
+            return result
+        new = self._take_pages(len(chunks) * (cs // ps) - skip)
+        start = 0
+        for i, chunk in enumerate(chunks):
+            k = cs // ps - (skip if i == 0 else 0)
+            ops.scatter_pages(chunk.to(self.pool.device), self.pool, new[start:start + k],
+                              skip_pages=skip if i == 0 else 0)
+            start += k
+        end = (first + len(chunks)) * cs
+        pages = np.concatenate([result.pages, new])
+        inserted = self.tree._insert(data[:end * 4], pages)
+        assert inserted.prefix_len == result.num_tokens, "the locked tree match changed under a load"
+        self._state[new] = _TREE
+        self.tree.lock(inserted.node)
+        self.tree.unlock(result.node)
+        for tier, count in zip(*np.unique(where[:len(chunks)], return_counts=True)):
+            self._tier_hit_tokens[int(tier)] += int(count) * cs
+        return MatchResult(end, pages, inserted.node)
 
     def release(self, match: Match) -> None:
         """Drop the reference ``match`` holds, so its pages may be evicted again.  O(depth).
@@ -142,6 +246,13 @@ class PrefixCache:
         """
         if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
             raise ValueError(f"num_pages must be a non-negative int, got {num_pages!r}")
+        ids = self._take_pages(num_pages)
+        self._counters["allocs"] += 1
+        self._counters["allocated_pages"] += num_pages
+        return torch.from_numpy(ids)
+
+    def _take_pages(self, num_pages: int) -> np.ndarray:
+        """Free pages, evicting LRU prefixes when short; marked engine-held."""
         short = num_pages - self.pool.num_free
         if short > 0:
             evictable = self.tree.evictable_size // self.page_size
@@ -153,9 +264,7 @@ class PrefixCache:
             self.evict(short)
         ids = self.pool.alloc(num_pages)
         self._state[ids] = _ENGINE
-        self._counters["allocs"] += 1
-        self._counters["allocated_pages"] += num_pages
-        return torch.from_numpy(ids)
+        return ids
 
     def free(self, pages: Any) -> None:
         """Give back pages from ``alloc`` that the engine will not insert (an aborted request).  O(n)."""
@@ -191,13 +300,15 @@ class PrefixCache:
         body = ids[:full]
         in_tree = state[:full] == _TREE
 
+        cached_pages = []
+
         def validate(prefix_bytes: int, path: list[RadixNode]) -> None:
             known = prefix_bytes // (4 * self.page_size)
             if in_tree[known:].any():
                 raise ValueError("pages: a cached page is passed for tokens it does not hold")
-            if known and in_tree[:known].any():
-                cached = np.concatenate([n.pages for n in path])
-                if (in_tree[:known] & (body[:known] != cached)).any():
+            if known and (in_tree[:known].any() or self.stack is not None):
+                cached_pages.extend(n.pages for n in path)
+                if (in_tree[:known] & (body[:known] != np.concatenate(cached_pages))).any():
                     raise ValueError("pages: a cached page is passed for tokens it does not hold")
 
         result = self.tree._insert(data, body, validate)
@@ -213,12 +324,46 @@ class PrefixCache:
         c["inserts"] += 1
         c["inserted_tokens"] += (full - known) * self.page_size
         c["duplicate_pages"] += int(duplicates.size)
+        if self.stack is not None and self.write_policy == "write_through":
+            first = result.prefix_len // self.chunk_size             # chunks not complete before
+            last = full * self.page_size // self.chunk_size
+            if first < last:
+                pages = np.concatenate([*cached_pages, body[known:]])
+                self._store_chunks(data, pages, first, last)
         return result.prefix_len
+
+    def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int) -> None:
+        """Copy chunks ``first..last-1`` of a cached sequence out of the pool and queue them for
+        the tiers (the copy is synchronous: the pages may be reused right after)."""
+        assert self.stack is not None
+        per_chunk = self.chunk_size // self.page_size
+        refs = self.stack.refs_from_bytes(data[:last * self.chunk_size * 4])[first:]
+        items = []
+        for i, ref in enumerate(refs, start=first):
+            buf = torch.empty(self.layout.chunk_shape(self.chunk_size), dtype=self.layout.dtype)
+            items.append((ref, ops.gather_pages(self.pool, pages[i * per_chunk:(i + 1) * per_chunk], buf)))
+        queued = self.stack.store(items)
+        self._counters["chunks_stored"] += queued
+        self._counters["chunks_not_queued"] += len(items) - queued
+
+    def _spill(self, node: RadixNode) -> None:
+        """write_back: store the chunks that end inside ``node``, which is about to be evicted."""
+        tokens = self.tree.prefix_tokens(node)
+        path_pages = []
+        walk: RadixNode | None = node
+        while walk is not None and walk.parent is not None:
+            path_pages.append(walk.pages)
+            walk = walk.parent
+        start = len(tokens) - node.num_tokens
+        first, last = start // self.chunk_size, len(tokens) // self.chunk_size
+        if first < last:
+            self._store_chunks(tokens.tobytes(), np.concatenate(path_pages[::-1]), first, last)
 
     def evict(self, num_pages: int) -> int:
         """Evict least-recently-used unlocked prefixes until ``num_pages`` pages are freed (or
         nothing more is evictable); return how many were freed.  O(log n) per evicted node."""
-        freed = self.tree.evict(num_pages)
+        spill = self._spill if self.stack is not None and self.write_policy == "write_back" else None
+        freed = self.tree.evict(num_pages, spill)
         if freed.size:
             self.pool.free(freed)
             self._state[freed] = _FREE
@@ -247,6 +392,10 @@ class PrefixCache:
             pages_engine=int(counts[_ENGINE]), pages_total=self.pool.num_pages,
             nodes=self.tree.num_nodes, live_matches=len(self._live),
             cached_tokens=self.tree.total_size, locked_tokens=self.tree.protected_size)
+        if self.stack is not None:
+            c["tiers"] = [t.name for t in self.stack.tiers]
+            c["tier_hit_tokens_by_tier"] = list(self._tier_hit_tokens)     # in stack order
+            c["stack"] = self.stack.stats()
         return c
 
     def check(self) -> None:
@@ -258,6 +407,8 @@ class PrefixCache:
         """
         self.pool.check()
         self.tree.check()
+        if self.stack is not None:
+            self.stack.check()
         state = self._state
         assert np.array_equal(self.pool._is_free, state == _FREE), "pool free list != pages marked free"
         tree_pages = np.sort(self.tree.all_pages())

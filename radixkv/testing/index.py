@@ -23,7 +23,7 @@ from radixkv.cache import Match, PoolExhausted, PrefixCache
 from radixkv.pool import KVLayout
 from radixkv.tree import RadixNode, RadixTree
 
-__all__ = ["PrefixCacheMachine", "RadixTreeMachine", "token_lists", "token_sequences"]
+__all__ = ["PrefixCacheMachine", "RadixTreeMachine", "TieredPrefixCacheMachine", "token_lists", "token_sequences"]
 
 
 def token_lists(alphabet: int = 3, max_len: int = 12) -> st.SearchStrategy[list[int]]:
@@ -217,6 +217,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         else:
             self.cache.insert(tokens, torch.cat([m.pages, new]))
         self.cache.release(m)
+        if self.cache.stack is not None:
+            self.cache.stack.flush()        # the writer is asynchronous; keep the test deterministic
         again = self.cache.match(tokens, leave_last=False)
         self._assert_holds(tokens, again)
         if not abort:
@@ -226,6 +228,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(num_pages=st.integers(0, 8))
     def evict(self, num_pages: int) -> None:
         self.cache.evict(num_pages)
+        if self.cache.stack is not None:
+            self.cache.stack.flush()
 
     @rule(tokens=token_lists(max_len=14))
     def release_twice_is_an_error(self, tokens: list[int]) -> None:
@@ -249,3 +253,26 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert s["pages_free"] + s["pages_cached"] + s["pages_engine"] == s["pages_total"]
         assert s["pages_engine"] == sum(len(new) for _, _, new in self.requests)
         assert s["live_matches"] == len(self.requests)
+
+
+class TieredPrefixCacheMachine(PrefixCacheMachine):
+    """``PrefixCacheMachine`` with an in-memory tier below the pool (chunks of two pages), so that
+    evicted prefixes come back through the tier: every match still checks, token by token, that
+    the pages it returns hold the right KV, whether they were resident or loaded.  Override
+    ``make_tiers`` to put your own backend under the same checks."""
+
+    write_policy = "write_through"
+
+    def make_tiers(self) -> list[Any]:
+        from radixkv.backends import MemoryTier
+
+        return [MemoryTier()]
+
+    def make_cache(self, page_size: int, num_pages: int) -> PrefixCache:
+        layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=page_size)
+        return PrefixCache(layout, num_pages=num_pages, chunk_size=page_size * 2, tiers=self.make_tiers(),
+                           write_policy=self.write_policy)
+
+    def teardown(self) -> None:
+        if hasattr(self, "cache"):
+            self.cache.close()

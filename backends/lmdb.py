@@ -1,0 +1,517 @@
+"""``LmdbTier``: chunks in one local LMDB environment, LRU by bytes, optional TTL, multi-process.
+
+Storage contract:
+
+* **One environment** at ``path`` (a directory), shared by every process and thread that opens it
+  with the same ``max_bytes``.  Writers are serialised by LMDB (one write transaction at a time,
+  across processes); readers never block and never see a half-written chunk.  Entries survive a
+  restart of the process (and, with ``sync=True``, of the machine).
+* **Four named databases**: ``chunks`` (key → blob), ``meta`` (key → size, last access, expiry),
+  ``lru`` (last access ‖ key, oldest first) and ``expiry`` (expiry ‖ key); plus ``info``, which
+  holds the byte total.  All of them change in the same transaction, so they always agree.
+* **LRU by bytes**: a write evicts the least recently accessed entries until the blob fits in
+  ``max_bytes`` (blob bytes; LMDB's page overhead comes on top, see ``map_size``).  Accesses are
+  batched: ``get``/``read`` record them in memory and one write transaction applies every
+  ``touch_every`` of them (or after ``touch_seconds``, or at the next write), never one write per
+  read.  ``contains_prefix`` is not an access.
+* **TTL**: with ``ttl`` seconds, an entry expires ``ttl`` after it was written, however often it
+  is read; an expired entry is a miss at once and is deleted by the next write.  The expiry is
+  stored with the entry, so it holds for every process, whatever ``ttl`` they opened with.  ``clock``
+  (seconds, wall time shared by the processes) is injectable for tests.
+* **map_size is a ceiling** on the file (default ``2 * max_bytes + 8 MiB``, sparse).  If LMDB's
+  map fills before ``max_bytes`` of blobs (page overhead, pages still held by old readers), the
+  write is retried after evicting, and this process lowers its byte budget to what the map holds.
+* **Buffers are valid only inside their transaction**: ``read`` hands ``consume`` a view of the
+  mapped page and must not keep it; ``get`` returns a copy.
+* **Processes**: open the tier in each process, or let it reopen itself — after ``fork()`` the
+  child closes the inherited environment and opens its own on first use.  ``fork()`` waits until
+  no transaction of the tier is live (at most 10 s), because closing the inherited handle ends
+  the transactions it knows of in the reader table both processes share.  Readers left behind by
+  dead processes are cleared on open and when the map fills (``reader_check``).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+import weakref
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+
+from radixkv.backends import Blob, Tier, blob_view, check_key, check_namespace_id
+
+__all__ = ["LmdbTier"]
+
+T = TypeVar("T")
+_META = struct.Struct("<QQQ")  # blob size, last access (µs), expiry (µs, 0: never)
+_STAMP = struct.Struct(">Q")  # big-endian, so that index keys sort by time
+_TOTAL = b"total"
+_PURGE_PER_WRITE = 256  # expired entries deleted per write transaction, at most
+_WRITE_ATTEMPTS = 4
+
+_OPEN_TIERS: weakref.WeakSet[LmdbTier] = weakref.WeakSet()
+
+
+def _import_lmdb() -> Any:
+    try:
+        import lmdb  # the real package: this module is radixkv.backends.lmdb and imports are absolute
+    except ImportError as exc:
+        raise ImportError("LmdbTier needs the lmdb package: pip install radixkv[lmdb]") from exc
+    if not hasattr(lmdb, "Environment"):
+        raise ImportError(f"'import lmdb' found {getattr(lmdb, '__file__', lmdb)!r}, not the lmdb "
+                          "package: pip install radixkv[lmdb]")
+    return lmdb
+
+
+# fork() waits (up to _FORK_WAIT seconds) until no transaction of any LmdbTier is live in this
+# process: the child must close the environment it inherits before it can open its own, and
+# closing it ends the transactions the handle knows of — in the reader table the processes share,
+# which would unprotect a parent's live read.  With none live at the fork, there is nothing to end.
+_FORK_WAIT = 10.0
+_gate = threading.Condition()
+_live = 0
+
+
+def _enter_txn() -> None:
+    global _live
+    with _gate:
+        _live += 1
+
+
+def _leave_txn() -> None:
+    global _live
+    with _gate:
+        _live -= 1
+        if not _live:
+            _gate.notify_all()
+
+
+def _before_fork() -> None:
+    _gate.acquire()  # held across the fork: no transaction starts meanwhile
+    _gate.wait_for(lambda: _live == 0, _FORK_WAIT)
+
+
+def _after_fork_in_parent() -> None:
+    _gate.release()
+
+
+def _after_fork_in_child() -> None:
+    global _gate, _live
+    _gate, _live = threading.Condition(), 0
+    for tier in list(_OPEN_TIERS):
+        tier._forget_parent_environment()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
+
+
+class _Writer:
+    """The work of one write transaction: keeps the byte total and the four databases in step."""
+
+    def __init__(self, tier: LmdbTier, txn: Any) -> None:
+        self.tier = tier
+        self.txn = txn
+        raw = txn.get(_TOTAL, db=tier._info)
+        self.total = 0 if raw is None else int.from_bytes(raw, "little")
+        self.now = tier._now_us()
+        self.counts: Counter[str] = Counter()
+
+    def remove(self, key: bytes) -> int | None:
+        """Delete ``key`` from every database; its size, or ``None`` if absent."""
+        tier, txn = self.tier, self.txn
+        raw = txn.get(key, db=tier._meta)
+        if raw is None:
+            return None
+        size, access, expiry = _META.unpack(raw)
+        txn.delete(key, db=tier._data)
+        txn.delete(key, db=tier._meta)
+        txn.delete(_STAMP.pack(access) + key, db=tier._lru)
+        if expiry:
+            txn.delete(_STAMP.pack(expiry) + key, db=tier._expiry)
+        self.total -= size
+        return int(size)
+
+    def insert(self, key: bytes, view: memoryview) -> None:
+        """Store a blob under a key that is not present (``remove`` it first)."""
+        tier, txn = self.tier, self.txn
+        expiry = self.now + tier._ttl_us if tier._ttl_us is not None else 0
+        txn.put(key, view, db=tier._data)
+        txn.put(key, _META.pack(len(view), self.now, expiry), db=tier._meta)
+        txn.put(_STAMP.pack(self.now) + key, b"", db=tier._lru)
+        if expiry:
+            txn.put(_STAMP.pack(expiry) + key, b"", db=tier._expiry)
+        self.total += len(view)
+
+    def make_room(self, need: int, limit: int) -> bool:
+        """Evict least recently accessed entries until ``need`` more bytes fit in ``limit``."""
+        if need > limit:
+            return False
+        cursor = self.txn.cursor(db=self.tier._lru)
+        while self.total + need > limit and cursor.first():
+            self.remove(bytes(cursor.key()[_STAMP.size:]))
+            self.counts["evictions"] += 1
+        return self.total + need <= limit
+
+    def purge_expired(self, limit: int | None = _PURGE_PER_WRITE) -> int:
+        """Delete up to ``limit`` expired entries (all with ``None``), oldest expiry first."""
+        cursor = self.txn.cursor(db=self.tier._expiry)
+        removed = 0
+        while (limit is None or removed < limit) and cursor.first():
+            stamp = bytes(cursor.key())
+            if _STAMP.unpack_from(stamp)[0] > self.now:
+                break
+            self.remove(stamp[_STAMP.size:])
+            removed += 1
+        self.counts["expired"] += removed
+        return removed
+
+    def apply_touches(self, touches: dict[bytes, int]) -> None:
+        tier, txn = self.tier, self.txn
+        for key, stamp in touches.items():
+            raw = txn.get(key, db=tier._meta)
+            if raw is None:
+                continue
+            size, access, expiry = _META.unpack(raw)
+            if stamp <= access:
+                continue
+            txn.delete(_STAMP.pack(access) + key, db=tier._lru)
+            txn.put(_STAMP.pack(stamp) + key, b"", db=tier._lru)
+            txn.put(key, _META.pack(size, stamp, expiry), db=tier._meta)
+
+    def finish(self) -> None:
+        self.txn.put(_TOTAL, self.total.to_bytes(8, "little"), db=self.tier._info)
+
+
+class LmdbTier(Tier):
+    """Local-disk tier in one LMDB environment; see the module docstring for the storage contract.
+
+    ``max_bytes``: byte budget of the blobs.  ``ttl``: seconds an entry lives after it is written
+    (``None``: forever).  ``map_size``: LMDB's map ceiling (default ``2 * max_bytes + 8 MiB``).
+    ``max_readers``: concurrent read transactions over all processes.  ``sync``: fsync at every
+    commit (durable across power loss; ``False`` keeps integrity across process crashes only).
+    ``clock``: wall-clock seconds.  ``touch_every``/``touch_seconds``: access-time batching.
+    """
+
+    name = "lmdb"
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, ttl: float | None = None,
+                 map_size: int | None = None, max_readers: int = 512, sync: bool = True,
+                 clock: Callable[[], float] = time.time, touch_every: int = 64,
+                 touch_seconds: float = 1.0) -> None:
+        self._lmdb = _import_lmdb()
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be positive seconds or None, got {ttl!r}")
+        if map_size is None:
+            map_size = 2 * max_bytes + (8 << 20)
+        if isinstance(map_size, bool) or not isinstance(map_size, int) or map_size < (64 << 10):
+            raise ValueError(f"map_size must be an int of at least 64 KiB, got {map_size!r}")
+        if not isinstance(touch_every, int) or touch_every < 1:
+            raise ValueError(f"touch_every must be a positive int, got {touch_every!r}")
+        self.path = os.fspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        self._max_bytes = max_bytes
+        self._limit = max_bytes  # lowered when the map fills before the budget does
+        self._ttl_us = None if ttl is None else int(ttl * 1e6)
+        self._map_size = -(-map_size // 4096) * 4096
+        self._max_readers = max_readers
+        self._sync = sync
+        self._clock = clock
+        self._touch_every = touch_every
+        self._touch_seconds = touch_seconds
+        self._counts: Counter[str] = Counter()
+        self._closed = False
+        self._env: Any = None
+        self._forget_parent_environment()
+        self._environment()
+        _OPEN_TIERS.add(self)
+        if self.used_bytes > max_bytes:  # reopened with a smaller budget
+            self._write(lambda w: w.make_room(0, max_bytes))
+
+    # -- environment --------------------------------------------------------------------------
+
+    def _forget_parent_environment(self) -> None:
+        """Fresh per-process state; in a forked child, close the environment inherited from the
+        parent (closing it in the child does not touch the parent's locks or readers)."""
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, int] = {}
+        self._last_flush = time.monotonic()
+        if self._env is not None:
+            try:
+                self._env.close()
+            except Exception:  # noqa: BLE001 - the parent's handle is unusable here anyway
+                pass
+            self._env = None
+        self._pid = os.getpid()
+
+    def _environment(self) -> Any:
+        if self._closed:
+            raise RuntimeError(f"LmdbTier({self.path!r}) is closed")
+        if self._pid != os.getpid():  # forked without the at-fork hook (e.g. from C)
+            self._forget_parent_environment()
+        env = self._env
+        if env is not None:
+            return env
+        with self._lock:
+            if self._env is None:
+                env = self._lmdb.open(self.path, map_size=self._map_size, max_readers=self._max_readers,
+                                      max_dbs=5, subdir=True, lock=True, readahead=False, meminit=False,
+                                      sync=self._sync, metasync=False)
+                self._counts["stale_readers_cleared"] += env.reader_check()
+                with env.begin(write=True) as txn:
+                    self._data = env.open_db(b"chunks", txn=txn)
+                    self._meta = env.open_db(b"meta", txn=txn)
+                    self._lru = env.open_db(b"lru", txn=txn)
+                    self._expiry = env.open_db(b"expiry", txn=txn)
+                    self._info = env.open_db(b"info", txn=txn)
+                self._env = env
+            return self._env
+
+    @contextmanager
+    def _begin(self, write: bool = False, buffers: bool = False) -> Iterator[Any]:
+        """A transaction, counted as live for the fork gate; committed if the block succeeds."""
+        _enter_txn()
+        try:
+            env = self._environment()
+            try:
+                txn = env.begin(write=write, buffers=buffers)
+            except self._lmdb.MapResizedError:  # another process grew the map: adopt its size
+                env.set_mapsize(0)
+                txn = env.begin(write=write, buffers=buffers)
+            with txn:
+                yield txn
+        finally:
+            _leave_txn()
+
+    def _now_us(self) -> int:
+        return int(self._clock() * 1e6)
+
+    def _live(self, meta: Any, now: int) -> bool:
+        if meta is None:
+            return False
+        expiry = _META.unpack(meta)[2]
+        return not expiry or expiry > now
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def _write(self, body: Callable[[_Writer], T], need: int = 0) -> T:
+        """Run ``body`` in one write transaction, with pending touches and expiry purging.  On a
+        full map: clear stale readers, evict, lower the budget and retry."""
+        for attempt in range(_WRITE_ATTEMPTS):
+            with self._lock:
+                touches, self._pending = self._pending, {}
+                self._last_flush = time.monotonic()
+            try:
+                with self._begin(write=True) as txn:
+                    writer = _Writer(self, txn)
+                    writer.apply_touches(touches)
+                    writer.purge_expired()
+                    result = body(writer)
+                    writer.finish()
+            except self._lmdb.MapFullError:
+                with self._lock:
+                    self._counts["map_full"] += 1
+                if attempt == _WRITE_ATTEMPTS - 1:
+                    raise
+                self._make_map_room(need)
+                continue
+            with self._lock:
+                self._counts.update(writer.counts)
+            return result
+        raise AssertionError("unreachable")
+
+    def _make_map_room(self, need: int) -> None:
+        env = self._environment()
+        with self._lock:
+            self._counts["stale_readers_cleared"] += env.reader_check()
+        with self._begin(write=True) as txn:
+            writer = _Writer(self, txn)
+            target = max(0, writer.total - max(2 * need, writer.total // 4))
+            writer.make_room(0, target)
+            writer.finish()
+        with self._lock:
+            self._counts.update(writer.counts)
+            self._limit = max(min(self._limit, target + need), self._map_size // 8)
+
+    def put(self, key: bytes, blob: Blob) -> bool:
+        """Store ``blob`` (one write transaction; evicts LRU entries to fit).  A blob over the
+        budget is not stored and any older blob under ``key`` is removed.  Raises on a map that
+        stays full after evicting."""
+        return self.put_many([(key, blob)]) == 1
+
+    def put_many(self, items: Iterable[tuple[bytes, Blob]]) -> int:
+        """Store every item in one write transaction; the number stored.  O(items + evictions)
+        B-tree updates and one commit (one fsync when ``sync``)."""
+        prepared = [(check_key(key), blob_view(blob)) for key, blob in items]
+        if not prepared:
+            return 0
+
+        def body(writer: _Writer) -> int:
+            stored = 0
+            for key, view in prepared:
+                writer.remove(key)
+                if len(view) * 2 > self._map_size or not writer.make_room(len(view), min(self._limit, self._max_bytes)):
+                    writer.counts["rejected"] += 1
+                    continue
+                writer.insert(key, view)
+                stored += 1
+            writer.counts["puts"] += len(prepared)
+            return stored
+
+        return self._write(body, need=sum(len(v) for _, v in prepared))
+
+    def delete(self, key: bytes) -> bool:
+        """Remove ``key``.  One write transaction."""
+        check_key(key)
+        return self._write(lambda writer: writer.remove(key) is not None)
+
+    def drop_namespace(self, ns_id: bytes) -> int:
+        """Remove every key of the namespace in one write transaction.  O(entries of it)."""
+        check_namespace_id(ns_id)
+
+        def body(writer: _Writer) -> int:
+            cursor = writer.txn.cursor(db=self._data)
+            doomed = []
+            if cursor.set_range(ns_id):
+                for key in cursor.iternext(values=False):
+                    if not bytes(key).startswith(ns_id):
+                        break
+                    doomed.append(bytes(key))
+            for key in doomed:
+                writer.remove(key)
+            return len(doomed)
+
+        return self._write(body)
+
+    def purge_expired(self) -> int:
+        """Delete every expired entry now, in one write transaction; how many (besides those
+        every write deletes anyway, a bounded number at a time)."""
+        return self._write(lambda writer: writer.purge_expired(limit=None))
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _touched(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        now = self._now_us()
+        with self._lock:
+            for key in keys:
+                self._pending[key] = now
+            due = (len(self._pending) >= self._touch_every
+                   or time.monotonic() - self._last_flush >= self._touch_seconds)
+        if due:
+            try:
+                self._write(lambda writer: None)
+            except self._lmdb.Error:  # access times are hints: a failed flush must not fail a read
+                with self._lock:
+                    self._counts["touch_errors"] += 1
+
+    def _count(self, hits: int, misses: int) -> None:
+        with self._lock:
+            self._counts["hits"] += hits
+            self._counts["misses"] += misses
+
+    def get(self, key: bytes) -> bytes | None:
+        """A copy of the blob, or ``None`` if absent or expired.  One read transaction."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
+        """Copies of the blobs, in one read transaction."""
+        for key in keys:
+            check_key(key)
+        now = self._now_us()
+        with self._begin() as txn:
+            blobs: list[Blob | None] = [txn.get(key, db=self._data) if self._live(txn.get(key, db=self._meta), now)
+                                        else None for key in keys]
+        found = [key for key, blob in zip(keys, blobs) if blob is not None]
+        self._count(len(found), len(keys) - len(found))
+        self._touched(found)
+        return blobs
+
+    def read(self, key: bytes, consume: Callable[[memoryview], T]) -> T | None:
+        """``consume`` on the mapped page itself (no copy), inside one read transaction.  Keep it
+        short: a long read transaction holds old pages from reuse.  ``consume`` must not call
+        back into the tier."""
+        check_key(key)
+        now = self._now_us()
+        with self._begin(buffers=True) as txn:
+            blob = txn.get(key, db=self._data) if self._live(txn.get(key, db=self._meta), now) else None
+            result = None if blob is None else consume(blob)
+        self._count(blob is not None, blob is None)
+        if blob is not None:
+            self._touched([key])
+        return result
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """Leading live keys held, in one read transaction; not an access."""
+        for key in keys:
+            check_key(key)
+        now = self._now_us()
+        with self._begin() as txn:
+            for n, key in enumerate(keys):
+                if not self._live(txn.get(key, db=self._meta), now):
+                    return n
+        return len(keys)
+
+    @property
+    def used_bytes(self) -> int:
+        """Blob bytes stored, by the shared total.  One read transaction."""
+        with self._begin() as txn:
+            raw = txn.get(_TOTAL, db=self._info)
+        return 0 if raw is None else int.from_bytes(raw, "little")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._max_bytes
+
+    def stats(self) -> dict[str, int | float]:
+        used = self.used_bytes
+        with self._begin() as txn:
+            entries = txn.stat(self._meta)["entries"]
+        with self._lock:
+            return {**self._counts, "entries": entries, "used_bytes": used, "capacity_bytes": self._max_bytes,
+                    "limit_bytes": self._limit, "map_size": self._map_size, "pending_touches": len(self._pending)}
+
+    def close(self) -> None:
+        """Apply pending access times and close the environment.  Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._pending and self._pid == os.getpid():
+                self._write(lambda writer: None)
+        finally:
+            self._closed = True
+            _OPEN_TIERS.discard(self)
+            if self._env is not None and self._pid == os.getpid():
+                self._env.close()
+            self._env = None
+
+    def check(self) -> None:
+        """Every entry has its blob, size, LRU and expiry records, and the total adds up.
+        O(entries), one read transaction."""
+        super().check()
+        with self._begin() as txn:
+            raw = txn.get(_TOTAL, db=self._info)
+            total = 0 if raw is None else int.from_bytes(raw, "little")
+            entries = expiring = size_sum = 0
+            for key, value in txn.cursor(db=self._meta):
+                size, access, expiry = _META.unpack(value)
+                blob = txn.get(key, db=self._data)
+                name = key.hex()
+                assert len(key) == 24 and blob is not None and len(blob) == size, f"{name}: no blob of its size"
+                assert txn.get(_STAMP.pack(access) + key, db=self._lru) is not None, f"{name}: not in the LRU index"
+                assert not expiry or txn.get(_STAMP.pack(expiry) + key, db=self._expiry) is not None, \
+                    f"{name}: not in the expiry index"
+                entries += 1
+                expiring += bool(expiry)
+                size_sum += size
+            assert size_sum == total, f"byte total {total} != sum of entry sizes {size_sum}"
+            assert txn.stat(self._data)["entries"] == entries, "blobs without metadata"
+            assert txn.stat(self._lru)["entries"] == entries, "stale LRU records"
+            assert txn.stat(self._expiry)["entries"] == expiring, "stale expiry records"

@@ -1,0 +1,245 @@
+"""Block-copy bandwidth: ``gather_pages`` / ``scatter_pages`` beside memcpy and torch idioms.
+
+Command that produced ``benchmarks/results/copy_cpu.txt``::
+
+    python -m radixkv.bench copy --out benchmarks/results/copy_cpu.txt
+
+Each repetition moves one 256-token chunk between random pages of a 32-layer, 8-KV-head,
+head-dim-128 fp16 pool of 2.5 GiB (page size 16: a chunk is 32 MiB in 1,024 runs of 32 KiB) and
+a contiguous chunk buffer, with fresh page ids every repetition.  Beside it, in the same run and
+on the same threads:
+
+* the limit: a memcpy of the same bytes to (or from) the same buffer, from (or to) a random offset
+  of the pool, which is far larger than the caches.  ATen's parallel ``copy_`` and libc's
+  ``memmove`` split over as many Python threads are both timed; the faster is the limit.  A hot
+  memcpy (the same buffers again: it measures the cache, not memory) is shown for comparison.
+* ``index_select`` per layer, advanced indexing ``pool[:, :, ids]``, and a Python loop of
+  per-page copies (one ``copy_`` per layer, K/V side and page: what an engine without a block-copy
+  kernel writes).
+
+Variants are timed in interleaved rounds, each after a read of a buffer larger than the last-level
+cache, so that every one starts from the same cold caches and sees the same machine load; the
+ratios are of medians.  Targets on CPU: gather and scatter at >= 80% of the limit and >= 3x the
+per-page loop.  On a GPU (``--device cuda``): >= 80% of a ``cudaMemcpy`` (``copy_``) of the same
+bytes, device to device, and for the pinned-host path device to host and back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, NamedTuple, TypeVar
+
+import numpy as np
+import torch
+
+from radixkv import ops
+from radixkv.bench import machine_line
+
+TARGET_OF_LIMIT = 0.80
+TARGET_OVER_LOOP = 3.0
+FLUSH_BYTES = 256 << 20  # read between timings: larger than any last-level cache in sight
+T = TypeVar("T")
+
+
+class Variant(NamedTuple):
+    name: str
+    fn: Callable[[], object]
+    hot: bool = False  # run once more, untimed, right before: caches are then warm, not flushed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m radixkv.bench copy", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--pool-gib", type=float, default=2.5, help="pool size in GiB (default 2.5)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=256, help="tokens per chunk (default 256)")
+    p.add_argument("--repeat", type=int, default=31, help="interleaved rounds (default 31)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--quick", action="store_true", help="tiny pool, few rounds: a smoke test, not a measurement")
+    p.add_argument("--out", help="also write the report to this file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.pool_gib, args.layers, args.repeat = 1 / 64, 2, 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no GPU here", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+
+    command = " ".join(["python -m radixkv.bench copy", *(sys.argv[1:] if argv is None else argv)])
+    lines = [f"$ {command}", machine_line(), f"radixkv.ops backend: {ops.backend()}"]
+    lines += _run_cuda(args) if args.device == "cuda" else _run_cpu(args)
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+def _interleaved(variants: list[Variant], repeat: int, flush: Callable[[], object],
+                 sync: Callable[[], object]) -> dict[str, float]:
+    """Median seconds of each variant over ``repeat`` rounds that run every variant once."""
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    for round_ in range(repeat + 1):  # round 0 warms up
+        for v in variants:
+            flush()
+            if v.hot:
+                v.fn()
+            sync()
+            t0 = time.perf_counter()
+            v.fn()
+            sync()
+            if round_:
+                times[v.name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _cycle(items: list[T]) -> Callable[[], T]:
+    """A function that returns the items in turn, round and round."""
+    return itertools.cycle(items).__next__
+
+
+def _setup(args: argparse.Namespace, device: str) -> tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor],
+                                                            Callable[[], torch.Tensor]]:
+    """The pool, the chunk buffer, fresh random page ids, and a random pool span of a chunk's bytes."""
+    n = args.chunk // args.page_size
+    page_bytes = args.layers * 2 * args.page_size * args.heads * args.head_dim * 2
+    num_pages = max(4 * n, int(args.pool_gib * (1 << 30)) // page_bytes)
+    kv = torch.empty((args.layers, 2, num_pages, args.page_size, args.heads, args.head_dim), dtype=torch.float16,
+                     device=device)
+    kv.view(torch.uint8).fill_(7)  # touch every page, so that no timing includes a page fault
+    buf = torch.ones((args.layers, 2, args.chunk, args.heads, args.head_dim), dtype=torch.float16, device=device)
+    rng = np.random.default_rng(0)
+    ids = [torch.from_numpy(rng.choice(num_pages, n, replace=False)).to(device) for _ in range(64)]
+    flat_pool, nbytes = kv.view(torch.uint8).view(-1), buf.numel() * 2
+    starts = [int(o) * 4096 for o in rng.integers(0, (flat_pool.numel() - nbytes) // 4096, 64)]
+    spans = [flat_pool[o:o + nbytes] for o in starts]
+    return kv, buf, _cycle(ids), _cycle(spans)
+
+
+def _header(kv: torch.Tensor, buf: torch.Tensor, args: argparse.Namespace) -> list[str]:
+    runs = 2 * args.layers * (args.chunk // args.page_size)
+    nbytes = buf.numel() * buf.element_size()
+    return [f"pool {tuple(kv.shape)} {kv.dtype} = {kv.numel() * kv.element_size() / (1 << 30):.2f} GiB; "
+            f"chunk of {args.chunk} tokens = {nbytes / (1 << 20):g} MiB in {runs} runs of "
+            f"{nbytes // runs / 1024:g} KiB; {torch.get_num_threads()} torch threads; "
+            f"medians of {args.repeat} interleaved rounds", ""]
+
+
+def _report(gbps: dict[str, float], checks: list[tuple[str, float, float]]) -> list[str]:
+    lines = [f"{name:<40} {v:7.2f} GB/s" for name, v in gbps.items()] + [""]
+    return lines + [f"{name:<40} {ratio:7.2f}  (target >= {target:.2f})  {'PASS' if ratio >= target else 'FAIL'}"
+                    for name, ratio, target in checks]
+
+
+def _run_cpu(args: argparse.Namespace) -> list[str]:
+    kv, buf, next_ids, next_span = _setup(args, "cpu")
+    ps, layers = args.page_size, args.layers
+    nbytes = buf.numel() * buf.element_size()
+    flat_buf = buf.view(torch.uint8).view(-1)
+    hot_src = torch.ones_like(flat_buf)
+    flush_buf = torch.ones(FLUSH_BYTES // 4)
+    threads = ThreadPoolExecutor(args.threads)
+    buf_pages = buf.view(layers, 2, args.chunk // ps, ps, args.heads, args.head_dim)
+
+    def memmove(dst: int, src: int) -> None:
+        step = -(-nbytes // args.threads)
+        parts = [threads.submit(ctypes.memmove, dst + k * step, src + k * step, min(step, nbytes - k * step))
+                 for k in range(args.threads)]
+        for part in parts:
+            part.result()
+
+    def index_select_gather() -> None:
+        ids = next_ids()
+        for layer in range(layers):
+            torch.index_select(kv[layer], 1, ids, out=buf_pages[layer])
+
+    def index_copy_scatter() -> None:
+        ids = next_ids()
+        for layer in range(layers):
+            kv[layer].index_copy_(1, ids, buf_pages[layer])
+
+    def fancy_scatter() -> None:
+        kv[:, :, next_ids()] = buf_pages
+
+    def loop_gather() -> None:
+        pages = next_ids().tolist()
+        for layer in range(layers):
+            for side in range(2):
+                for i, page in enumerate(pages):
+                    buf[layer, side, i * ps:(i + 1) * ps].copy_(kv[layer, side, page])
+
+    def loop_scatter() -> None:
+        pages = next_ids().tolist()
+        for layer in range(layers):
+            for side in range(2):
+                for i, page in enumerate(pages):
+                    kv[layer, side, page].copy_(buf[layer, side, i * ps:(i + 1) * ps])
+
+    gather = f"gather_pages ({ops.backend()})"
+    scatter = f"scatter_pages ({ops.backend()})"
+    variants = [
+        Variant("memcpy hot (same buffers again)", lambda: flat_buf.copy_(hot_src), hot=True),
+        Variant("memcpy cold read, ATen copy_", lambda: flat_buf.copy_(next_span())),
+        Variant("memcpy cold read, libc memmove", lambda: memmove(flat_buf.data_ptr(), next_span().data_ptr())),
+        Variant("memcpy cold write, ATen copy_", lambda: next_span().copy_(flat_buf)),
+        Variant("memcpy cold write, libc memmove", lambda: memmove(next_span().data_ptr(), flat_buf.data_ptr())),
+        Variant(gather, lambda: ops.gather_pages(kv, next_ids(), buf)),
+        Variant(scatter, lambda: ops.scatter_pages(buf, kv, next_ids())),
+        Variant("torch fallback gather", lambda: ops._gather_torch(kv, next_ids(), buf, 0)),
+        Variant("torch fallback scatter", lambda: ops._scatter_torch(buf, kv, next_ids(), 0)),
+        Variant("index_select per layer (gather)", index_select_gather),
+        Variant("index_copy_ per layer (scatter)", index_copy_scatter),
+        Variant("pool[:, :, ids] (gather)", lambda: buf_pages.copy_(kv[:, :, next_ids()])),
+        Variant("pool[:, :, ids] = ... (scatter)", fancy_scatter),
+        Variant("per-page copy_ loop, gather", loop_gather),
+        Variant("per-page copy_ loop, scatter", loop_scatter),
+    ]
+    seconds = _interleaved(variants, args.repeat, flush=flush_buf.sum, sync=lambda: None)
+    threads.shutdown()
+    gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
+    read_limit = max(gbps["memcpy cold read, ATen copy_"], gbps["memcpy cold read, libc memmove"])
+    write_limit = max(gbps["memcpy cold write, ATen copy_"], gbps["memcpy cold write, libc memmove"])
+    return _header(kv, buf, args) + _report(gbps, [
+        ("gather / cold memcpy read", gbps[gather] / read_limit, TARGET_OF_LIMIT),
+        ("scatter / cold memcpy write", gbps[scatter] / write_limit, TARGET_OF_LIMIT),
+        ("gather / per-page loop", gbps[gather] / gbps["per-page copy_ loop, gather"], TARGET_OVER_LOOP),
+        ("scatter / per-page loop", gbps[scatter] / gbps["per-page copy_ loop, scatter"], TARGET_OVER_LOOP),
+    ])
+
+
+def _run_cuda(args: argparse.Namespace) -> list[str]:
+    kv, buf, next_ids, next_span = _setup(args, "cuda")
+    nbytes = buf.numel() * buf.element_size()
+    pinned = torch.empty_like(buf, device="cpu").pin_memory()
+    flat_buf, flat_pinned = buf.view(torch.uint8).view(-1), pinned.view(torch.uint8).view(-1)
+    flush_buf = torch.ones(FLUSH_BYTES // 4, device="cuda")
+    variants = [
+        Variant("cudaMemcpy device->device", lambda: flat_buf.copy_(next_span())),
+        Variant("cudaMemcpy device->pinned host", lambda: flat_pinned.copy_(next_span(), non_blocking=True)),
+        Variant("cudaMemcpy pinned host->device", lambda: next_span().copy_(flat_pinned, non_blocking=True)),
+        Variant("gather_pages to device", lambda: ops.gather_pages(kv, next_ids(), buf)),
+        Variant("scatter_pages from device", lambda: ops.scatter_pages(buf, kv, next_ids())),
+        Variant("gather_pages to pinned host", lambda: ops.gather_pages(kv, next_ids(), pinned)),
+        Variant("scatter_pages from pinned host", lambda: ops.scatter_pages(pinned, kv, next_ids())),
+    ]
+    seconds = _interleaved(variants, args.repeat, flush=flush_buf.sum, sync=torch.cuda.synchronize)
+    gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
+    d2d = gbps["cudaMemcpy device->device"]
+    return _header(kv, buf, args) + _report(gbps, [
+        ("gather / cudaMemcpy d2d", gbps["gather_pages to device"] / d2d, TARGET_OF_LIMIT),
+        ("scatter / cudaMemcpy d2d", gbps["scatter_pages from device"] / d2d, TARGET_OF_LIMIT),
+        ("gather to pinned / cudaMemcpy d2h",
+         gbps["gather_pages to pinned host"] / gbps["cudaMemcpy device->pinned host"], TARGET_OF_LIMIT),
+        ("scatter from pinned / cudaMemcpy h2d",
+         gbps["scatter_pages from pinned host"] / gbps["cudaMemcpy pinned host->device"], TARGET_OF_LIMIT),
+    ])

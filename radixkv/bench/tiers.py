@@ -1,0 +1,182 @@
+"""Tier benchmark: put/get MB/s per tier for 256-token chunks, beside raw baselines in the same run.
+
+    python -m radixkv.bench tiers --out benchmarks/results/tiers_cpu.txt
+
+Chunks of a small layout (4 layers, 4 KV heads, head_dim 64, fp16: 1 MiB of KV per 256-token
+chunk).  Each tier is measured against the raw operation it is built on: ``CpuTier`` against a
+numpy copy into / out of a preallocated arena, ``LmdbTier`` against bare LMDB transactions putting
+and getting the same bytes (one transaction per chunk, the same flags), the chunk format against
+a plain tensor copy.  ``read`` is the zero-copy path (``consume`` sees the tier's memory); the
+``TierStack`` rows load through the format (verify + decode into a preallocated tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from radixkv.backends import Tier
+from radixkv.backends.cpu import CpuTier
+from radixkv.bench import machine_line, median_seconds
+from radixkv.format import decode_chunk, encode_chunk, encoded_size
+from radixkv.hashing import Namespace
+from radixkv.pool import KVLayout
+from radixkv.tiers import TierStack
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16, page_size=16)
+CHUNK = 256
+
+
+def _each(fn: Callable[[Any], object], items: Iterable[Any]) -> None:
+    for item in items:
+        fn(item)
+
+
+def _rate(nbytes: int, fn: Callable[[], object], repeat: int) -> float:
+    return nbytes / median_seconds(fn, repeat) / 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m radixkv.bench tiers", description=__doc__.split("\n")[0])
+    ap.add_argument("--chunks", type=int, default=32, help="chunks per measurement (1 MiB of KV each)")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--out", help="also write the report to this file")
+    args = ap.parse_args(argv)
+    lines: list[str] = []
+
+    def say(s: str = "") -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    say(f"# python -m radixkv.bench tiers {' '.join(argv or [])}".rstrip())
+    say(f"# machine: {machine_line()}")
+    ns = Namespace(model="bench").bind(LAYOUT)
+    stack_for_refs = TierStack([], namespace=ns, layout=LAYOUT, chunk_size=CHUNK)
+    refs = stack_for_refs.refs(np.arange(args.chunks * CHUNK, dtype=np.int32))
+    stack_for_refs.close()
+    shape = LAYOUT.chunk_shape(CHUNK)
+    kvs = [torch.randn(shape).to(LAYOUT.dtype) for _ in refs]
+    blobs = [encode_chunk(ns.id, r.key, r.parent, r.tokens, kv) for r, kv in zip(refs, kvs)]
+    keys = [ns.id + r.key for r in refs]
+    total = sum(map(len, blobs))
+    say(f"{args.chunks} chunks of {CHUNK} tokens, {len(blobs[0]) / 2**20:.2f} MiB each "
+        f"({LAYOUT.num_layers} layers, {LAYOUT.num_kv_heads} KV heads, head_dim {LAYOUT.head_dim}, fp16)")
+    say(f"{'what':<42} {'MB/s':>8}  {'baseline':<26} {'MB/s':>8} {'ratio':>6}")
+
+    def row(name: str, rate: float, base_name: str, base: float) -> None:
+        say(f"{name:<42} {rate:>8,.0f}  {base_name:<26} {base:>8,.0f} {rate / base:>6.2f}")
+
+    # The chunk format against the copies it cannot avoid: a tensor to new bytes (encode), bytes
+    # into a preallocated tensor (decode).  Results are dropped at once everywhere, so that every
+    # row reuses memory the same way.
+    dst = torch.empty(shape, dtype=LAYOUT.dtype)
+    to_bytes = _rate(total, lambda: _each(lambda kv: kv.numpy().tobytes(), kvs), args.repeat)
+    dst_bytes = dst.view(-1).view(torch.uint8).numpy()
+    from_bytes = _rate(total, lambda: _each(lambda b: np.copyto(dst_bytes, np.frombuffer(
+        b, dtype=np.uint8, offset=len(b) - dst_bytes.size)), blobs), args.repeat)
+    row("format encode", _rate(total, lambda: _each(
+        lambda i: encode_chunk(ns.id, refs[i].key, refs[i].parent, refs[i].tokens, kvs[i]), range(len(refs))),
+        args.repeat), "tensor to bytes", to_bytes)
+    row("format decode (verify) into out", _rate(total, lambda: _each(
+        lambda i: decode_chunk(blobs[i], namespace_id=ns.id, key=refs[i].key, parent_key=refs[i].parent,
+                               tokens=refs[i].tokens, dtype=LAYOUT.dtype, shape=shape, out=dst),
+        range(len(refs))), args.repeat), "bytes to tensor", from_bytes)
+
+    # CpuTier against numpy copies into and out of a preallocated arena.
+    slot = encoded_size(shape, LAYOUT.dtype)
+    arena = np.empty(slot * len(blobs), dtype=np.uint8)
+
+    def raw_put() -> None:
+        for i, b in enumerate(blobs):
+            arena[i * slot:i * slot + len(b)] = np.frombuffer(b, dtype=np.uint8)
+
+    raw_put_rate = _rate(total, raw_put, args.repeat)
+    raw_get_rate = _rate(total, lambda: _each(lambda i: arena[i * slot:i * slot + len(blobs[i])].tobytes(),
+                                              range(len(blobs))), args.repeat)
+    cpu = CpuTier(max_bytes=slot * len(blobs), slot_bytes=slot)
+    _tier_rows(row, "CpuTier", cpu, keys, blobs, total, args.repeat,
+               ("arena copy in", raw_put_rate), ("arena copy out", raw_get_rate))
+    _stack_rows(row, cpu, ns, refs, kvs, total, args.repeat, from_bytes)
+
+    # LmdbTier against bare LMDB transactions, without and with fsync at every commit.
+    try:
+        import lmdb
+    except ImportError:
+        say("LmdbTier: skipped (pip install radixkv[lmdb])")
+    else:
+        from radixkv.backends.lmdb import LmdbTier
+
+        for sync in (False, True):
+            tmp = tempfile.mkdtemp(prefix="radixkv-bench-")
+            try:
+                env = lmdb.open(f"{tmp}/raw", map_size=4 * total + (64 << 20), sync=sync, metasync=False,
+                                readahead=False, meminit=False)
+
+                def lmdb_put() -> None:
+                    for k, b in zip(keys, blobs):
+                        with env.begin(write=True) as txn:
+                            txn.put(k, b)
+
+                def lmdb_get() -> None:
+                    for k in keys:
+                        with env.begin() as txn:
+                            txn.get(k)  # dropped at once, like every get row
+
+                def lmdb_put_batch() -> None:
+                    with env.begin(write=True) as txn:
+                        for k, b in zip(keys, blobs):
+                            txn.put(k, b)
+
+                raw_batch = _rate(total, lmdb_put_batch, args.repeat)
+                raw_puts = _rate(total, lmdb_put, args.repeat)
+                raw_gets = _rate(total, lmdb_get, args.repeat)
+                env.close()
+                disk = LmdbTier(f"{tmp}/tier", max_bytes=2 * total, sync=sync)
+                _tier_rows(row, f"LmdbTier sync={sync}", disk, keys, blobs, total, args.repeat,
+                           ("lmdb txn put", raw_puts), ("lmdb txn get", raw_gets),
+                           ("lmdb one txn, all puts", raw_batch))
+                if sync:
+                    disk.close()
+                else:
+                    _stack_rows(row, disk, ns, refs, kvs, total, args.repeat, from_bytes)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _tier_rows(row: Callable[..., None], name: str, tier: Tier, keys: list[bytes], blobs: list[bytes],
+               total: int, repeat: int, put_base: tuple[str, float], get_base: tuple[str, float],
+               batch_base: tuple[str, float] | None = None) -> None:
+    row(f"{name} put", _rate(total, lambda: _each(lambda i: tier.put(keys[i], blobs[i]), range(len(keys))),
+                             repeat), *put_base)
+    row(f"{name} put_many", _rate(total, lambda: tier.put_many(zip(keys, blobs)), repeat), *(batch_base or put_base))
+    row(f"{name} get (copy)", _rate(total, lambda: _each(tier.get, keys), repeat), *get_base)
+    row(f"{name} read (zero-copy, len)", _rate(total, lambda: _each(lambda k: tier.read(k, len), keys), repeat),
+        *get_base)
+
+
+def _stack_rows(row: Callable[..., None], tier: Tier, ns: Namespace, refs: list[Any], kvs: list[torch.Tensor],
+                total: int, repeat: int, copy: float) -> None:
+    stack = TierStack([tier], namespace=ns, layout=LAYOUT, chunk_size=CHUNK, queue_size=len(refs) + 1)
+    out = [torch.empty(LAYOUT.chunk_shape(CHUNK), dtype=LAYOUT.dtype) for _ in refs]
+
+    def load() -> None:
+        where = stack.lookup([r.key for r in refs])
+        assert len(stack.load(refs, where=where, out=out)) == len(refs)
+
+    def store() -> None:
+        tier.drop_namespace(ns.id)
+        stack.store(zip(refs, kvs))
+        stack.flush()
+
+    row(f"TierStack({tier.name}) store+flush", _rate(total, store, repeat), "bytes to tensor", copy)
+    row(f"TierStack({tier.name}) lookup+load", _rate(total, load, repeat), "bytes to tensor", copy)
+    stack.close()  # closes the tier too

@@ -1,0 +1,412 @@
+"""``TierStack``: the ordered, hash-keyed tiers below the GPU pool, as one waterfall.
+
+The stack belongs to one namespace, one KV layout and one chunk size, and speaks in 16-byte chunk
+keys (``radixkv.hashing.chunk_keys``); it prefixes them with ``namespace.id`` to make the 24-byte
+tier keys.  Tier 0 is the fastest (e.g. ``CpuTier``), the last the slowest (e.g. ``S3Tier``).
+
+* ``lookup(keys)`` walks the keys top-down — tier 0 answers for the leading keys it holds, tier 1
+  for the ones after that, and so on — and stops at the first key that no tier holds: after a miss
+  nothing later can be reused (causal attention).  One ``contains_prefix`` round trip per tier.
+* ``load(refs)`` fetches and verifies chunks (``radixkv.format``) for leading refs and stops at
+  the first one no tier can deliver intact.  A hit below tier 0 is promoted into the tiers above
+  it (``promote=True``), in the background.  A corrupt blob is a miss: counted, deleted from its
+  tier, and the next tier down is tried.
+* ``store(items)`` encodes and writes chunks down every tier from one background thread, through
+  a bounded queue: when the queue is full the write is dropped and counted, never waited for.
+* ``prefetch(tokens)`` runs lookup and load on a worker thread and returns a ``Future``.
+
+No fault of a tier (any exception: disk full, network down, a closed tier) reaches the caller:
+it is a miss, counted in ``stats()["errors"]`` and logged once per burst.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import torch
+
+from radixkv.backends import Tier
+from radixkv.format import ChunkFormatError, decode_chunk, encode_chunk
+from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
+from radixkv.pool import KVLayout
+
+__all__ = ["ChunkRef", "TierStack"]
+
+log = logging.getLogger("radixkv.tiers")
+
+
+class ChunkRef(NamedTuple):
+    """Everything that names and verifies one chunk: its key, its parent's key (the namespace root
+    for the first chunk) and its token ids as little-endian int32 bytes."""
+
+    key: bytes
+    parent: bytes
+    tokens: bytes
+
+
+class _BurstLog:
+    """Log a fault the first time, then at most once per ``interval`` seconds per (kind, tier),
+    with the number of faults since the last line."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last: dict[tuple[str, int], float] = {}
+        self._since: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, tier: int, name: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            key = (kind, tier)
+            self._since[key] = self._since.get(key, 0) + 1
+            if key in self._last and now - self._last[key] < self.interval:
+                return
+            self._last[key] = now
+            count = self._since.pop(key)
+        log.warning("radixkv tier %d (%s): %s x%d, treated as a miss; latest: %s: %s",
+                    tier, name, kind, count, type(exc).__name__, exc)
+
+
+class TierStack:
+    """Tiers ``tiers`` (fastest first) storing ``chunk_size``-token chunks of ``layout`` KV for
+    ``namespace``; see the module docstring.  Thread-safe: every method may be called from any
+    thread.  ``queue_size`` bounds the chunks waiting to be written (stores and promotions);
+    ``write_batch`` is how many the writer takes per ``put_many``; faults are logged at most once
+    per ``log_interval`` seconds per tier.
+
+    >>> from radixkv.backends import MemoryTier
+    >>> ns = Namespace(model="m")
+    >>> stack = TierStack([MemoryTier()], namespace=ns,
+    ...                   layout=KVLayout(1, 1, 4, torch.float32, page_size=2), chunk_size=2)
+    >>> refs = stack.refs([5, 6, 7, 8, 9])                      # two full chunks
+    >>> stack.store([(ref, torch.ones(1, 2, 2, 1, 4)) for ref in refs])
+    2
+    >>> stack.flush(); stack.lookup([ref.key for ref in refs])
+    True
+    [0, 0]
+    >>> [t.sum().item() for t in stack.load(refs)]
+    [16.0, 16.0]
+    >>> stack.close()
+    """
+
+    def __init__(self, tiers: Sequence[Tier], *, namespace: Namespace, layout: KVLayout, chunk_size: int,
+                 promote: bool = True, queue_size: int = 64, write_batch: int = 8,
+                 log_interval: float = 60.0) -> None:
+        if not all(isinstance(t, Tier) for t in tiers):
+            raise TypeError("tiers must be radixkv.backends.Tier instances")
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        for name, value in (("chunk_size", chunk_size), ("queue_size", queue_size), ("write_batch", write_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self.namespace = namespace
+        self.layout = layout
+        self.chunk_size = chunk_size
+        self.promote = promote
+        self.queue_size = queue_size
+        self.write_batch = write_batch
+        self.shape = layout.chunk_shape(chunk_size)
+        self._prefix = namespace.id
+        self._log = _BurstLog(log_interval)
+        self._stats_lock = threading.Lock()
+        n = len(self.tiers)
+        self._per_tier = {"hits": [0] * n, "corrupt": [0] * n, "errors": [0] * n, "stored": [0] * n}
+        self._counts = dict.fromkeys(("lookups", "lookup_keys", "lookup_found", "misses", "load_misses",
+                                      "promoted", "dropped_writes", "bytes_loaded", "bytes_stored"), 0)
+        # The write queue: ("store", ChunkRef, kv) or ("promote", tier indices, tier key, blob).
+        self._queue: deque[tuple[Any, ...]] = deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="radixkv-tier-writer", daemon=True)
+        self._writer.start()
+        self._prefetcher: ThreadPoolExecutor | None = None
+
+    def __repr__(self) -> str:
+        return f"TierStack([{', '.join(t.name for t in self.tiers)}], chunk_size={self.chunk_size})"
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _add(self, name: str, amount: int = 1, tier: int | None = None) -> None:
+        with self._stats_lock:
+            if tier is None:
+                self._counts[name] += amount
+            else:
+                self._per_tier[name][tier] += amount
+
+    def _call(self, i: int, default: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on tier ``i``; any exception is counted, logged once per burst, and
+        turned into ``default``."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a tier's fault must never reach the engine
+            self._add("errors", tier=i)
+            self._log("error", i, self.tiers[i].name, exc)
+            return default
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def refs(self, tokens: Any) -> list[ChunkRef]:
+        """The ``ChunkRef`` of every full chunk of ``tokens`` (validated like ``chunk_keys``).
+        O(len(tokens)): one hash pass.  Pure."""
+        return self.refs_from_bytes(as_token_bytes(tokens))
+
+    def refs_from_bytes(self, data: bytes) -> list[ChunkRef]:
+        """``refs`` of tokens already validated into little-endian int32 bytes (``as_token_bytes``)."""
+        keys = keys_from_token_bytes(data, self.chunk_size, self.namespace.root)
+        step = 4 * self.chunk_size
+        parents = [self.namespace.root, *keys[:-1]]
+        return [ChunkRef(k, p, data[i * step:(i + 1) * step]) for i, (k, p) in enumerate(zip(keys, parents))]
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """For each leading chunk key that some tier holds, the index of the tier to load it from;
+        stops at the first key no tier holds.  Does not load or touch anything.
+
+        Tier 0 answers for the leading keys it holds, tier 1 for the keys after those, and so on:
+        one ``contains_prefix`` round trip per tier (a tier that fails counts as holding none).
+        Cost: O(len(keys)) local lookups plus one round trip per tier.
+        """
+        keys = list(keys)
+        for key in keys:
+            if type(key) is not bytes or len(key) != 16:
+                raise ValueError(f"keys must be 16-byte chunk keys, got {key!r}")
+        found: list[int] = []
+        tier_keys = [self._prefix + k for k in keys]
+        for i, tier in enumerate(self.tiers):
+            if len(found) == len(keys):
+                break
+            n = self._call(i, 0, tier.contains_prefix, tier_keys[len(found):])
+            if not isinstance(n, int) or not 0 <= n <= len(keys) - len(found):
+                self._call(i, 0, _bad_answer, tier, n)
+                n = 0
+            found.extend([i] * n)
+        with self._stats_lock:
+            self._counts["lookups"] += 1
+            self._counts["lookup_keys"] += len(keys)
+            self._counts["lookup_found"] += len(found)
+            self._counts["misses"] += len(found) < len(keys)
+        return found
+
+    def load(self, refs: Sequence[ChunkRef], *, where: Sequence[int] | None = None,
+             out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Fetch, verify and decode the chunks of leading ``refs``; stop at the first chunk that
+        no tier delivers intact.  Returns one ``layout.chunk_shape(chunk_size)`` tensor per loaded
+        chunk (``out[i]`` itself when given, else a new CPU tensor).
+
+        ``where`` (e.g. ``lookup``'s answer) says which tier to try first for each ref; the tiers
+        below it are tried next.  A blob that fails verification is deleted from its tier and
+        counted in ``corrupt``; ``out[i]`` is untouched unless chunk ``i`` is returned.  A hit below
+        tier 0 is queued for promotion into the tiers above it (``promote``).  Cost: per chunk, one
+        ``read`` per tier tried, one hash pass and one copy.
+        """
+        if out is not None and len(out) < len(refs):
+            raise ValueError(f"out has {len(out)} tensors for {len(refs)} refs")
+        loaded = []
+        for i, ref in enumerate(refs):
+            first = where[i] if where is not None and i < len(where) else 0
+            chunk = self._load_one(ref, first, None if out is None else out[i])
+            if chunk is None:
+                self._add("load_misses")
+                break
+            loaded.append(chunk)
+        return loaded
+
+    def _load_one(self, ref: ChunkRef, first: int, out: torch.Tensor | None) -> torch.Tensor | None:
+        key = self._prefix + ref.key
+
+        def decode(blob: Any) -> torch.Tensor:
+            return decode_chunk(blob, namespace_id=self._prefix, key=ref.key, parent_key=ref.parent,
+                                tokens=ref.tokens, dtype=self.layout.dtype, shape=self.shape, out=out)
+
+        for i in range(max(0, first), len(self.tiers)):
+            tier = self.tiers[i]
+            upper = list(range(i)) if self.promote else []
+            try:
+                if upper:  # keep a copy of the blob to promote
+                    blob = tier.get(key)
+                    chunk = None if blob is None else decode(blob)
+                else:
+                    blob, chunk = None, tier.read(key, decode)
+            except ChunkFormatError as exc:
+                self._add("corrupt", tier=i)
+                self._log("corrupt blob", i, tier.name, exc)
+                self._call(i, None, tier.delete, key)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a tier's fault must never reach the engine
+                self._add("errors", tier=i)
+                self._log("error", i, tier.name, exc)
+                continue
+            if chunk is None:
+                continue
+            nbytes = chunk.numel() * chunk.element_size()
+            with self._stats_lock:
+                self._per_tier["hits"][i] += 1
+                self._counts["bytes_loaded"] += nbytes
+            if blob is not None and upper:
+                self._enqueue(("promote", upper, key, bytes(blob)))
+            return chunk
+        return None
+
+    def prefetch(self, tokens: Any, start: int = 0) -> Future[list[torch.Tensor]]:
+        """Look up and load the chunks of ``tokens`` from chunk ``start`` on, on a worker thread.
+
+        The future's result is ``load``'s: the tensors of chunks ``start, start + 1, ...`` that the
+        tiers hold, up to the first miss (``refs(tokens)[start:]`` names them).  Token validation
+        happens here, on the caller's thread; the future itself never raises for a tier fault.
+        Cost on the caller's thread: one hash pass over ``tokens``.
+        """
+        refs = self.refs(tokens)[start:]
+        with self._cv:
+            if self._closed:
+                done: Future[list[torch.Tensor]] = Future()
+                done.set_result([])
+                return done
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-prefetch")
+            return self._prefetcher.submit(self._lookup_and_load, refs)
+
+    def _lookup_and_load(self, refs: list[ChunkRef]) -> list[torch.Tensor]:
+        where = self.lookup([ref.key for ref in refs])
+        return self.load(refs[:len(where)], where=where)
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def store(self, items: Iterable[tuple[ChunkRef, torch.Tensor]]) -> int:
+        """Queue chunks to be encoded and written to every tier that does not hold them yet; the
+        number queued.  Never blocks: what does not fit in the queue is dropped and counted.
+
+        Each ``kv`` must be ``layout.chunk_shape(chunk_size)`` of ``layout.dtype`` (``ValueError``
+        otherwise, before anything is queued); the stack keeps a reference until it is written,
+        so do not modify it afterwards.  Cost: O(1) per item on the caller's thread.
+        """
+        items = list(items)
+        for ref, kv in items:
+            if not isinstance(ref, ChunkRef):
+                raise TypeError(f"store takes (ChunkRef, tensor) pairs, got {type(ref).__name__}")
+            if not isinstance(kv, torch.Tensor) or kv.dtype != self.layout.dtype or tuple(kv.shape) != self.shape:
+                got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__
+                raise ValueError(f"kv must be a {self.layout.dtype} tensor of shape {self.shape}, got {got}")
+        return sum(self._enqueue(("store", ref, kv)) for ref, kv in items)
+
+    def _enqueue(self, item: tuple[Any, ...]) -> bool:
+        with self._cv:
+            if self._closed or len(self._queue) >= self.queue_size:
+                self._add("dropped_writes")
+                return False
+            self._queue.append(item)
+            self._cv.notify_all()
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(self.write_batch, len(self._queue)))]
+                self._busy = True
+            try:
+                self._write_batch(batch)
+            except Exception:  # noqa: BLE001 - the writer must survive anything (e.g. encoding a bad tensor)
+                log.exception("radixkv tier writer: a batch of %d writes was lost", len(batch))
+                self._add("dropped_writes", len(batch))
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _write_batch(self, batch: list[tuple[Any, ...]]) -> None:
+        per_tier: list[list[tuple[bytes, bytes]]] = [[] for _ in self.tiers]
+        stores: list[tuple[bytes, bytes]] = []
+        for item in batch:
+            if item[0] == "promote":
+                _, upper, key, blob = item
+                for i in upper:
+                    per_tier[i].append((key, blob))
+                self._add("promoted")
+            else:
+                _, ref, kv = item
+                blob = encode_chunk(self._prefix, ref.key, ref.parent, ref.tokens, kv)
+                stores.append((self._prefix + ref.key, blob))
+        for i, tier in enumerate(self.tiers):
+            # A tier that already holds a chunk is not written again (one cheap probe each).
+            fresh = [(k, b) for k, b in stores if self._call(i, 0, tier.contains_prefix, [k]) == 0]
+            writes = per_tier[i] + fresh
+            if not writes:
+                continue
+            stored = self._call(i, None, tier.put_many, writes)
+            if stored is not None:
+                with self._stats_lock:
+                    self._per_tier["stored"][i] += int(stored)
+                    self._counts["bytes_stored"] += sum(len(b) for _, b in writes)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is done; ``False`` if ``timeout`` seconds passed first.
+        For tests and shutdown: the engine never needs to wait."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: per tier (lists in stack order) ``hits`` (chunks loaded), ``corrupt`` (blobs
+        that failed verification), ``errors`` (faults), ``stored`` (chunks written); and
+        ``lookups``, ``lookup_keys``, ``lookup_found``, ``misses`` (lookups that stopped on a key no
+        tier holds), ``load_misses`` (loads that stopped early), ``promoted``, ``dropped_writes``,
+        ``bytes_loaded`` (KV bytes decoded), ``bytes_stored`` (blob bytes handed to tiers' ``put_many``
+        without a fault), ``queued``.  A new dict each call.  O(tiers)."""
+        with self._stats_lock:
+            result: dict[str, Any] = {"tiers": [t.name for t in self.tiers]}
+            result.update({k: list(v) for k, v in self._per_tier.items()})
+            result.update(self._counts)
+        result["queued"] = len(self._queue)
+        return result
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish queued writes (up to ``timeout`` seconds), stop the threads, close every tier
+        (faults logged, not raised).  Idempotent; later stores are dropped and counted."""
+        with self._cv:
+            if self._closed:
+                return
+        self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            prefetcher, self._prefetcher = self._prefetcher, None
+        self._writer.join(timeout)
+        if prefetcher is not None:
+            prefetcher.shutdown(wait=True)
+        for i, tier in enumerate(self.tiers):
+            self._call(i, None, tier.close)
+
+    def __enter__(self) -> TierStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check(self) -> None:
+        """Assert the stack's invariants and every tier's ``check()``.  Raises ``AssertionError``."""
+        with self._cv:
+            assert len(self._queue) <= self.queue_size, "write queue over its bound"
+            assert self._writer.is_alive() or self._closed, "the writer thread died"
+        with self._stats_lock:
+            assert all(len(v) == len(self.tiers) for v in self._per_tier.values()), "per-tier counters misshapen"
+            assert all(x >= 0 for v in self._per_tier.values() for x in v), "negative per-tier counter"
+            assert all(v >= 0 for v in self._counts.values()), "negative counter"
+            assert self._counts["lookup_found"] <= self._counts["lookup_keys"], "found more keys than asked"
+        for tier in self.tiers:
+            tier.check()
+
+
+def _bad_answer(tier: Tier, n: object) -> None:
+    raise TypeError(f"{type(tier).__name__}.contains_prefix returned {n!r}, not an int in range")

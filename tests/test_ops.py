@@ -1,0 +1,283 @@
+"""Block copies (radixkv.ops): the C++ kernel against the torch reference, bit for bit, and the
+reference against the plain per-page definition; argument checks; backend selection."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from radixkv import ops
+from radixkv.pool import _POOL_DTYPES, KVLayout, KVPool
+
+DTYPES = sorted(_POOL_DTYPES, key=str)
+HAVE_CXX = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+@pytest.fixture(scope="module")
+def cpp() -> None:
+    """The C++ extension, built (or loaded from torch's cache) once for this module."""
+    if not HAVE_CXX:
+        pytest.skip("no C++ compiler on PATH: only the torch fallback can run here")
+    assert ops.build() in ("cpp", "cuda+cpp")
+
+
+def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A tensor of ``dtype`` whose bytes are random (NaNs included: the copies move bytes)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@st.composite
+def copies(draw: st.DrawFn) -> dict:
+    """A pool layout, page ids (distinct, so that they also serve a scatter), a skip and a buffer."""
+    layers = draw(st.integers(1, 8))
+    page_size = draw(st.integers(1, 32))
+    heads = draw(st.integers(1, 3))
+    dim = draw(st.sampled_from([1, 3, 8]))
+    dtype = draw(st.sampled_from(DTYPES))
+    num_pages = draw(st.integers(1, 12))
+    ids = draw(st.lists(st.integers(0, num_pages - 1), max_size=num_pages, unique=True))
+    skip = draw(st.integers(0, 3))
+    extra = draw(st.integers(0, page_size + 1))  # tokens after the copied pages, left alone
+    return dict(shape=(layers, 2, num_pages, page_size, heads, dim), dtype=dtype, ids=ids, skip=skip,
+                tokens=(skip + len(ids)) * page_size + extra, seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def make(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(case["seed"])
+    layers, _, _, _, heads, dim = case["shape"]
+    kv = random_bytes(case["shape"], case["dtype"], gen)
+    buf = random_bytes((layers, 2, case["tokens"], heads, dim), case["dtype"], gen)
+    return kv, buf
+
+
+def gather_by_definition(kv: torch.Tensor, ids: list[int], buf: torch.Tensor, skip: int) -> torch.Tensor:
+    """out[l, s, (skip+i)*ps : (skip+i+1)*ps] = kv[l, s, ids[i]], one page at a time, on bytes."""
+    out, ps = as_bytes(buf).clone(), kv.shape[3]
+    for i, page in enumerate(ids):
+        out[:, :, (skip + i) * ps:(skip + i + 1) * ps] = as_bytes(kv)[:, :, page]
+    return out
+
+
+# ------------------------------------------------------------------------- exactness
+
+
+@given(copies())
+def test_torch_reference_matches_the_definition(case: dict) -> None:
+    kv, buf = make(case)
+    expected_out = gather_by_definition(kv, case["ids"], buf, case["skip"])
+    ops._gather_torch(kv, torch.tensor(case["ids"], dtype=torch.int64), buf, case["skip"])
+    assert torch.equal(as_bytes(buf), expected_out)
+
+    kv, buf = make(case)
+    expected_kv = as_bytes(kv).clone()
+    for i, page in enumerate(case["ids"]):
+        ps = kv.shape[3]
+        expected_kv[:, :, page] = as_bytes(buf)[:, :, (case["skip"] + i) * ps:(case["skip"] + i + 1) * ps]
+    ops._scatter_torch(buf, kv, torch.tensor(case["ids"], dtype=torch.int64), case["skip"])
+    assert torch.equal(as_bytes(kv), expected_kv)
+
+
+@given(copies())
+def test_cpp_gather_is_bit_exact(cpp: None, case: dict) -> None:
+    kv, buf = make(case)
+    expected = buf.clone()
+    ids = torch.tensor(case["ids"], dtype=torch.int64)
+    ops._gather_torch(kv, ids, expected, case["skip"])
+    torch.ops.radixkv.gather_pages(kv, ids, buf, case["skip"])
+    assert torch.equal(as_bytes(buf), as_bytes(expected))
+
+
+@given(copies())
+def test_cpp_scatter_is_bit_exact(cpp: None, case: dict) -> None:
+    kv, buf = make(case)
+    expected = kv.clone()
+    ids = torch.tensor(case["ids"], dtype=torch.int64)
+    ops._scatter_torch(buf, expected, ids, case["skip"])
+    torch.ops.radixkv.scatter_pages(buf, kv, ids, case["skip"])
+    assert torch.equal(as_bytes(kv), as_bytes(expected))
+
+
+def test_cpp_multithreaded_copy_is_exact(cpp: None) -> None:
+    # 4 MiB with 32 KiB rows: large enough for the kernel to split the rows over threads.
+    gen = torch.Generator().manual_seed(0)
+    kv = random_bytes((8, 2, 40, 16, 8, 64), torch.float32, gen)
+    ids = torch.randperm(40, generator=gen)[:16]
+    out = torch.empty((8, 2, 16 * 16, 8, 64))
+    ops.gather_pages(kv, ids, out)
+    assert torch.equal(as_bytes(out.view(8, 2, 16, 16, 8, 64)), as_bytes(kv[:, :, ids]))
+    kv2 = torch.zeros_like(kv)
+    ops.scatter_pages(out, kv2, ids)
+    assert torch.equal(as_bytes(kv2[:, :, ids]), as_bytes(kv[:, :, ids]))
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_public_ops_round_trip_through_a_kvpool(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ops.ENV_MODE, mode)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16, page_size=4)
+    pool = KVPool(layout, num_pages=8)
+    pool.kv.copy_(torch.randn(pool.kv.shape))
+    src = pool.alloc(3)
+    chunk = ops.gather_pages(pool, src, skip_pages=1)  # out=None: exactly (1 + 3) pages
+    assert chunk.shape == layout.chunk_shape(16)
+    dst = pool.alloc(3)
+    ops.scatter_pages(chunk, pool, torch.as_tensor(dst), skip_pages=1)
+    assert torch.equal(pool.kv[:, :, dst], pool.kv[:, :, src])
+
+
+def test_skipped_and_trailing_tokens_are_left_alone() -> None:
+    kv = torch.arange(1 * 2 * 4 * 2 * 1 * 1, dtype=torch.float32).view(1, 2, 4, 2, 1, 1)
+    out = torch.full((1, 2, 8, 1, 1), -1.0)
+    ops.gather_pages(kv, [3, 0], out, skip_pages=1)
+    assert out[0, 0, :, 0, 0].tolist() == [-1, -1, 6, 7, 0, 1, -1, -1]
+    assert out[0, 1, :, 0, 0].tolist() == [-1, -1, 14, 15, 8, 9, -1, -1]
+
+
+def test_empty_page_ids_move_nothing() -> None:
+    kv = torch.ones(1, 2, 3, 2, 1, 1)
+    out = torch.zeros(1, 2, 0, 1, 1)
+    assert ops.gather_pages(kv, [], out) is out
+    ops.scatter_pages(out, kv, np.array([], dtype=np.int64))
+    assert torch.equal(kv, torch.ones(1, 2, 3, 2, 1, 1))
+
+
+# ------------------------------------------------------------------------ bad input
+
+KV = torch.zeros(2, 2, 4, 2, 3, 5)
+BUF = torch.zeros(2, 2, 4, 3, 5)
+
+BAD_GATHER = [
+    # (pool, page_ids, out, skip_pages), error, words the message must contain
+    ((KV, [0], BUF, "1"), TypeError, "skip_pages"),
+    ((KV, [0], BUF, -1), ValueError, "skip_pages"),
+    ((KV, [0], BUF, 2), ValueError, "out holds 4 tokens"),
+    ((KV, [0, 4], BUF, 0), ValueError, "page_ids holds page id 4"),
+    ((KV, [-1], BUF, 0), ValueError, "page_ids"),
+    ((KV, [0.5], BUF, 0), TypeError, "page_ids"),
+    ((KV, [[0]], BUF, 0), ValueError, "page_ids must be 1-D"),
+    ((KV, [0], BUF.half(), 0), TypeError, "out has dtype torch.float16"),
+    ((KV, [0], torch.zeros(2, 2, 4, 3, 4), 0), ValueError, "out must be [2, 2, num_tokens, 3, 5]"),
+    ((KV, [0], torch.zeros(2, 2, 4, 5, 3).transpose(3, 4), 0), ValueError, "out must be contiguous"),
+    ((KV, [0], "buffer", 0), TypeError, "out must be a torch.Tensor"),
+    ((KV[0], [0], BUF, 0), ValueError, "pool must be"),
+    ((KV.transpose(0, 2), [0], BUF, 0), ValueError, "pool must be"),
+    (([1, 2], [0], BUF, 0), TypeError, "pool must be a KVPool"),
+    ((KV, [0], KV.view(2, 2, 8, 3, 5), 0), ValueError, "shares memory"),
+]
+
+
+@pytest.mark.parametrize("args, error, words", BAD_GATHER)
+def test_gather_rejects_bad_arguments(args: tuple, error: type, words: str) -> None:
+    pool, ids, out, skip = args
+    before = out.clone() if isinstance(out, torch.Tensor) else None
+    with pytest.raises(error, match=words.replace("[", r"\[")):
+        ops.gather_pages(pool, ids, out, skip_pages=skip)
+    if before is not None:
+        assert torch.equal(out, before)
+
+
+def test_scatter_rejects_repeated_pages_and_leaves_the_pool() -> None:
+    kv = torch.zeros(2, 2, 4, 2, 3, 5)
+    with pytest.raises(ValueError, match="page 1 more than once"):
+        ops.scatter_pages(torch.ones(2, 2, 4, 3, 5), kv, [1, 1])
+    with pytest.raises(ValueError, match="src holds 4 tokens"):
+        ops.scatter_pages(torch.ones(2, 2, 4, 3, 5), kv, [1, 2, 3])
+    assert not kv.any()
+
+
+CPP_BAD = [
+    # arguments straight to the C++ op, skipping the Python checks: an exception, never a crash
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([4]), BUF, 0), ValueError, "outside the pool"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([-1]), BUF, 0), ValueError, "outside the pool"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0], dtype=torch.int32), BUF, 0), TypeError,
+     "int64"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([[0]]), BUF, 0), ValueError, "1-D"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF, 2), ValueError, "holds 4 tokens: too few"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF, -3), ValueError, "skip_pages"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF, 2**62), ValueError, "holds 4 tokens"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF.double(), 0), TypeError, "dtype"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF[:, :, :, :, :4], 0), ValueError,
+     "pool's KV needs"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF.transpose(0, 1), 0), ValueError,
+     "contiguous"),
+    (lambda: torch.ops.radixkv.gather_pages(KV[0], torch.tensor([0]), BUF, 0), ValueError, "6-D"),
+    (lambda: torch.ops.radixkv.gather_pages(KV[:, :1], torch.tensor([0]), BUF, 0), ValueError, "K and V"),
+    (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), KV.view(2, 2, 8, 3, 5), 0), ValueError,
+     "share memory"),
+    (lambda: torch.ops.radixkv.scatter_pages(BUF, KV, torch.tensor([2, 2]), 0), ValueError, "more than once"),
+    (lambda: torch.ops.radixkv.scatter_pages(BUF, KV, torch.tensor([9]), 0), ValueError, "outside the pool"),
+]
+
+
+@pytest.mark.parametrize("call, error, words", CPP_BAD)
+def test_cpp_op_rejects_bad_arguments(cpp: None, call, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        call()
+
+
+# -------------------------------------------------------------------- backend choice
+
+
+def test_backend_off_uses_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ops.ENV_MODE, "off")
+    assert ops.backend() == "torch"
+
+
+def test_backend_rejects_an_unknown_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ops.ENV_MODE, "sometimes")
+    with pytest.raises(ValueError, match="RADIXKV_EXT"):
+        ops.backend()
+
+
+def _failing_build(verbose: bool) -> str:
+    raise OSError("no compiler here\nmore compiler output")
+
+
+def test_failed_build_warns_once_under_auto_and_raises_under_require(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "_outcome", None)
+    monkeypatch.setattr(ops, "_load_extension", _failing_build)
+    monkeypatch.setenv(ops.ENV_MODE, "auto")
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert ops.backend() == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ops.backend() == "torch"  # the outcome is kept: no second build, no second warning
+        out = ops.gather_pages(torch.ones(1, 2, 2, 1, 1, 1), [1], torch.zeros(1, 2, 1, 1, 1))
+        assert out.sum() == 2
+    monkeypatch.setenv(ops.ENV_MODE, "require")
+    with pytest.raises(RuntimeError, match="RADIXKV_EXT=require: OSError: no compiler here"):
+        ops.backend()
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        ops.build()
+
+
+def test_sources_are_all_shipped_as_package_data() -> None:
+    # setup.cfg ships radixkv.cuda_ext's *.cpp, *.cu, *.h, *.cuh: a source of another kind would be
+    # missing from a wheel, and the build from an installed package would fail.
+    src = ops._sources_dir()
+    assert (src / "block_copy.cpp").is_file()
+    shipped = {".cpp", ".cu", ".h", ".cuh"}
+    assert all(p.suffix in shipped or p.name == "__init__.py" for p in src.iterdir() if p.is_file()), \
+        sorted(p.name for p in src.iterdir())
+
+
+def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from radixkv.bench import copy
+
+    out = tmp_path / "copy.txt"
+    assert copy.main(["--quick", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("$ python -m radixkv.bench copy --quick")
+    assert "gather / cold memcpy read" in text and "per-page loop" in text
