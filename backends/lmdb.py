@@ -21,6 +21,14 @@ Storage contract:
 * **map_size is a ceiling** on the file (default ``2 * max_bytes + 8 MiB``, sparse).  If LMDB's
   map fills before ``max_bytes`` of blobs (page overhead, pages still held by old readers), the
   write is retried after evicting, and this process lowers its byte budget to what the map holds.
+* **Durability, chosen deliberately**: ``sync=True`` (the default) fsyncs the data of every commit
+  and ``metasync=False`` leaves the meta page to the next commit's sync, so a power cut loses at
+  most the last committed write, and LMDB's copy-on-write B-tree comes back at a consistent
+  transaction: never a torn chunk.  ``writemap`` stays off, so a stray write through a pointer
+  cannot corrupt the map.  ``sync=False`` (a scratch cache that may lose its last seconds of
+  writes on a power cut, not on a process crash) writes several times faster; see
+  ``benchmarks/results/tiers_cpu.txt``.  The chunk checksum (``radixkv.format``) is the second
+  line of defence: whatever the disk returns is verified before it is served.
 * **Buffers are valid only inside their transaction**: ``read`` hands ``consume`` a view of the
   mapped page and must not keep it; ``get`` returns a copy.
 * **Processes**: open the tier in each process, or let it reopen itself — after ``fork()`` the

@@ -17,7 +17,10 @@ the tree does not fully cover, asks the ``TierStack`` which of the following chu
 loads and verifies them, scatters them into new pool pages (only the pages past the tree's match
 when that match ends inside a chunk), inserts them into the tree and returns one match covering
 both.  Writes go down asynchronously: ``write_through`` stores every new full chunk when it is
-inserted; ``write_back`` stores a chunk when the tree evicts the node it ends in.
+inserted; ``write_back`` stores a chunk when the tree evicts the node it ends in (its ancestors are
+still resident then, so the whole chunk is at hand).  Either way the chunk's pages are copied out
+synchronously and the copy is queued, so a write takes no lock on the tree: nothing can be left
+locked by a write that fails or is dropped.
 
 A ``PrefixCache`` is used from one engine thread; the tier stack does its writes on its own thread.
 """
@@ -382,8 +385,11 @@ class PrefixCache:
         return ids
 
     def stats(self) -> dict[str, Any]:
-        """Counters and occupancy: matches, query and hit tokens, hit rate, pages free / cached /
-        held by the engine, evictions.  O(num_pages) (counts the page states)."""
+        """Counters and occupancy: matches, query and hit tokens (from the pool and from the tiers),
+        hit rate, pages free / cached / held by the engine, evictions, chunks stored; ``levels``, one
+        dict per level (the pool, then each tier: lookups, hit tokens, bytes in and out, evictions,
+        corrupt entries found, faults, dropped writes); and ``stack``, the ``TierStack``'s own
+        counters.  O(num_pages) (counts the page states) plus one ``stats()`` call per tier."""
         c: dict[str, Any] = dict(self._counters)
         counts = np.bincount(self._state, minlength=3)
         c.update(
@@ -392,11 +398,31 @@ class PrefixCache:
             pages_engine=int(counts[_ENGINE]), pages_total=self.pool.num_pages,
             nodes=self.tree.num_nodes, live_matches=len(self._live),
             cached_tokens=self.tree.total_size, locked_tokens=self.tree.protected_size)
+        levels = [{"level": "pool", "hit_tokens": c["pool_hit_tokens"], "evicted_pages": c["evicted_pages"],
+                   "bytes_in": c["tier_hit_tokens"] * self.layout.token_bytes}]
         if self.stack is not None:
-            c["tiers"] = [t.name for t in self.stack.tiers]
+            st = self.stack.stats()
+            c["stack"] = st
             c["tier_hit_tokens_by_tier"] = list(self._tier_hit_tokens)     # in stack order
-            c["stack"] = self.stack.stats()
+            for i, tier in enumerate(self.stack.tiers):
+                own = self.stack._call(i, {}, tier.stats)
+                levels.append({
+                    "level": tier.name, "lookups": st["tier_lookups"][i], "hit_tokens": self._tier_hit_tokens[i],
+                    "bytes_in": st["tier_bytes_stored"][i], "bytes_out": st["tier_bytes_loaded"][i],
+                    "evictions": int(own.get("evictions", 0)), "corrupt": st["corrupt"][i],
+                    "errors": st["errors"][i], "dropped_writes": st["dropped_writes"]})
+        c["levels"] = levels
         return c
+
+    def drop_namespace(self, namespace: Namespace | None = None) -> int:
+        """Delete every stored chunk of ``namespace`` (default: this cache's) from every tier, e.g.
+        an old model revision's.  Entries resident in the pool are not affected.  Returns the
+        number of entries deleted.  Cost: one namespace scan or listing per tier."""
+        if self.stack is None:
+            return 0
+        if namespace is not None and not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        return self.stack.drop_namespace(None if namespace is None else namespace.id)
 
     def check(self) -> None:
         """Assert every invariant of the cache, its tree and its pool (O(n + num_pages)).

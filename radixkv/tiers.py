@@ -118,7 +118,8 @@ class TierStack:
         self._log = _BurstLog(log_interval)
         self._stats_lock = threading.Lock()
         n = len(self.tiers)
-        self._per_tier = {"hits": [0] * n, "corrupt": [0] * n, "errors": [0] * n, "stored": [0] * n}
+        self._per_tier = {k: [0] * n for k in ("tier_lookups", "hits", "corrupt", "errors", "stored",
+                                               "tier_bytes_loaded", "tier_bytes_stored")}
         self._counts = dict.fromkeys(("lookups", "lookup_keys", "lookup_found", "misses", "load_misses",
                                       "promoted", "dropped_writes", "bytes_loaded", "bytes_stored"), 0)
         # The write queue: ("store", ChunkRef, kv) or ("promote", tier indices, tier key, blob).
@@ -183,6 +184,7 @@ class TierStack:
         for i, tier in enumerate(self.tiers):
             if len(found) == len(keys):
                 break
+            self._add("tier_lookups", tier=i)
             n = self._call(i, 0, tier.contains_prefix, tier_keys[len(found):])
             if not isinstance(n, int) or not 0 <= n <= len(keys) - len(found):
                 self._call(i, 0, _bad_answer, tier, n)
@@ -249,6 +251,7 @@ class TierStack:
             nbytes = chunk.numel() * chunk.element_size()
             with self._stats_lock:
                 self._per_tier["hits"][i] += 1
+                self._per_tier["tier_bytes_loaded"][i] += nbytes
                 self._counts["bytes_loaded"] += nbytes
             if blob is not None and upper:
                 self._enqueue(("promote", upper, key, bytes(blob)))
@@ -345,9 +348,11 @@ class TierStack:
                 continue
             stored = self._call(i, None, tier.put_many, writes)
             if stored is not None:
+                nbytes = sum(len(b) for _, b in writes)
                 with self._stats_lock:
                     self._per_tier["stored"][i] += int(stored)
-                    self._counts["bytes_stored"] += sum(len(b) for _, b in writes)
+                    self._per_tier["tier_bytes_stored"][i] += nbytes
+                    self._counts["bytes_stored"] += nbytes
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; ``False`` if ``timeout`` seconds passed first.
@@ -357,9 +362,21 @@ class TierStack:
 
     # -- the rest -----------------------------------------------------------------------------
 
+    def drop_namespace(self, ns_id: bytes | None = None) -> int:
+        """Delete every entry of namespace ``ns_id`` (default: this stack's) from every tier, after
+        the queued writes are done; the number of entries deleted (a tier's fault counts as 0).
+        Cost: one ``drop_namespace`` per tier (a scan or a listing of that namespace)."""
+        ns_id = self._prefix if ns_id is None else ns_id
+        if type(ns_id) is not bytes or len(ns_id) != len(self._prefix):
+            raise ValueError(f"ns_id must be {len(self._prefix)} bytes (Namespace.id), got {ns_id!r}")
+        self.flush()
+        return sum(self._call(i, 0, tier.drop_namespace, ns_id) for i, tier in enumerate(self.tiers))
+
     def stats(self) -> dict[str, Any]:
-        """Counters: per tier (lists in stack order) ``hits`` (chunks loaded), ``corrupt`` (blobs
-        that failed verification), ``errors`` (faults), ``stored`` (chunks written); and
+        """Counters: per tier (lists in stack order) ``tier_lookups`` (``contains_prefix`` calls),
+        ``hits`` (chunks loaded), ``corrupt`` (blobs that failed verification), ``errors`` (faults),
+        ``stored`` (chunks written), ``tier_bytes_loaded`` (KV bytes decoded from it),
+        ``tier_bytes_stored`` (blob bytes written to it); and
         ``lookups``, ``lookup_keys``, ``lookup_found``, ``misses`` (lookups that stopped on a key no
         tier holds), ``load_misses`` (loads that stopped early), ``promoted``, ``dropped_writes``,
         ``bytes_loaded`` (KV bytes decoded), ``bytes_stored`` (blob bytes handed to tiers' ``put_many``

@@ -1,10 +1,15 @@
 """PrefixCache over a tier stack: loads continue the tree's match, bytes come back exact, faults
 and corrupt data are misses, and both write policies store what they should."""
 
+import subprocess
+import sys
+
+import pytest
 import torch
 
 import radixkv as rk
-from radixkv.backends import MemoryTier
+from radixkv.backends import CpuTier, LmdbTier, MemoryTier
+from radixkv.format import encoded_size
 from radixkv.testing import TieredPrefixCacheMachine
 
 LAYOUT = rk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, page_size=4)
@@ -43,8 +48,21 @@ def prefill(cache, tokens, seed=0):
     return kv
 
 
-def test_second_cache_loads_exact_bytes_from_the_tier():
-    tier = MemoryTier()
+@pytest.fixture(params=["memory", "cpu", "lmdb"])
+def shared_tier(request, tmp_path):
+    """One tier instance two caches share, of every local kind."""
+    if request.param == "memory":
+        yield MemoryTier()
+    elif request.param == "cpu":
+        yield CpuTier(1 << 20, slot_bytes=encoded_size(LAYOUT.chunk_shape(8), LAYOUT.dtype))
+    else:
+        tier = LmdbTier(tmp_path / "lmdb", 4 << 20)
+        yield tier
+        tier.close()
+
+
+def test_second_cache_loads_exact_bytes_from_the_tier(shared_tier):
+    tier = shared_tier
     with make([tier]) as a, make([tier]) as b:
         kv = prefill(a, TOKENS)
         assert a.stats()["chunks_stored"] == 4
@@ -56,8 +74,8 @@ def test_second_cache_loads_exact_bytes_from_the_tier():
         b.check()
 
 
-def test_unaligned_tree_match_loads_only_the_pages_past_it():
-    tier = MemoryTier()
+def test_unaligned_tree_match_loads_only_the_pages_past_it(shared_tier):
+    tier = shared_tier
     with make([tier]) as a, make([tier]) as b:
         kv = prefill(a, TOKENS)
         # b holds the first 3 pages (12 tokens, inside chunk 1) with the same KV
@@ -72,8 +90,8 @@ def test_unaligned_tree_match_loads_only_the_pages_past_it():
         b.check()
 
 
-def test_write_back_stores_on_eviction_only():
-    tier = MemoryTier()
+def test_write_back_stores_on_eviction_only(shared_tier):
+    tier = shared_tier
     with make([tier], write_policy="write_back") as a, make([tier]) as b:
         kv = prefill(a, TOKENS)
         assert tier.used_bytes == 0
@@ -135,16 +153,121 @@ def test_small_pool_loads_what_fits():
     small.close()
 
 
-def test_other_namespace_gets_no_hit():
+@pytest.mark.parametrize("other", [rk.Namespace(model="tiers-test", revision="v2"),
+                                   rk.Namespace(model="tiers-test", salt=b"tenant-b"),
+                                   rk.Namespace(model="other-model")])
+def test_other_namespace_gets_no_hit_and_drop_namespace_clears_one(other):
     tier = MemoryTier()
+    a = make([tier])
+    prefill(a, TOKENS)
+    b = rk.PrefixCache(LAYOUT, 64, namespace=other, tiers=[tier], chunk_size=8)
+    m = b.match(TOKENS)
+    assert m.num_tokens == 0                                    # never a cross-namespace hit
+    b.release(m)
+    prefill(b, TOKENS, seed=1)
+    assert len(tier.keys()) == 8
+    assert a.drop_namespace() == 4                              # the first namespace's 4 chunks go
+    assert all(k.startswith(b.namespace.id) for k in tier.keys())
+    a.close(), b.close()
+
+
+def test_stats_per_level():
+    lower = MemoryTier()
+    with make([MemoryTier(), lower]) as a:
+        prefill(a, TOKENS)
+        a.evict(100)
+        m = a.match(TOKENS)
+        a.release(m)
+        levels = a.stats()["levels"]
+        assert [lv["level"] for lv in levels] == ["pool", "memory", "memory"]
+        assert levels[0]["evicted_pages"] == 9
+        assert levels[1]["hit_tokens"] == 32 and levels[1]["bytes_out"] == 32 * LAYOUT.token_bytes
+        assert levels[1]["bytes_in"] > 0 and levels[2]["bytes_in"] > 0     # written through to both
+        assert levels[2]["hit_tokens"] == 0 and levels[1]["lookups"] == 2   # prefill's match, then this one
+
+
+def test_a_restarted_process_hits_lmdb(tmp_path):
+    """Two processes on the same LMDB path: the second matches what the first inserted, byte for byte."""
+    script = f"""
+import sys, torch, radixkv as rk
+from radixkv.backends import LmdbTier
+layout = rk.KVLayout(2, 2, 4, torch.float32, page_size=4)
+cache = rk.PrefixCache(layout, 64, namespace=rk.Namespace(model="restart"), chunk_size=8,
+                       tiers=[LmdbTier({str(tmp_path / "db")!r}, 4 << 20)])
+tokens = list(range(1, 38))
+m = cache.match(tokens)
+if sys.argv[1] == "write":
+    new = cache.alloc(10)
+    cache.pool.kv[:, :, new.long()] = torch.randn(2, 2, 10, 4, 2, 4, generator=torch.Generator().manual_seed(7))
+    cache.insert(tokens, new)
+    m2 = cache.match(tokens, leave_last=False)
+    print(m2.num_tokens)
+    cache.pool.kv[:, :, m2.pages[:8].long()].numpy().tofile({str(tmp_path / "want.bin")!r})
+else:
+    print(m.num_tokens, m.tier_tokens)
+    got = cache.pool.kv[:, :, m.pages.long()]
+    import numpy as np
+    print(np.array_equal(got.numpy().ravel(), np.fromfile({str(tmp_path / "want.bin")!r}, dtype=np.float32)))
+cache.close()
+"""
+    run = lambda arg: subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True,
+                                     check=True, timeout=120).stdout.split()
+    assert run("write") == ["36"]
+    assert run("read") == ["32", "32", "True"]
+
+
+def test_flipped_bytes_in_lmdb_are_a_miss_and_deleted(tmp_path):
+    tier = LmdbTier(tmp_path / "db", 4 << 20)
     with make([tier]) as a:
         prefill(a, TOKENS)
-    other = rk.PrefixCache(LAYOUT, 64, namespace=rk.Namespace(model="tiers-test", revision="v2"),
-                           tiers=[tier], chunk_size=8)
-    m = other.match(TOKENS)
-    assert m.num_tokens == 0
-    other.release(m)
-    other.close()
+        a.evict(100)
+    import lmdb
+    env = lmdb.open(str(tmp_path / "db"), subdir=True, max_dbs=8)
+    chunks = env.open_db(b"chunks")
+    with env.begin(write=True, db=chunks) as txn:
+        victims = []
+        for k, v in txn.cursor():
+            if len(k) == 24 and len(v) > 1000:
+                victims.append(k)
+                blob = bytearray(v)
+                blob[len(blob) // 2] ^= 0x01
+                txn.put(k, bytes(blob))
+    env.close()
+    assert len(victims) == 4
+    tier = LmdbTier(tmp_path / "db", 4 << 20)
+    with make([tier]) as b:
+        m = b.match(TOKENS)
+        assert m.num_tokens == 0
+        b.release(m)
+        assert b.stats()["levels"][1]["corrupt"] == 1
+        assert tier.get(tier_key := b.namespace.id + b.stack.refs(TOKENS)[0].key) is None, tier_key
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(chunk_size=6), ValueError, "chunk_size"),
+    (dict(chunk_size=8, tiers=["not a tier"]), TypeError, "tiers"),
+])
+def test_bad_tier_configuration(kw, error, words):
+    with pytest.raises(error, match=words):
+        rk.PrefixCache(LAYOUT, 8, **kw)
+
+
+@pytest.mark.parametrize("factory, words", [
+    (lambda p: CpuTier(-1), "max_bytes"), (lambda p: LmdbTier(p, -5), "max_bytes"),
+    (lambda p: CpuTier(1 << 20, slot_bytes=0), "slot_bytes"),
+])
+def test_bad_budgets(factory, words, tmp_path):
+    with pytest.raises(ValueError, match=words):
+        factory(tmp_path / "x")
+
+
+def test_store_rejects_kv_of_the_wrong_dtype_or_shape():
+    with make([MemoryTier()]) as a:
+        ref = a.stack.refs(TOKENS)[0]
+        with pytest.raises(ValueError, match="kv"):
+            a.stack.store([(ref, torch.zeros(LAYOUT.chunk_shape(8), dtype=torch.float16))])
+        with pytest.raises(ValueError, match="kv"):
+            a.stack.store([(ref, torch.zeros(LAYOUT.chunk_shape(4)))])
 
 
 def test_prefetch_warms_the_top_tier():

@@ -33,3 +33,8 @@ def test_bench_hash_smoke():
 def test_bench_usage():
     out = subprocess.run([sys.executable, "-m", "radixkv.bench"], capture_output=True, text=True)
     assert out.returncode == 2 and "usage" in out.stdout
+
+
+def test_bench_tiers_smoke():
+    out = run("radixkv.bench", "tiers", "--chunks", "2", "--repeat", "1")
+    assert "LmdbTier" in out and "target: CpuTier get" in out

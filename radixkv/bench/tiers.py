@@ -99,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     raw_get_rate = _rate(total, lambda: _each(lambda i: arena[i * slot:i * slot + len(blobs[i])].tobytes(),
                                               range(len(blobs))), args.repeat)
     cpu = CpuTier(max_bytes=slot * len(blobs), slot_bytes=slot)
-    _tier_rows(row, "CpuTier", cpu, keys, blobs, total, args.repeat,
+    cpu_rates = _tier_rows(row, "CpuTier", cpu, keys, blobs, total, args.repeat,
                ("arena copy in", raw_put_rate), ("arena copy out", raw_get_rate))
     _stack_rows(row, cpu, ns, refs, kvs, total, args.repeat, from_bytes)
+
+    file_write, file_read = _file_rates(blobs, total, args.repeat)
+    row("plain files (no fsync) write", file_write, "(the issue's baseline)", file_write)
+    row("plain files read", file_read, "(the issue's baseline)", file_read)
+    targets = [("CpuTier get >= 70% of a memory copy", cpu_rates["get"] / raw_get_rate, 0.7)]
 
     # LmdbTier against bare LMDB transactions, without and with fsync at every commit.
     try:
@@ -137,15 +142,23 @@ def main(argv: list[str] | None = None) -> int:
                 raw_gets = _rate(total, lmdb_get, args.repeat)
                 env.close()
                 disk = LmdbTier(f"{tmp}/tier", max_bytes=2 * total, sync=sync)
-                _tier_rows(row, f"LmdbTier sync={sync}", disk, keys, blobs, total, args.repeat,
-                           ("lmdb txn put", raw_puts), ("lmdb txn get", raw_gets),
-                           ("lmdb one txn, all puts", raw_batch))
+                rates = _tier_rows(row, f"LmdbTier sync={sync}", disk, keys, blobs, total, args.repeat,
+                                   ("lmdb txn put", raw_puts), ("lmdb txn get", raw_gets),
+                                   ("lmdb one txn, all puts", raw_batch))
+                label = "(the default)" if sync == LmdbTier.__init__.__kwdefaults__["sync"] else ""
+                targets += [(f"LmdbTier sync={sync} get >= 70% of plain file reads {label}",
+                             rates["get"] / file_read, 0.7),
+                            (f"LmdbTier sync={sync} put >= 50% of plain file writes {label}",
+                             rates["put"] / file_write, 0.5)]
                 if sync:
                     disk.close()
                 else:
                     _stack_rows(row, disk, ns, refs, kvs, total, args.repeat, from_bytes)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+    say()
+    for name, ratio, target in targets:
+        say(f"target: {name}: {'PASS' if ratio >= target else 'FAIL'} ({ratio:.2f})")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -154,13 +167,38 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tier_rows(row: Callable[..., None], name: str, tier: Tier, keys: list[bytes], blobs: list[bytes],
                total: int, repeat: int, put_base: tuple[str, float], get_base: tuple[str, float],
-               batch_base: tuple[str, float] | None = None) -> None:
-    row(f"{name} put", _rate(total, lambda: _each(lambda i: tier.put(keys[i], blobs[i]), range(len(keys))),
-                             repeat), *put_base)
-    row(f"{name} put_many", _rate(total, lambda: tier.put_many(zip(keys, blobs)), repeat), *(batch_base or put_base))
-    row(f"{name} get (copy)", _rate(total, lambda: _each(tier.get, keys), repeat), *get_base)
-    row(f"{name} read (zero-copy, len)", _rate(total, lambda: _each(lambda k: tier.read(k, len), keys), repeat),
-        *get_base)
+               batch_base: tuple[str, float] | None = None) -> dict[str, float]:
+    rates = {
+        "put": _rate(total, lambda: _each(lambda i: tier.put(keys[i], blobs[i]), range(len(keys))), repeat),
+        "put_many": _rate(total, lambda: tier.put_many(zip(keys, blobs)), repeat),
+        "get": _rate(total, lambda: _each(tier.get, keys), repeat),
+        "read": _rate(total, lambda: _each(lambda k: tier.read(k, len), keys), repeat)}
+    row(f"{name} put", rates["put"], *put_base)
+    row(f"{name} put_many", rates["put_many"], *(batch_base or put_base))
+    row(f"{name} get (copy)", rates["get"], *get_base)
+    row(f"{name} read (zero-copy, len)", rates["read"], *get_base)
+    return rates
+
+
+def _file_rates(blobs: list[bytes], total: int, repeat: int) -> tuple[float, float]:
+    """Plain files, one per chunk, not fsynced: (write MB/s, read MB/s)."""
+    tmp = tempfile.mkdtemp(prefix="radixkv-bench-files-")
+    try:
+        paths = [f"{tmp}/{i}" for i in range(len(blobs))]
+
+        def write() -> None:
+            for path, blob in zip(paths, blobs):
+                with open(path, "wb") as f:
+                    f.write(blob)
+
+        def read() -> None:
+            for path in paths:
+                with open(path, "rb") as f:
+                    f.read()
+
+        return _rate(total, write, repeat), _rate(total, read, repeat)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _stack_rows(row: Callable[..., None], tier: Tier, ns: Namespace, refs: list[Any], kvs: list[torch.Tensor],
