@@ -118,6 +118,16 @@ class PrefixCache:
         self.stack = self._make_stack(tiers, promote)
         self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
 
+    @classmethod
+    def from_config(cls, config: Any = None, layout: KVLayout | None = None) -> PrefixCache:
+        """Build a cache and its tiers from a dict, a YAML/JSON file, or (``None``) the file named by
+        ``RADIXKV_CONFIG``; see ``radixkv.config`` for the keys.  ``layout`` comes from the model
+        (or a ``layout`` mapping in the config).  A bad or unknown key raises ``ValueError`` naming it.
+        """
+        from radixkv.config import load_config
+
+        return load_config(config).build(layout)
+
     def _make_stack(self, tiers: Any, promote: bool) -> TierStack | None:
         from radixkv.tiers import TierStack   # here, so that a cache without tiers needs no backend
 
@@ -303,7 +313,7 @@ class PrefixCache:
         body = ids[:full]
         in_tree = state[:full] == _TREE
 
-        cached_pages = []
+        cached_pages: list[np.ndarray] = []
 
         def validate(prefix_bytes: int, path: list[RadixNode]) -> None:
             known = prefix_bytes // (4 * self.page_size)

@@ -11,7 +11,7 @@ import statistics
 import time
 from typing import Callable
 
-BENCHMARKS = ("copy", "hash", "index", "tiers")
+BENCHMARKS = ("copy", "hash", "index", "s3", "tiers", "ttft")
 
 
 def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 1) -> float:
@@ -45,3 +45,25 @@ def machine_line() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{cpu}, {os.cpu_count()} cores, {gpu}, Python {platform.python_version()}, "
             f"torch {torch.__version__}, torch threads {torch.get_num_threads()}")
+
+
+class Report:
+    """A benchmark's report: each call prints a line and keeps it; ``save(path)`` writes them all.
+
+    It opens with the exact command and the machine, the header every committed result carries.
+    """
+
+    def __init__(self, name: str, argv: list[str] | None) -> None:
+        self.lines: list[str] = []
+        self(f"# python -m radixkv.bench {name} {' '.join(argv or [])}".rstrip())
+        self(f"# machine: {machine_line()}")
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def save(self, path: str | None) -> None:
+        """Write the report to ``path`` (nothing when ``None``)."""
+        if path:
+            with open(path, "w") as f:
+                f.write("\n".join(self.lines) + "\n")

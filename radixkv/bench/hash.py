@@ -14,7 +14,7 @@ import argparse
 import numpy as np
 import xxhash
 
-from radixkv.bench import machine_line, median_seconds
+from radixkv.bench import Report, median_seconds
 from radixkv.hashing import Namespace, chunk_keys
 
 TARGET = 500.0  # M tokens/s, chunk 256, from an array
@@ -26,14 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=21)
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    say(f"# python -m radixkv.bench hash {' '.join(argv or [])}".rstrip())
-    say(f"# machine: {machine_line()}")
+    say = Report("hash", argv)
     ns = Namespace(model="bench")
     array = np.random.default_rng(0).integers(0, 32_000, args.tokens, dtype=np.int32)
     as_list = array.tolist()
@@ -50,7 +43,5 @@ def main(argv: list[str] | None = None) -> int:
                 headline = rate
     say(f"target: >= {TARGET:.0f} M tokens/s at chunk 256 from an array: "
         f"{'PASS' if headline >= TARGET else 'FAIL'} ({headline:,.0f})")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    say.save(args.out)
     return 0

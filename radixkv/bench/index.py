@@ -21,7 +21,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from radixkv.bench import machine_line
+from radixkv.bench import Report
 from radixkv.cache import PrefixCache
 from radixkv.pool import KVLayout
 from radixkv.tree import RadixTree
@@ -106,14 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
 
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    say(f"# python -m radixkv.bench index {' '.join(argv or [])}".rstrip())
-    say(f"# machine: {machine_line()}")
+    say = Report("index", argv)
     t0 = time.perf_counter()
     requests = list(ChatWorkload(num_requests=args.requests))
     tokens = sum(len(r) for r in requests)
@@ -143,7 +136,5 @@ def main(argv: list[str] | None = None) -> int:
         f"{'PASS' if ok_rps else 'FAIL'} ({main_run['rps']:.0f})")
     say(f"target: match + insert < {TARGET_MATCH_INSERT_US} us per request: {'PASS' if ok_lat else 'FAIL'} "
         f"({main_run['match_us'] + main_run['insert_us']:.1f} us)")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    say.save(args.out)
     return 0

@@ -22,7 +22,7 @@ import torch
 
 from radixkv.backends import Tier
 from radixkv.backends.cpu import CpuTier
-from radixkv.bench import machine_line, median_seconds
+from radixkv.bench import Report, median_seconds
 from radixkv.format import decode_chunk, encode_chunk, encoded_size
 from radixkv.hashing import Namespace
 from radixkv.pool import KVLayout
@@ -47,14 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    say(f"# python -m radixkv.bench tiers {' '.join(argv or [])}".rstrip())
-    say(f"# machine: {machine_line()}")
+    say = Report("tiers", argv)
     ns = Namespace(model="bench").bind(LAYOUT)
     stack_for_refs = TierStack([], namespace=ns, layout=LAYOUT, chunk_size=CHUNK)
     refs = stack_for_refs.refs(np.arange(args.chunks * CHUNK, dtype=np.int32))
@@ -159,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     say()
     for name, ratio, target in targets:
         say(f"target: {name}: {'PASS' if ratio >= target else 'FAIL'} ({ratio:.2f})")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    say.save(args.out)
     return 0
 
 

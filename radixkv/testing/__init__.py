@@ -3,13 +3,28 @@
     from radixkv.testing import PrefixCacheMachine, TierContract
     TestMyCache = PrefixCacheMachine.TestCase          # collected by pytest / unittest
 
-Needs ``hypothesis`` (the ``test`` extra).
+The machines need ``hypothesis`` (the ``test`` extra) and load on first use, so that
+``radixkv.testing.s3server`` (a local S3 server for tests and benchmarks) does not need it.
 """
 
-from radixkv.testing.index import (PrefixCacheMachine, RadixTreeMachine, TieredPrefixCacheMachine, token_lists,
-                                    token_sequences)
-from radixkv.testing.tiers import FaultyTier, TierContract, TierFault, blobs, namespace_ids, tier_keys
+from __future__ import annotations
 
-__all__ = sorted(["FaultyTier", "PrefixCacheMachine", "RadixTreeMachine", "TierContract", "TierFault",
-                  "TieredPrefixCacheMachine", "blobs", "namespace_ids", "tier_keys", "token_lists",
-                  "token_sequences"])
+import importlib
+from typing import Any
+
+_NAMES = {
+    "PrefixCacheMachine": "index", "RadixTreeMachine": "index", "TieredPrefixCacheMachine": "index",
+    "token_lists": "index", "token_sequences": "index",
+    "FaultyTier": "tiers", "TierContract": "tiers", "TierFault": "tiers", "blobs": "tiers",
+    "namespace_ids": "tiers", "tier_keys": "tiers",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f"radixkv.testing.{_NAMES[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'radixkv.testing' has no attribute {name!r}")

@@ -1,0 +1,665 @@
+"""``S3Tier``: the last tier, an S3-compatible bucket shared by every engine of a namespace.
+
+One machine's cache helps only that machine; a bucket (AWS S3, MinIO, Ceph RGW, R2) is shared by
+every instance that uses the same namespace, so a system prompt computed behind one load balancer
+slot is loaded, not recomputed, behind all the others.
+
+Storage contract:
+
+* **Layout.** A chunk is one object, ``<prefix>/<namespace id hex>/<chunk key hex>`` (16 + 32 hex
+  digits), holding exactly the blob the stack put: the chunk format of every tier
+  (``radixkv.format``).  The tier does not decode it; ``TierStack`` verifies every blob it reads
+  and deletes one that does not verify, so an object overwritten with garbage or truncated is a
+  miss, counted and removed, never KV.  ``drop_namespace`` lists ``<prefix>/<ns>/`` and deletes
+  it in batches of 1000.
+* **Shared, unbounded, last writer wins.**  Any instance may write any key at any time; since a
+  key names a chunk and everything before it, concurrent writers write equal chunks.  The tier
+  keeps no budget (``capacity_bytes`` is ``None``, ``used_bytes`` is 0: the bucket's size would
+  take a listing); the bucket's lifecycle rule bounds it (below).
+* **Lookups cost round trips.**  ``contains_prefix`` sends ``HEAD`` requests for the keys, up to
+  ``max_concurrency`` at once, in windows, and stops at the first window with a miss: a request
+  costs about ``ceil(hits / max_concurrency) + 1`` round trips, whatever the bucket holds.  A
+  listing would answer a whole request in one page only while the namespace has at most ~1000
+  objects: keys are hashes, spread evenly over the key space, so in a large namespace a page of
+  1000 names covers a slice of it.  Measured on moto (``benchmarks/results/s3_cpu.txt``): 32 keys
+  by HEADs take ~86 ms in any namespace; one page takes 9 ms in a namespace of just those keys,
+  but 212 ms with 2000 more objects, and then answers 22 of the 32.
+  ``get_many``/``put_many`` run up to ``max_concurrency`` requests at once on the tier's pool.
+* **Large objects.**  A put of ``multipart_threshold`` bytes or more goes through boto3's transfer
+  manager (multipart, ``multipart_chunksize`` parts, ``max_concurrency`` at once); a get asks for
+  the first ``multipart_threshold`` bytes and, when the object is larger, fetches the rest in
+  ``multipart_chunksize`` ranges concurrently, each pinned to the first response's ETag
+  (``IfMatch``), so an object overwritten during the read is a miss, never a mix of two writes.
+  The default threshold (64 MiB) keeps a typical chunk (32 MiB for 256 tokens of a 7B model in
+  fp16) to one request; on real S3 a lower one buys bandwidth with parallel requests.
+* **Faults.**  Timeouts and retries are explicit: ``connect_timeout_s``, ``read_timeout_s`` (per
+  socket read, not per transfer) and ``max_attempts`` (the first request included: botocore's
+  ``total_max_attempts``, "standard" mode), so a request to a hung endpoint gives up after about
+  ``max_attempts * (connect_timeout_s + read_timeout_s)``.  A request that still fails raises
+  (``TierStack`` turns it into a miss) and feeds a ``CircuitBreaker``: after ``failure_threshold``
+  failures in a row (concurrent requests fail together) the tier is skipped for a back-off period
+  — lookups answer "miss" at once, puts return ``False`` — then one request probes the endpoint,
+  and a failed probe doubles the back-off (up to ``max_backoff_s``).  Once open, a dead endpoint
+  costs the engine one timeout per back-off period, not one per request.  Failed writes are
+  counted (``put_errors``) and never retried beyond ``max_attempts``.
+* **TTL.**  With ``ttl_s`` (every namespace) or ``namespace_ttl_s`` (``{namespace id: seconds}``)
+  an object whose ``LastModified`` is older than that is a miss (counted as ``expired``).  Reads
+  only hide old objects; a lifecycle rule deletes them for good, e.g. for 7 days under ``kv/``::
+
+      aws s3api put-bucket-lifecycle-configuration --bucket my-bucket --lifecycle-configuration \\
+        '{"Rules": [{"ID": "radixkv-ttl", "Status": "Enabled", "Filter": {"Prefix": "kv/"},
+                     "Expiration": {"Days": 7},
+                     "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1}}]}'
+
+  (per namespace: one rule per ``kv/<namespace id hex>/`` prefix).  A rule counts whole days and
+  runs about once a day, so set ``ttl_s`` to at most its ``Days * 86400``: the tier hides what the
+  rule has not deleted yet.  ``LastModified`` is the server's clock (and what the rule uses), so a
+  client clock off by seconds matters only for TTLs of seconds.
+* **Credentials** come from boto3's usual chain (environment, config files, instance roles) and
+  are never logged; logs name the endpoint and bucket only.
+* **Construction checks the bucket** with one ``HEAD``: a missing bucket is a ``ValueError``
+  naming it, an unreachable endpoint a ``ConnectionError`` — at construction, not at the first
+  request.  ``lazy=True`` skips the check (an engine that must start while the store is down);
+  the breaker then handles an absent endpoint like any other fault.
+* Thread-safe: one boto3 client (thread-safe) and one worker pool per tier.  Safe to use after
+  ``fork()`` only if built after it (the client's connection pool is not fork-safe).
+
+Configuration reads a URL: ``S3Tier.from_url("s3://my-bucket/kv", endpoint_url=...)``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import logging
+import re
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from urllib.parse import urlsplit
+
+from radixkv.backends import Blob, Tier, blob_view, check_key, check_namespace_id
+
+__all__ = ["CircuitBreaker", "S3Tier", "parse_remote_url"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_CHANGED = {"412", "PreconditionFailed", "InvalidRange", "416"}  # overwritten or emptied mid-read
+_DELETE_BATCH = 1000  # S3's limit for DeleteObjects
+
+
+def _redacted(url: str) -> str:
+    """``url`` with any user-info (credentials someone put in a URL) replaced by ``***``."""
+    return re.sub(r"(?<=://)[^/@]*@", "***@", url) if isinstance(url, str) else repr(url)
+
+
+def parse_remote_url(url: str) -> tuple[str, str]:
+    """``"s3://bucket/some/prefix"`` -> ``("bucket", "some/prefix")``; ``ValueError`` otherwise.
+
+    The prefix loses leading and trailing slashes (``""`` for none).  A bucket name must follow
+    S3's rules (3-63 lowercase letters, digits, dots, hyphens); credentials, ports, queries and
+    fragments are refused (credentials come from boto3's chain, and are never echoed in the
+    error).  O(len(url)); thread-safe (pure function).
+
+    >>> parse_remote_url("s3://my-bucket/kv/")
+    ('my-bucket', 'kv')
+    >>> parse_remote_url("s3://my-bucket")
+    ('my-bucket', '')
+    """
+    if not isinstance(url, str):
+        raise TypeError(f"remote_url must be a str like 's3://bucket/prefix', got {type(url).__name__}")
+    shown = _redacted(url)
+    parts = urlsplit(url)
+    if parts.scheme != "s3":
+        raise ValueError(f"remote_url must start with 's3://' (s3://bucket/prefix), got {shown!r}")
+    if "@" in parts.netloc or ":" in parts.netloc:
+        raise ValueError(f"remote_url must not hold credentials or a port (use endpoint_url and "
+                         f"boto3's credential chain), got {shown!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"remote_url must not have a query or fragment, got {shown!r}")
+    bucket = parts.netloc
+    if not _BUCKET_NAME.match(bucket) or ".." in bucket:
+        raise ValueError(f"remote_url: {bucket!r} is not a valid S3 bucket name "
+                         f"(3-63 lowercase letters, digits, '.', '-'), in {shown!r}")
+    prefix = parts.path.strip("/")
+    if "//" in prefix:
+        raise ValueError(f"remote_url: the prefix must not contain empty path segments, got {shown!r}")
+    return bucket, prefix
+
+
+class CircuitBreaker:
+    """Closed -> open after ``failure_threshold`` failures in a row -> half-open after the back-off
+    -> closed on a successful probe, or open again with twice the back-off (up to ``max_backoff_s``,
+    default ``max(60, backoff_s)``).
+
+    ``allow()`` says whether a request may go out now: always when closed, never while open, and
+    for exactly one probe at a time when half-open.  Every allowed request must end in
+    ``record(ok)``.  Opening and closing are logged (a warning naming ``name``).  All methods are
+    O(1) and thread-safe; ``clock`` (monotonic seconds) is injectable for tests.
+
+    >>> t = [0.0]
+    >>> b = CircuitBreaker(failure_threshold=2, backoff_s=10, clock=lambda: t[0])
+    >>> b.allow(), b.record(False), b.allow(), b.record(False), b.state
+    (True, None, True, None, 'open')
+    >>> b.allow()                       # skipped: no request, no timeout
+    False
+    >>> t[0] = 10.0; b.allow(), b.allow(), b.state   # one probe, the others still skip
+    (True, False, 'half_open')
+    >>> b.record(True); b.state
+    'closed'
+    """
+
+    def __init__(self, failure_threshold: int = 3, backoff_s: float = 5.0, max_backoff_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, name: str = "S3 endpoint") -> None:
+        if isinstance(failure_threshold, bool) or not isinstance(failure_threshold, int) or failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be an int >= 1, got {failure_threshold!r}")
+        if not (isinstance(backoff_s, (int, float)) and backoff_s > 0):
+            raise ValueError(f"backoff_s must be a positive number, got {backoff_s!r}")
+        if max_backoff_s is None:
+            max_backoff_s = max(60.0, backoff_s)
+        if not (isinstance(max_backoff_s, (int, float)) and max_backoff_s >= backoff_s):
+            raise ValueError(f"max_backoff_s must be a number >= backoff_s, got {max_backoff_s!r}")
+        self.name = name  # for logs
+        self.failure_threshold = failure_threshold
+        self.backoff_s = float(backoff_s)
+        self.max_backoff_s = float(max_backoff_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state = "closed"
+        self._failures = 0          # consecutive, while closed
+        self._backoff = self.backoff_s
+        self._retry_at = 0.0        # while open: when the next probe may go
+        self.opened = 0             # times the breaker opened (for stats)
+
+    @property
+    def state(self) -> str:
+        """``"closed"``, ``"open"`` or ``"half_open"`` (a probe is in flight).  O(1)."""
+        return self._state
+
+    def allow(self) -> bool:
+        """Whether a request may be sent now; ``True`` obliges the caller to ``record`` its outcome."""
+        with self._lock:
+            if self._state == "closed":
+                return True
+            if self._state == "open" and self._clock() >= self._retry_at:
+                self._state = "half_open"
+                return True
+            return False
+
+    def record(self, ok: bool) -> None:
+        """The outcome of an allowed request: ``ok`` when the endpoint answered (a 404 included)."""
+        with self._lock:
+            if ok:
+                if self._state != "closed":
+                    log.warning("%s answers again; back in use", self.name)
+                self._state, self._failures, self._backoff = "closed", 0, self.backoff_s
+                return
+            if self._state == "half_open":
+                self._backoff = min(2 * self._backoff, self.max_backoff_s)
+                self._open()
+            elif self._state == "closed":
+                self._failures += 1
+                if self._failures >= self.failure_threshold:
+                    self._open()
+            # open: a request that was in flight when another one opened the breaker; ignore.
+
+    def _open(self) -> None:
+        # Lock held.
+        self._state, self._failures = "open", 0
+        self._retry_at = self._clock() + self._backoff
+        self.opened += 1
+        log.warning("%s failing; skipped for %.1f s", self.name, self._backoff)
+
+    def check(self) -> None:
+        """Assert the breaker's invariants.  O(1)."""
+        with self._lock:
+            assert self._state in ("closed", "open", "half_open"), f"unknown breaker state {self._state!r}"
+            assert 0 <= self._failures < self.failure_threshold, f"{self._failures} failures while closed"
+            assert self._state == "closed" or self._failures == 0, "failures counted while not closed"
+            assert self.backoff_s <= self._backoff <= self.max_backoff_s, f"back-off {self._backoff} out of range"
+
+
+class _Skipped(Exception):
+    """The breaker refused the request: answer a miss without touching the network."""
+
+
+class S3Tier(Tier):
+    """Chunks as objects in an S3-compatible bucket; see the module docstring for the contract.
+
+    ``client`` (a boto3 S3 client) replaces ``endpoint_url``, ``region`` and the timeout and retry
+    settings, which are then the client's own.  ``breaker`` defaults to
+    ``CircuitBreaker(failure_threshold, backoff_s, max_backoff_s)``.  Construction costs one
+    ``HEAD`` of the bucket unless ``lazy``.
+    """
+
+    name = "s3"
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
+                 region: str | None = None, client: Any = None, *,
+                 connect_timeout_s: float = 1.0, read_timeout_s: float = 5.0, max_attempts: int = 2,
+                 max_concurrency: int = 16, multipart_threshold: int = 64 << 20,
+                 multipart_chunksize: int = 16 << 20,
+                 failure_threshold: int = 3, backoff_s: float = 5.0, max_backoff_s: float | None = None,
+                 breaker: CircuitBreaker | None = None,
+                 ttl_s: float | None = None, namespace_ttl_s: Mapping[bytes, float | None] | None = None,
+                 clock: Callable[[], float] = time.time, lazy: bool = False) -> None:
+        if not isinstance(bucket, str) or not _BUCKET_NAME.match(bucket):
+            raise ValueError(f"bucket: {bucket!r} is not a valid S3 bucket name")
+        if not isinstance(prefix, str) or "//" in prefix.strip("/"):
+            raise ValueError(f"prefix must be a str without empty path segments, got {prefix!r}")
+        for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name, value, low in (("max_attempts", max_attempts, 1), ("max_concurrency", max_concurrency, 1),
+                                 ("multipart_threshold", multipart_threshold, 5 << 20),
+                                 ("multipart_chunksize", multipart_chunksize, 5 << 20)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self._ttl = _check_ttl(ttl_s, "ttl_s")
+        self._ns_ttl = {check_namespace_id(ns): _check_ttl(s, "namespace_ttl_s")
+                        for ns, s in (namespace_ttl_s or {}).items()}
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        self._where = _redacted(endpoint_url) if endpoint_url else "AWS S3"  # for messages and logs
+        self.max_concurrency = max_concurrency
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.read_timeout_s = float(read_timeout_s)
+        self.max_attempts = max_attempts
+        self._root = f"{self.prefix}/" if self.prefix else ""
+        self._clock = clock
+        self.breaker = breaker or CircuitBreaker(failure_threshold, backoff_s, max_backoff_s,
+                                                 name=f"S3 bucket {bucket!r} at {self._where}")
+        try:
+            import boto3
+            from boto3.s3.transfer import TransferConfig
+            from botocore.config import Config
+        except ImportError as e:  # pragma: no cover - the s3 extra is installed in tests
+            raise ImportError("S3Tier needs boto3: pip install 'radixkv[s3]'") from e
+        if client is None:
+            config = Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                            retries={"total_max_attempts": max_attempts, "mode": "standard"},
+                            max_pool_connections=max_concurrency,
+                            s3={"addressing_style": "path" if endpoint_url else "auto"})
+            client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
+                                                    config=config)
+        elif endpoint_url is not None or region is not None:
+            raise ValueError("pass either client or endpoint_url/region, not both (the client has its own)")
+        self._client = client
+        self._threshold, self._chunk = multipart_threshold, multipart_chunksize
+        self._transfer = TransferConfig(multipart_threshold=multipart_threshold,
+                                        multipart_chunksize=multipart_chunksize,
+                                        max_concurrency=max_concurrency, use_threads=True)
+        self._pool: ThreadPoolExecutor | None = None
+        self._worker = threading.local()  # .active on the pool's own threads
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter(dict.fromkeys(
+            ("gets", "hits", "misses", "expired", "skipped", "get_errors",
+             "puts", "stored", "skipped_puts", "put_errors", "deletes", "bytes_read", "bytes_written"), 0))
+        self._closed = False
+        if not lazy:
+            self._check_bucket()
+
+    @classmethod
+    def from_url(cls, url: str, endpoint_url: str | None = None, **kwargs: Any) -> S3Tier:
+        """The tier for a config's ``remote_url = "s3://bucket/prefix"`` (see ``parse_remote_url``),
+        with ``endpoint_url`` for stores other than AWS and any other ``S3Tier`` keyword."""
+        bucket, prefix = parse_remote_url(url)
+        return cls(bucket, prefix, endpoint_url=endpoint_url, **kwargs)
+
+    def _check_bucket(self) -> None:
+        from botocore.exceptions import ClientError
+
+        where = f"bucket {self.bucket!r} at {self._where}"
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            code = _error_code(e)
+            if code in _NOT_FOUND or code == "NoSuchBucket":
+                raise ValueError(f"{where} does not exist; create it first") from None
+            raise PermissionError(f"{where}: HEAD answered {code}; check the credentials and the "
+                                  "bucket policy") from None
+        except Exception as e:
+            raise ConnectionError(f"{where} is unreachable ({type(e).__name__}); pass lazy=True to "
+                                  "start without it") from None
+
+    # ---------------------------------------------------------------- requests
+
+    def object_key(self, key: bytes) -> str:
+        """The object name of a 24-byte tier key: ``<prefix>/<ns hex>/<key hex>``.  O(1)."""
+        check_key(key)
+        return f"{self._root}{key[:8].hex()}/{key[8:].hex()}"
+
+    def namespace_prefix(self, ns_id: bytes) -> str:
+        """The object-name prefix holding every chunk of a namespace.  O(1)."""
+        return f"{self._root}{check_namespace_id(ns_id).hex()}/"
+
+    def _request(self, op: Callable[..., T], **kwargs: Any) -> T:
+        """One guarded request: ``_Skipped`` when the breaker is open; a not-found answer is
+        success for the breaker (raised as ``KeyError``); any other fault is recorded and raised."""
+        if self._closed:
+            raise RuntimeError("S3Tier is closed")
+        if not self.breaker.allow():
+            raise _Skipped
+        ok = False
+        try:
+            result = op(Bucket=self.bucket, **kwargs)
+            ok = True
+            return result
+        except Exception as e:
+            code = _error_code(e)
+            if code in _NOT_FOUND or code in _CHANGED:
+                ok = True
+                raise KeyError(code) from None
+            raise
+        finally:
+            self.breaker.record(ok)
+
+    def _read_object(self, key: bytes | None, **kwargs: Any) -> tuple[Mapping[str, Any], bytes | None]:
+        """One GET and its body, as one guarded request (a body read that times out feeds the
+        breaker too); the body is ``None`` when ``key``'s TTL says the object expired."""
+        def op(**kw: Any) -> tuple[Mapping[str, Any], bytes | None]:
+            resp = self._client.get_object(**kw)
+            if key is not None and self._expired(key, resp.get("LastModified")):
+                resp["Body"].close()
+                return resp, None
+            return resp, resp["Body"].read()
+
+        return self._request(op, **kwargs)
+
+    def _expired(self, key: bytes, last_modified: Any) -> bool:
+        ttl = self._ns_ttl.get(key[:8], self._ttl)
+        if ttl is None or not isinstance(last_modified, _dt.datetime):
+            return False
+        return self._clock() - last_modified.timestamp() > ttl
+
+    def _each(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[Future[T]]:
+        """``fn`` on each item on the tier's pool (made on first use), up to ``max_concurrency`` at
+        once.  A single item, or the first while the breaker is not closed (the probe, which the
+        others must not skip), runs on the calling thread; so does everything when the caller is
+        one of the pool's own threads (a large get inside ``get_many``).  The futures, in order."""
+        if not items:
+            return []
+        if self._closed:
+            raise RuntimeError("S3Tier is closed")
+        inline = 1 if len(items) == 1 or self.breaker.state != "closed" else 0
+        if getattr(self._worker, "active", False):
+            inline = len(items)  # a pool task waiting on tasks queued behind it could deadlock the pool
+        futures: list[Future[T]] = []
+        for item in items[:inline]:
+            done: Future[T] = Future()
+            try:
+                done.set_result(fn(item))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                done.set_exception(e)
+            futures.append(done)
+        if len(items) > inline:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="radixkv-s3",
+                                                    initializer=setattr, initargs=(self._worker, "active", True))
+                pool = self._pool
+            futures.extend(pool.submit(fn, item) for item in items[inline:])
+        return futures
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._counts.update(deltas)
+
+    # ---------------------------------------------------------------- the Tier protocol
+
+    def get(self, key: bytes) -> Blob | None:
+        """The object's bytes, or ``None`` if absent, expired, overwritten mid-read or the breaker
+        is open.  One GET for objects under ``multipart_threshold``; larger ones get their other
+        ``multipart_chunksize`` ranges concurrently (into a ``bytearray``).  Raises on a fault.
+        Thread-safe."""
+        name = self.object_key(key)
+        outcome = "get_errors"
+        try:
+            try:
+                resp, first = self._read_object(key, Key=name, Range=f"bytes=0-{self._threshold - 1}")
+            except KeyError as e:
+                if e.args and e.args[0] in ("InvalidRange", "416"):  # an empty object: no byte 0
+                    resp, first = self._read_object(key, Key=name)
+                else:
+                    raise
+            if first is None:
+                outcome = "expired"
+                return None
+            total = _total_size(resp, len(first))
+            data = first if total == len(first) else self._get_rest(name, first, total, resp["ETag"])
+            outcome = "hits"
+            self._count(bytes_read=len(data))
+            return data
+        except _Skipped:
+            outcome = "skipped"
+            return None
+        except KeyError:
+            outcome = "misses"
+            return None
+        finally:
+            self._count(gets=1, **{outcome: 1})
+
+    def _get_rest(self, name: str, first: bytes, total: int, etag: str) -> bytearray:
+        """The ranges after ``first``, fetched concurrently and pinned to ``etag``."""
+        out = bytearray(total)
+        out[:len(first)] = first
+        starts = range(len(first), total, self._chunk)
+
+        def fetch(start: int) -> None:
+            end = min(start + self._chunk, total)
+            _, part = self._read_object(None, Key=name, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+            if part is None or len(part) != end - start:
+                raise KeyError("short range")  # the object changed size under us: a miss
+            out[start:end] = part
+
+        _wait_all(self._each(fetch, starts))
+        return out
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
+        """``[get(k) for k in keys]``, up to ``max_concurrency`` at once.  Raises the first fault
+        once every request has finished.  Thread-safe."""
+        for key in keys:
+            check_key(key)
+        return _wait_all(self._each(self.get, keys))
+
+    def put(self, key: bytes, blob: Blob) -> bool:
+        """Upload ``blob`` as the object of ``key`` (multipart from ``multipart_threshold`` bytes).
+
+        ``False`` (counted as ``skipped_puts``) while the breaker is open.  A failed upload is
+        counted as ``put_errors`` and raises; it is not retried beyond ``max_attempts``.  Cost: one
+        PUT, or a multipart upload.  Thread-safe.
+        """
+        name = self.object_key(key)
+        view = blob_view(blob)
+        body = blob if type(blob) is bytes else view.tobytes()
+        outcome = "put_errors"
+        try:
+            if len(body) >= self._threshold:
+                self._request(lambda **kw: self._client.upload_fileobj(
+                    io.BytesIO(body), kw["Bucket"], name, Config=self._transfer))
+            else:
+                self._request(self._client.put_object, Key=name, Body=body)
+            outcome = "stored"
+            self._count(bytes_written=len(body))
+            return True
+        except _Skipped:
+            outcome = "skipped_puts"
+            return False
+        finally:
+            self._count(puts=1, **{outcome: 1})
+
+    def put_many(self, items: Iterable[tuple[bytes, Blob]]) -> int:
+        """``put`` each item, up to ``max_concurrency`` at once (a repeated key sends only its last
+        blob); the number stored.  Failed puts are counted (``put_errors``) and the first fault is
+        raised once every put has finished.  Thread-safe."""
+        pairs = list(items)
+        last: dict[bytes, Blob] = {}
+        for key, blob in pairs:
+            check_key(key)
+            blob_view(blob)
+            last[key] = blob  # concurrent puts of one key could land in any order: keep the last
+        stored = dict(zip(last, _wait_all(self._each(lambda kb: self.put(*kb), list(last.items())))))
+        return sum(stored[key] for key, _ in pairs)
+
+    def _holds(self, key: bytes) -> bool:
+        try:
+            resp = self._request(self._client.head_object, Key=self.object_key(key))
+        except KeyError:
+            return False
+        return not self._expired(key, resp.get("LastModified"))
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """Leading keys the bucket holds (unexpired): ``HEAD``s, ``max_concurrency`` at once, in
+        windows, stopping at the first window with a miss; ``ceil(hits / max_concurrency) + 1``
+        round trips.  0 at once while the breaker is open (a key the breaker skips counts as
+        absent).  Raises on a fault.  Does not modify the bucket.  Thread-safe."""
+        for key in keys:
+            check_key(key)
+        n = 0
+        while n < len(keys):
+            window = keys[n:n + self.max_concurrency]
+            futures = self._each(self._holds, window)
+            try:
+                lead = _leading_true(_wait_all(futures))
+            except _Skipped:  # the breaker opened meanwhile: what answered before the skip counts
+                return n + _leading_true([f.exception() is None and f.result() for f in futures])
+            n += lead
+            if lead < len(window):
+                return n
+        return n
+
+    def delete(self, key: bytes) -> bool:
+        """Delete the object of ``key``; ``True`` if it existed.  Two requests (HEAD, DELETE) since
+        S3's DELETE does not say.  Raises on a fault or while the breaker is open.  Thread-safe."""
+        name = self.object_key(key)
+        try:
+            self._request(self._client.head_object, Key=name)
+            self._request(self._client.delete_object, Key=name)
+        except KeyError:
+            return False
+        except _Skipped:
+            raise ConnectionError(f"S3 endpoint of bucket {self.bucket!r} is failing; delete skipped") from None
+        self._count(deletes=1)
+        return True
+
+    def drop_namespace(self, ns_id: bytes) -> int:
+        """Delete every object under the namespace's prefix; how many.  One LIST per 1000 objects
+        and one DeleteObjects per 1000.  Raises on a fault.  Thread-safe, but objects written
+        concurrently may survive."""
+        prefix = self.namespace_prefix(ns_id)
+        dropped = 0
+        try:
+            token: dict[str, str] = {}
+            while True:
+                page = self._request(self._client.list_objects_v2, Prefix=prefix, MaxKeys=_DELETE_BATCH, **token)
+                names = [{"Key": obj["Key"]} for obj in page.get("Contents", ())]
+                if names:
+                    resp = self._request(self._client.delete_objects, Delete={"Objects": names, "Quiet": True})
+                    if resp.get("Errors"):
+                        raise OSError(f"S3 refused to delete {len(resp['Errors'])} objects under {prefix!r}: "
+                                      f"{resp['Errors'][0].get('Code')}")
+                    dropped += len(names)
+                if not page.get("IsTruncated"):
+                    break
+                token = {"ContinuationToken": page["NextContinuationToken"]}
+        except _Skipped:
+            raise ConnectionError(f"S3 endpoint of bucket {self.bucket!r} is failing; drop skipped") from None
+        except KeyError:  # the bucket itself is gone
+            pass
+        self._count(deletes=dropped)
+        return dropped
+
+    @property
+    def used_bytes(self) -> int:
+        """0: the bucket is shared and has no budget, and its size would take a listing.  What
+        this instance moved is in ``stats()`` (``bytes_written``, ``bytes_read``).  O(1)."""
+        return 0
+
+    def stats(self) -> dict[str, int | float]:
+        """Request counters, the breaker's state (``breaker_open``: 1 while skipping) and how many
+        times it opened.  O(1)."""
+        with self._lock:
+            counts = dict(self._counts)
+        return {**counts, "used_bytes": 0,
+                "breaker_open": int(self.breaker.state != "closed"), "breaker_opened": self.breaker.opened}
+
+    def close(self) -> None:
+        """Finish in-flight requests, stop the pool and refuse further requests.  Idempotent; the
+        bucket keeps its objects."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def check(self) -> None:
+        """The counters add up (every get and put ended in exactly one outcome), the breaker is
+        consistent and object names map back to keys.  O(1)."""
+        super().check()
+        self.breaker.check()
+        with self._lock:
+            c = dict(self._counts)
+        assert all(v >= 0 for v in c.values()), f"negative counter in {c}"
+        got = c["hits"] + c["misses"] + c["expired"] + c["skipped"] + c["get_errors"]
+        put = c["stored"] + c["skipped_puts"] + c["put_errors"]
+        assert got == c["gets"] and put == c["puts"], f"outcomes != requests in {c}"  # counted together
+        assert c["hits"] <= c["gets"] and c["bytes_read"] >= 0 and c["bytes_written"] >= 0
+        probe = bytes(range(24))
+        name = self.object_key(probe)
+        assert name.startswith(self._root) and bytes.fromhex(name[len(self._root):].replace("/", "")) == probe
+
+    def __repr__(self) -> str:
+        return (f"S3Tier(s3://{self.bucket}/{self.prefix}, endpoint={self._where}, "
+                f"breaker={self.breaker.state})")
+
+
+def _check_ttl(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
+def _error_code(e: BaseException) -> str:
+    """The S3 error code of a botocore ``ClientError`` (``"404"``, ``"NoSuchKey"``, ...), else ``""``."""
+    response = getattr(e, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _total_size(resp: Mapping[str, Any], got: int) -> int:
+    """The object's full size from a (possibly ranged) GET response."""
+    content_range = resp.get("ContentRange")
+    if content_range and "/" in content_range:
+        return int(content_range.rsplit("/", 1)[1])
+    return got
+
+
+def _wait_all(futures: Sequence[Future[T]]) -> list[T]:
+    """Results of every future, in order; the first exception is raised after all finished."""
+    error: BaseException | None = None
+    results: list[Any] = []
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others finished
+            error = error or e
+            results.append(None)
+    if error is not None:
+        raise error
+    return results
+
+
+def _leading_true(values: Sequence[Any]) -> int:
+    n = 0
+    while n < len(values) and values[n]:
+        n += 1
+    return n

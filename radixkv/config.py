@@ -1,0 +1,206 @@
+"""Configuration: one flat mapping (a dict, a YAML or JSON file, or the file ``RADIXKV_CONFIG`` names)
+that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's where they mean the same:
+
+.. code-block:: yaml
+
+    chunk_size: 256              # tokens per stored chunk (a multiple of page_size)
+    page_size: 16
+    num_pages: 50000             # the pool, in pages (or pool_tokens: token slots)
+    device: cuda
+    local_cpu: true              # a CpuTier (pinned memory where an accelerator exists) ...
+    max_local_cpu_size: 5.0      # ... of this many GB
+    local_disk: /nvme/radixkv    # an LmdbTier at this path (file:// allowed) ...
+    max_local_disk_size: 200     # ... of this many GB
+    local_disk_ttl: 86400        # seconds, optional
+    remote_url: s3://bucket/kv   # an S3Tier, shared by every instance of the namespace
+    remote_endpoint: http://127.0.0.1:9000   # optional (MinIO, Ceph, a test server)
+    write_policy: write_through  # or write_back
+    promote: true                # copy lower-tier hits into the tiers above
+    namespace: {model: meta-llama/Llama-2-7b-hf, revision: main, salt: tenant-a}
+
+Sizes are in GB (10**9 bytes), as in LMCache.  Unknown keys and contradictions (a size without its
+tier, ``local_cpu: false`` with a CPU size) are a ``ValueError`` naming the key.  The KV layout comes
+from the model, so it is an argument, or a ``layout`` mapping (num_layers, num_kv_heads, head_dim,
+dtype) in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from radixkv.hashing import Namespace
+from radixkv.pool import KVLayout
+
+if TYPE_CHECKING:
+    from radixkv.cache import PrefixCache
+
+__all__ = ["CacheConfig", "load_config"]
+
+ENV_VAR = "RADIXKV_CONFIG"
+_GB = 10**9
+_NAMESPACE_KEYS = {"model", "revision", "tp_rank", "tp_size", "lora_id", "salt"}
+_LAYOUT_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype"}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A validated configuration (see the module docstring for the keys)."""
+
+    chunk_size: int = 256
+    page_size: int = 16
+    num_pages: int | None = None
+    pool_tokens: int | None = None
+    device: str = "cpu"
+    local_cpu: bool = False
+    max_local_cpu_size: float | None = None
+    local_disk: str | None = None
+    max_local_disk_size: float | None = None
+    local_disk_ttl: float | None = None
+    remote_url: str | None = None
+    remote_endpoint: str | None = None
+    write_policy: str = "write_through"
+    promote: bool = True
+    namespace: Mapping[str, Any] = field(default_factory=dict)
+    layout: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "page_size"):
+            _positive_int(name, getattr(self, name))
+        if self.chunk_size % self.page_size:
+            raise ValueError(f"chunk_size: {self.chunk_size} is not a multiple of page_size {self.page_size}")
+        if (self.num_pages is None) == (self.pool_tokens is None):
+            raise ValueError("num_pages / pool_tokens: give exactly one of them (the pool's size)")
+        for name in ("num_pages", "pool_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.pool_tokens is not None and self.pool_tokens < self.page_size:
+            raise ValueError(f"pool_tokens: {self.pool_tokens} is less than one page")
+        for name in ("local_cpu", "promote"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("max_local_cpu_size", "max_local_disk_size", "local_disk_ttl"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.local_cpu and self.max_local_cpu_size is None:
+            raise ValueError("max_local_cpu_size: required when local_cpu is true (GB)")
+        if not self.local_cpu and self.max_local_cpu_size is not None:
+            raise ValueError("max_local_cpu_size: set, but local_cpu is not true")
+        if self.local_disk is not None and (not isinstance(self.local_disk, str) or not self.local_disk):
+            raise ValueError(f"local_disk must be a path, got {self.local_disk!r}")
+        if self.local_disk and self.max_local_disk_size is None:
+            raise ValueError("max_local_disk_size: required when local_disk is set (GB)")
+        if not self.local_disk and (self.max_local_disk_size is not None or self.local_disk_ttl is not None):
+            raise ValueError("max_local_disk_size / local_disk_ttl: set, but local_disk is not")
+        if self.remote_endpoint is not None and self.remote_url is None:
+            raise ValueError("remote_endpoint: set, but remote_url is not")
+        if self.remote_url is not None:
+            from radixkv.backends.s3 import parse_remote_url
+
+            parse_remote_url(self.remote_url)   # a malformed URL fails here, naming remote_url
+        if self.write_policy not in ("write_through", "write_back"):
+            raise ValueError(f"write_policy must be write_through or write_back, got {self.write_policy!r}")
+        if not isinstance(self.namespace, Mapping) or set(self.namespace) - _NAMESPACE_KEYS:
+            bad = sorted(set(self.namespace) - _NAMESPACE_KEYS) if isinstance(self.namespace, Mapping) else []
+            raise ValueError(f"namespace: unknown keys {bad}; allowed: {sorted(_NAMESPACE_KEYS)}")
+        if "model" not in self.namespace:
+            raise ValueError("namespace.model: required (the model id that keys are bound to)")
+        if self.layout is not None and (not isinstance(self.layout, Mapping) or set(self.layout) - _LAYOUT_KEYS):
+            raise ValueError(f"layout: a mapping of {sorted(_LAYOUT_KEYS)}, got {self.layout!r}")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> CacheConfig:
+        """Validate a mapping of config keys.  Unknown keys raise ``ValueError`` naming them."""
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"config must be a mapping, got {type(mapping).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(mapping) - known)
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**mapping)
+
+    def make_namespace(self) -> Namespace:
+        """The ``Namespace`` of ``namespace`` (``salt`` as text is UTF-8 encoded)."""
+        ns = dict(self.namespace)
+        if isinstance(ns.get("salt"), str):
+            ns["salt"] = ns["salt"].encode()
+        return Namespace(**ns)
+
+    def make_layout(self, layout: KVLayout | None) -> KVLayout:
+        """The layout argument, or the one in the file; ``page_size`` from this config either way."""
+        if layout is not None:
+            if layout.page_size != self.page_size:
+                raise ValueError(f"page_size: the config says {self.page_size}, the layout {layout.page_size}")
+            return layout
+        if self.layout is None:
+            raise ValueError("layout: pass a KVLayout, or give layout: {num_layers, num_kv_heads, head_dim, dtype}")
+        spec = dict(self.layout)
+        dtype = spec.pop("dtype", "float16")
+        if not isinstance(dtype, torch.dtype):
+            if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+                raise ValueError(f"layout.dtype: unknown dtype {dtype!r}")
+            dtype = getattr(torch, str(dtype))
+        return KVLayout(dtype=dtype, page_size=self.page_size, **spec)
+
+    def build(self, layout: KVLayout | None = None) -> PrefixCache:
+        """The ``PrefixCache`` this config describes, tiers included (fastest first)."""
+        from radixkv.backends import CpuTier, LmdbTier
+        from radixkv.cache import PrefixCache
+        from radixkv.format import encoded_size
+
+        layout = self.make_layout(layout)
+        tiers: list[Any] = []
+        if self.local_cpu:
+            assert self.max_local_cpu_size is not None
+            tiers.append(CpuTier(int(self.max_local_cpu_size * _GB),
+                                 slot_bytes=encoded_size(layout.chunk_shape(self.chunk_size), layout.dtype)))
+        if self.local_disk:
+            assert self.max_local_disk_size is not None
+            path = self.local_disk.removeprefix("file://")
+            tiers.append(LmdbTier(path, int(self.max_local_disk_size * _GB), ttl=self.local_disk_ttl))
+        if self.remote_url:
+            from radixkv.backends.s3 import S3Tier
+
+            tiers.append(S3Tier.from_url(self.remote_url, endpoint_url=self.remote_endpoint))
+        num_pages = self.num_pages if self.num_pages is not None else self.pool_tokens // self.page_size  # type: ignore[operator]
+        return PrefixCache(layout, num_pages=num_pages, device=self.device, namespace=self.make_namespace(),
+                           tiers=tiers, chunk_size=self.chunk_size, write_policy=self.write_policy,
+                           promote=self.promote)
+
+
+def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> CacheConfig:
+    """A ``CacheConfig`` from a mapping, a ``.yaml``/``.yml``/``.json`` file, or (``None``) the file
+    named by ``RADIXKV_CONFIG``.  YAML needs ``pyyaml`` (the ``yaml`` extra).  Cost: one file read."""
+    if source is None:
+        named = os.environ.get(ENV_VAR)
+        if not named:
+            raise ValueError(f"config: none given and {ENV_VAR} is not set")
+        source = named
+    if isinstance(source, Mapping):
+        return CacheConfig.from_mapping(source)
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(f"config: no such file {str(path)!r}")
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ImportError("YAML configs need pyyaml: pip install 'radixkv[yaml]'") from None
+        data = yaml.safe_load(text) or {}
+    else:
+        raise ValueError(f"config: {str(path)!r} is neither .yaml, .yml nor .json")
+    return CacheConfig.from_mapping(data)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

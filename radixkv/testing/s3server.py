@@ -1,0 +1,116 @@
+"""moto's S3 server on 127.0.0.1 in a subprocess: the real S3 endpoint that radixkv's tests,
+benchmarks and demo talk to over HTTP (no mocks of boto3).  Needs ``moto[server]`` (the test extra).
+
+    with MotoServer() as server:
+        client = server.client()            # boto3, endpoint_url=server.url, test credentials
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+__all__ = ["CREDENTIALS", "MotoServer", "free_port"]
+
+_LAUNCH = ("import logging, sys; logging.getLogger('werkzeug').setLevel(logging.ERROR); "
+           "from moto.server import main; main(sys.argv[1:])")
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "radixkv-moto-secret",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    """moto's S3 server in a subprocess on 127.0.0.1, for tests and benchmarks.
+
+    ``start()`` waits until it answers; ``stop()`` ends it by its process handle (its objects are
+    lost: moto keeps them in memory); ``pause()``/``resume()`` freeze it with SIGSTOP/SIGCONT, so
+    connections hang as with a dead host and nothing is lost.  Werkzeug's request log is silenced;
+    errors go to ``log_path`` (removed by ``__exit__``).  Usable as a context manager.  Not
+    thread-safe.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(tempfile.gettempdir(), f"radixkv-moto-{self.port}.log")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> MotoServer:
+        """Start the server (same port as before) and wait until it answers HTTP."""
+        if self.process is not None:
+            raise RuntimeError("the server is already running")
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _LAUNCH, "-H", "127.0.0.1", "-p", str(self.port)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.endpoint_url + "/", timeout=1.0):
+                    return self
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    with open(self.log_path, errors="replace") as f:
+                        tail = f.read()[-2000:]
+                    os.unlink(self.log_path)
+                    raise RuntimeError(f"moto server did not start on {self.endpoint_url}:\n{tail}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        """End the server process (SIGTERM, then SIGKILL after 5 s) and wait for it; its log is kept
+        while it runs (and on a failed start, in the error).  Idempotent."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a paused process cannot handle SIGTERM
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def pause(self) -> None:
+        """Freeze the server: the kernel still accepts connections, nothing answers them."""
+        assert self.process is not None, "the server is not running"
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo ``pause``."""
+        assert self.process is not None, "the server is not running"
+        self.process.send_signal(signal.SIGCONT)
+
+    def client(self, **config: Any) -> Any:
+        """A boto3 S3 client for this server (test credentials, path-style), with botocore
+        ``Config`` keywords ``config``."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.session.Session(
+            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+        ).client("s3", endpoint_url=self.endpoint_url, config=Config(s3={"addressing_style": "path"}, **config))
+
+    def __enter__(self) -> MotoServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        if os.path.exists(self.log_path):
+            os.unlink(self.log_path)

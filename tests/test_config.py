@@ -1,0 +1,79 @@
+"""PrefixCache.from_config: dicts, YAML and JSON files, RADIXKV_CONFIG, and clear errors."""
+
+import json
+
+import pytest
+import torch
+
+import radixkv as rk
+from radixkv.backends import CpuTier, LmdbTier
+
+LAYOUT = rk.KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=4)
+
+
+def base(**kw):
+    return {"chunk_size": 8, "page_size": 4, "num_pages": 32, "namespace": {"model": "m"}} | kw
+
+
+def test_dict_with_local_tiers(tmp_path):
+    cfg = base(local_cpu=True, max_local_cpu_size=0.001, local_disk=f"file://{tmp_path}/db",
+               max_local_disk_size=0.01, local_disk_ttl=3600, write_policy="write_back",
+               namespace={"model": "m", "revision": "r2", "salt": "tenant"})
+    with rk.PrefixCache.from_config(cfg, LAYOUT) as cache:
+        assert [type(t) for t in cache.stack.tiers] == [CpuTier, LmdbTier]
+        assert cache.chunk_size == 8 and cache.pool.num_pages == 32 and cache.write_policy == "write_back"
+        assert cache.namespace.revision == "r2" and cache.namespace.salt == b"tenant"
+        assert cache.stack.tiers[0].capacity_bytes == 1_000_000
+        cache.check()
+
+
+def test_yaml_file_via_environment(tmp_path, monkeypatch):
+    path = tmp_path / "radixkv.yaml"
+    path.write_text("chunk_size: 8\npage_size: 4\npool_tokens: 64\nlocal_cpu: true\nmax_local_cpu_size: 0.001\n"
+                    "namespace:\n  model: m\nlayout: {num_layers: 2, num_kv_heads: 1, head_dim: 4, dtype: float32}\n")
+    monkeypatch.setenv("RADIXKV_CONFIG", str(path))
+    with rk.PrefixCache.from_config() as cache:
+        assert cache.pool.num_pages == 16 and cache.layout == LAYOUT
+        assert len(cache.stack.tiers) == 1
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(base()))
+    cache = rk.PrefixCache.from_config(path, LAYOUT)
+    assert cache.stack is None
+
+
+@pytest.mark.parametrize("cfg, words", [
+    (base(chunk_sise=8), "chunk_sise"),
+    (base(chunk_size=6), "chunk_size"),
+    (base(num_pages=None), "num_pages"),
+    (base(pool_tokens=64), "exactly one"),
+    (base(local_cpu=True), "max_local_cpu_size"),
+    (base(max_local_cpu_size=1.0), "local_cpu is not true"),
+    (base(local_disk="/tmp/x"), "max_local_disk_size"),
+    (base(max_local_disk_size=1.0), "local_disk is not"),
+    (base(max_local_cpu_size=-1, local_cpu=True), "max_local_cpu_size"),
+    (base(remote_url="redis://host:6379"), "remote_url"),
+    (base(remote_url="s3://"), "remote_url"),
+    (base(remote_endpoint="http://127.0.0.1:1"), "remote_endpoint"),
+    (base(write_policy="lazy"), "write_policy"),
+    (base(namespace={"revision": "r"}), "namespace.model"),
+    (base(namespace={"model": "m", "colour": "red"}), "colour"),
+    (base(local_cpu="yes"), "local_cpu"),
+])
+def test_bad_configs_name_the_key(cfg, words):
+    with pytest.raises(ValueError, match=words):
+        rk.PrefixCache.from_config(cfg, LAYOUT)
+
+
+def test_missing_layout_and_mismatched_page_size(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="layout"):
+        rk.PrefixCache.from_config(base())
+    with pytest.raises(ValueError, match="page_size"):
+        rk.PrefixCache.from_config(base(page_size=2), LAYOUT)
+    monkeypatch.delenv("RADIXKV_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="RADIXKV_CONFIG"):
+        rk.PrefixCache.from_config()
+    with pytest.raises(ValueError, match="no such file"):
+        rk.PrefixCache.from_config(tmp_path / "absent.yaml", LAYOUT)
