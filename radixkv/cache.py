@@ -51,6 +51,15 @@ _FREE, _ENGINE, _TREE = 0, 1, 2
 _match_ids = itertools.count(1)  # global, so a Match from another cache is never mistaken for ours
 
 
+class CacheStats(dict):  # type: ignore[type-arg]
+    """``PrefixCache.stats()``: a plain dict of counters that Jupyter shows as tables."""
+
+    def _repr_html_(self) -> str:
+        from radixkv.viz import stats_html
+
+        return stats_html(self)
+
+
 class PoolExhausted(RuntimeError):
     """``alloc`` cannot find enough pages even after evicting every unlocked prefix."""
 
@@ -151,6 +160,12 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: occupancy, levels and the tree (``radixkv.viz.cache_html``)."""
+        from radixkv.viz import cache_html
+
+        return cache_html(self)
 
     def __repr__(self) -> str:
         return (f"PrefixCache({self.pool.num_pages} pages x {self.page_size} tokens, "
@@ -394,13 +409,13 @@ class PrefixCache:
             raise ValueError(f"{name}: page {int(ids[self._state[ids] != _ENGINE][0])} is not held by the engine")
         return ids
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CacheStats:
         """Counters and occupancy: matches, query and hit tokens (from the pool and from the tiers),
         hit rate, pages free / cached / held by the engine, evictions, chunks stored; ``levels``, one
         dict per level (the pool, then each tier: lookups, hit tokens, bytes in and out, evictions,
         corrupt entries found, faults, dropped writes); and ``stack``, the ``TierStack``'s own
         counters.  O(num_pages) (counts the page states) plus one ``stats()`` call per tier."""
-        c: dict[str, Any] = dict(self._counters)
+        c = CacheStats(self._counters)
         counts = np.bincount(self._state, minlength=3)
         c.update(
             hit_rate=c["hit_tokens"] / c["query_tokens"] if c["query_tokens"] else 0.0,

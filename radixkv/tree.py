@@ -376,6 +376,12 @@ class RadixTree:
         show(self._root, "")
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: the tree drawn as nested boxes (``radixkv.viz.tree_html``)."""
+        from radixkv.viz import tree_html
+
+        return tree_html(self)
+
     def __repr__(self) -> str:
         return (f"RadixTree(page_size={self.page_size}, {self._num_nodes} nodes, {self.total_size} tokens, "
                 f"{self._protected} locked)")

@@ -1,6 +1,6 @@
 """Tier benchmark: put/get MB/s per tier for 256-token chunks, beside raw baselines in the same run.
 
-    python -m radixkv.bench tiers --out benchmarks/results/tiers_cpu.txt
+    python -m radixkv.bench tiers --s3 --out benchmarks/results/tiers_cpu.txt
 
 Chunks of a small layout (4 layers, 4 KV heads, head_dim 64, fp16: 1 MiB of KV per 256-token
 chunk).  Each tier is measured against the raw operation it is built on: ``CpuTier`` against a
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m radixkv.bench tiers", description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, default=32, help="chunks per measurement (1 MiB of KV each)")
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--s3", action="store_true",
+                    help="also S3Tier against raw boto3 on a local S3 server (as python -m radixkv.bench s3)")
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("tiers", argv)
@@ -152,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     say()
     for name, ratio, target in targets:
         say(f"target: {name}: {'PASS' if ratio >= target else 'FAIL'} ({ratio:.2f})")
+    if args.s3:
+        from radixkv.bench import s3
+
+        say()
+        s3.run(say, repeat=args.repeat)
     say.save(args.out)
     return 0
 
