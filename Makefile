@@ -7,7 +7,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
-EXTRAS ?= test,lmdb,s3
+EXTRAS ?= test,lmdb,s3,yaml,hf,notebooks
 PY := $(VENV)/bin/python
 comma := ,
 STAMP := $(VENV)/.radixkv-installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS))

@@ -70,13 +70,14 @@ class Match:
 
     ``pages`` (int64, CPU) holds the KV of ``tokens[:num_tokens]``; ``num_tokens`` is a multiple
     of the page size.  ``tier_tokens`` of them were loaded from the tiers by this match (the rest
-    were resident in the pool already).
+    were resident in the pool already); ``tier_tokens_by_tier`` splits them by tier.
     """
 
     num_tokens: int
     pages: torch.Tensor
     id: int
     tier_tokens: int = 0
+    tier_tokens_by_tier: tuple[int, ...] = ()    # of tier_tokens, how many each tier served (stack order)
 
     def __repr__(self) -> str:
         return f"Match({self.num_tokens} tokens in {len(self.pages)} pages, id={self.id})"
@@ -150,6 +151,11 @@ class PrefixCache:
         return TierStack(tiers, namespace=self.namespace, layout=self.layout, chunk_size=self.chunk_size,
                          promote=promote)
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued tier write is done (``False`` if ``timeout`` seconds passed
+        first).  For tests, benchmarks and shutdown: an engine never needs to wait."""
+        return True if self.stack is None else self.stack.flush(timeout)
+
     def close(self) -> None:
         """Finish queued tier writes and close the tiers.  Idempotent."""
         if self.stack is not None:
@@ -189,10 +195,11 @@ class PrefixCache:
         result = self.tree._match(usable)
         self.tree.lock(result.node)
         pool_tokens = result.num_tokens
+        by_tier: tuple[int, ...] = ()
         if self.stack is not None and result.num_tokens // self.chunk_size < len(usable) // 4 // self.chunk_size:
-            result = self._load_from_tiers(usable, result)
+            result, by_tier = self._load_from_tiers(usable, result)
         match = Match(result.num_tokens, torch.from_numpy(result.pages), next(_match_ids),
-                      result.num_tokens - pool_tokens)
+                      result.num_tokens - pool_tokens, by_tier)
         self._live[match.id] = result.node
         c = self._counters
         c["matches"] += 1
@@ -219,22 +226,23 @@ class PrefixCache:
         start = self.tree._match(data).num_tokens // self.chunk_size
         return self.stack.prefetch(tokens, start)
 
-    def _load_from_tiers(self, data: bytes, result: MatchResult) -> MatchResult:
-        """Extend a locked tree match with the chunks the tiers hold; return the new (locked) match."""
+    def _load_from_tiers(self, data: bytes, result: MatchResult) -> tuple[MatchResult, tuple[int, ...]]:
+        """Extend a locked tree match with the chunks the tiers hold; return the new (locked) match
+        and the tokens each tier served."""
         assert self.stack is not None
         cs, ps = self.chunk_size, self.page_size
         first = result.num_tokens // cs                      # the first chunk the tree does not cover
         refs = self.stack.refs_from_bytes(data[:len(data) // (4 * cs) * 4 * cs])[first:]
         where = self.stack.lookup([ref.key for ref in refs])
         if not where:
-            return result
+            return result, ()
         skip = (result.num_tokens - first * cs) // ps       # pages of that chunk already in the tree
         # Load no more chunks than the pool can take without touching locked or engine pages.
         room = self.pool.num_free + self.tree.evictable_size // ps
         n = min(len(where), (room + skip) // (cs // ps))
         chunks = self.stack.load(refs[:n], where=where[:n]) if n else []
         if not chunks:
-            return result
+            return result, ()
         new = self._take_pages(len(chunks) * (cs // ps) - skip)
         start = 0
         for i, chunk in enumerate(chunks):
@@ -249,9 +257,12 @@ class PrefixCache:
         self._state[new] = _TREE
         self.tree.lock(inserted.node)
         self.tree.unlock(result.node)
-        for tier, count in zip(*np.unique(where[:len(chunks)], return_counts=True)):
-            self._tier_hit_tokens[int(tier)] += int(count) * cs
-        return MatchResult(end, pages, inserted.node)
+        by_tier = [0] * len(self.stack.tiers)
+        for i, tier in enumerate(where[:len(chunks)]):
+            by_tier[tier] += cs - (skip * ps if i == 0 else 0)
+        for tier, tokens in enumerate(by_tier):
+            self._tier_hit_tokens[tier] += tokens
+        return MatchResult(end, pages, inserted.node), tuple(by_tier)
 
     def release(self, match: Match) -> None:
         """Drop the reference ``match`` holds, so its pages may be evicted again.  O(depth).
