@@ -1,6 +1,7 @@
 """``python -m radixkv COMMAND``: the demo (radixkv's main job on embedded defaults) and tools.
 
-    python -m radixkv demo        # replay a chat workload through a PrefixCache, print what it saved
+    python -m radixkv demo        # a random-weight model served through the cache: TTFT and hit sources
+    python -m radixkv replay      # replay a chat workload through a PrefixCache's index, print what it saved
     python -m radixkv build-ext   # build the block-copy extension now instead of on first use
 """
 
@@ -17,12 +18,12 @@ from radixkv.pool import KVLayout
 from radixkv.workloads import ChatWorkload, modelled_prefill_saving
 
 
-def demo(args: argparse.Namespace) -> int:
+def replay(args: argparse.Namespace) -> int:
     """Replay the chat workload through a CPU ``PrefixCache``; print hit rate and savings."""
     workload = ChatWorkload(num_requests=args.requests, num_system_prompts=args.system_prompts, seed=args.seed)
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16, page_size=args.page_size)
     cache = PrefixCache(layout, num_pages=args.pool_tokens // args.page_size, chunk_size=16 * args.page_size)
-    print(f"radixkv demo: {args.requests} chat requests ({args.system_prompts} shared system prompts of "
+    print(f"radixkv replay: {args.requests} chat requests ({args.system_prompts} shared system prompts of "
           f"{workload.system_prompt_tokens} tokens, 1-4 earlier turns, a fresh query each) through a "
           f"PrefixCache of {args.pool_tokens:,} token slots, page size {args.page_size}, on CPU")
     full_cost = cached_cost = 0.0
@@ -62,15 +63,21 @@ def build_ext(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        from radixkv.demo import main as demo
+
+        return demo(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m radixkv", description="radixkv: prefix caching for LLM engines")
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="replay a chat workload through a PrefixCache and print what it saved")
+    sub.add_parser("demo", help="a random-weight model served through the cache: TTFT and where hits came from")
+    d = sub.add_parser("replay", help="replay a chat workload through a PrefixCache and print what it saved")
     d.add_argument("--requests", type=int, default=2000)
     d.add_argument("--system-prompts", type=int, default=16)
     d.add_argument("--pool-tokens", type=int, default=1_000_000)
     d.add_argument("--page-size", type=int, default=16)
     d.add_argument("--seed", type=int, default=0)
-    d.set_defaults(func=demo)
+    d.set_defaults(func=replay)
     b = sub.add_parser("build-ext", help="build the block-copy extension now (it is otherwise built on first use)")
     b.add_argument("--verbose", action="store_true")
     b.set_defaults(func=build_ext)

@@ -11,8 +11,8 @@ def run(*args):
     return out.stdout
 
 
-def test_demo_reports_hits_and_savings():
-    out = run("radixkv", "demo", "--requests", "200", "--system-prompts", "4")
+def test_replay_reports_hits_and_savings():
+    out = run("radixkv", "replay", "--requests", "200", "--system-prompts", "4")
     rate = float(re.search(r"token hit rate ([\d.]+)%", out).group(1))
     assert 30 < rate < 100                     # 4 shared 2K-token prompts over 200 requests
     assert "modelled prefill compute saved" in out
@@ -38,3 +38,12 @@ def test_bench_usage():
 def test_bench_tiers_smoke():
     out = run("radixkv.bench", "tiers", "--chunks", "2", "--repeat", "1")
     assert "LmdbTier" in out and "target: CpuTier get" in out
+
+
+def test_demo_end_to_end_with_restart_and_cross_instance():
+    """The README's main command: every level serves the shared prompt, S3 across two processes."""
+    out = run("radixkv", "demo", "--cross-instance", "--system-tokens", "512", "--question-tokens", "32")
+    rows = {line.split("  ")[0].strip() + "|" + line[17:53].strip(): line for line in out.splitlines()
+            if line[:6] in ("engine", "restar", "s3-wri", "s3-rea")}
+    sources = [line[68:90].split()[0] if line[68:90].strip() else "-" for line in rows.values()]
+    assert sources == ["-", "pool", "pool", "cpu", "lmdb", "pool", "-", "s3"], out

@@ -2,7 +2,7 @@
 benchmarks and demo talk to over HTTP (no mocks of boto3).  Needs ``moto[server]`` (the test extra).
 
     with MotoServer() as server:
-        client = server.client()            # boto3, endpoint_url=server.url, test credentials
+        client = server.client()            # boto3, endpoint_url=server.endpoint_url, test credentials
 """
 
 from __future__ import annotations
