@@ -27,6 +27,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
+from radixkv._checks import check_int
 from radixkv.backends import Blob, Tier, blob_view, check_key, check_namespace_id, count_leading
 
 __all__ = ["CpuTier"]
@@ -53,8 +54,7 @@ class CpuTier(Tier):
     name = "cpu"
 
     def __init__(self, max_bytes: int, *, slot_bytes: int | None = None, pinned: bool | None = None) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+        check_int(max_bytes, "max_bytes")
         if slot_bytes is not None and (isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int)
                                        or slot_bytes < 1):
             raise ValueError(f"slot_bytes must be a positive int or None, got {slot_bytes!r}")

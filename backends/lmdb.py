@@ -49,6 +49,7 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
+from radixkv._checks import check_int
 from radixkv.backends import Blob, Tier, blob_view, check_key, check_namespace_id
 
 __all__ = ["LmdbTier"]
@@ -212,14 +213,12 @@ class LmdbTier(Tier):
                  clock: Callable[[], float] = time.time, touch_every: int = 64,
                  touch_seconds: float = 1.0) -> None:
         self._lmdb = _import_lmdb()
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+        check_int(max_bytes, "max_bytes")
         if ttl is not None and not ttl > 0:
             raise ValueError(f"ttl must be positive seconds or None, got {ttl!r}")
         if map_size is None:
             map_size = 2 * max_bytes + (8 << 20)
-        if isinstance(map_size, bool) or not isinstance(map_size, int) or map_size < (64 << 10):
-            raise ValueError(f"map_size must be an int of at least 64 KiB, got {map_size!r}")
+        check_int(map_size, "map_size", 64 << 10)
         if not isinstance(touch_every, int) or touch_every < 1:
             raise ValueError(f"touch_every must be a positive int, got {touch_every!r}")
         self.path = os.fspath(path)

@@ -80,6 +80,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 from urllib.parse import urlsplit
 
+from radixkv._checks import check_int
 from radixkv.backends import Blob, Tier, blob_view, check_key, check_namespace_id
 
 __all__ = ["CircuitBreaker", "S3Tier", "parse_remote_url"]
@@ -156,8 +157,7 @@ class CircuitBreaker:
 
     def __init__(self, failure_threshold: int = 3, backoff_s: float = 5.0, max_backoff_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic, name: str = "S3 endpoint") -> None:
-        if isinstance(failure_threshold, bool) or not isinstance(failure_threshold, int) or failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be an int >= 1, got {failure_threshold!r}")
+        check_int(failure_threshold, "failure_threshold", 1)
         if not (isinstance(backoff_s, (int, float)) and backoff_s > 0):
             raise ValueError(f"backoff_s must be a positive number, got {backoff_s!r}")
         if max_backoff_s is None:
@@ -258,8 +258,7 @@ class S3Tier(Tier):
         for name, value, low in (("max_attempts", max_attempts, 1), ("max_concurrency", max_concurrency, 1),
                                  ("multipart_threshold", multipart_threshold, 5 << 20),
                                  ("multipart_chunksize", multipart_chunksize, 5 << 20)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            check_int(value, name, low)
         self._ttl = _check_ttl(ttl_s, "ttl_s")
         self._ns_ttl = {check_namespace_id(ns): _check_ttl(s, "namespace_ttl_s")
                         for ns, s in (namespace_ttl_s or {}).items()}

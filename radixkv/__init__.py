@@ -31,6 +31,7 @@ __all__ = sorted([
     "PoolExhausted",
     "PrefixCache",
     "RadixTree",
+    "TierStack",
     "__version__",
     "backends",
     "chunk_keys",
@@ -40,6 +41,11 @@ __all__ = sorted([
 
 
 def __getattr__(name: str) -> Any:
+    if name == "TierStack":
+        from radixkv.tiers import TierStack
+
+        globals()[name] = TierStack
+        return TierStack
     if name in _LAZY:
         module = importlib.import_module(_LAZY[name])
         globals()[name] = module

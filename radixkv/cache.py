@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from radixkv._checks import check_int
 from radixkv import ops
 from radixkv.hashing import Namespace, as_token_bytes
 from radixkv.pool import KVLayout, KVPool, as_page_ids, has_duplicates
@@ -104,8 +105,7 @@ class PrefixCache:
                  chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 \
-                or chunk_size % layout.page_size:
+        if check_int(chunk_size, "chunk_size", 1) % layout.page_size:
             raise ValueError(f"chunk_size must be a positive multiple of page_size={layout.page_size}, "
                              f"got {chunk_size!r}")
         if write_policy not in ("write_through", "write_back"):
@@ -283,8 +283,7 @@ class PrefixCache:
         ``PoolExhausted`` without evicting anything when free + evictable pages are not enough.
         Cost: O(num_pages) plus O(log n) per evicted node.
         """
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
-            raise ValueError(f"num_pages must be a non-negative int, got {num_pages!r}")
+        check_int(num_pages, "num_pages")
         ids = self._take_pages(num_pages)
         self._counters["allocs"] += 1
         self._counters["allocated_pages"] += num_pages

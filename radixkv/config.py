@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from radixkv._checks import check_int
 from radixkv.hashing import Namespace
 from radixkv.pool import KVLayout
 
@@ -202,5 +203,4 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | None = None
 
 
 def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_int(value, name, 1)

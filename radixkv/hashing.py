@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import xxhash
+from radixkv._checks import check_int
 
 if TYPE_CHECKING:
     from radixkv.pool import KVLayout
@@ -96,8 +97,8 @@ class Namespace:
             value = getattr(self, f.name)
             if f.type == "str" and not isinstance(value, str):
                 raise TypeError(f"Namespace.{f.name} must be a str, got {type(value).__name__}")
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"Namespace.{f.name} must be a non-negative int, got {value!r}")
+            if f.type == "int":
+                check_int(value, f"Namespace.{f.name}")
         if not isinstance(self.salt, bytes):
             raise TypeError(f"Namespace.salt must be bytes, got {type(self.salt).__name__}")
         if not self.model:
@@ -178,8 +179,7 @@ def chunk_keys(tokens: Any, chunk_size: int, namespace: Namespace) -> list[bytes
     >>> chunk_keys(list(range(8)), 4, ns) == keys
     True
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_int(chunk_size, "chunk_size", 1)
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
     return keys_from_token_bytes(as_token_bytes(tokens), chunk_size, namespace.root)

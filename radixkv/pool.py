@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from radixkv._checks import check_int
 
 __all__ = ["KVLayout", "KVPool", "as_page_ids", "has_duplicates"]
 
@@ -47,8 +48,7 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+            check_int(value, f"KVLayout.{name}", 1)
         if self.dtype not in _POOL_DTYPES:
             allowed = ", ".join(sorted(str(d) for d in _POOL_DTYPES))
             raise TypeError(f"KVLayout.dtype must be one of {allowed}; got {self.dtype!r}")
@@ -125,8 +125,7 @@ class KVPool:
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu") -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        check_int(num_pages, "num_pages", 1)
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
@@ -156,8 +155,7 @@ class KVPool:
         Raises ``ValueError`` if fewer than ``n`` pages are free (the pool is left as it was);
         evicting to make room is the cache's job, not the pool's.
         """
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        check_int(n, "n")
         if n > self._top:
             raise ValueError(f"cannot allocate {n} pages: only {self._top} of {self.num_pages} are free")
         ids = self._stack[self._top - n:self._top].copy()

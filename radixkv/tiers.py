@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
+from radixkv._checks import check_int
 from radixkv.backends import Tier
 from radixkv.format import ChunkFormatError, decode_chunk, encode_chunk
 from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
@@ -104,8 +105,7 @@ class TierStack:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         for name, value in (("chunk_size", chunk_size), ("queue_size", queue_size), ("write_batch", write_batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(value, name, 1)
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.namespace = namespace
         self.layout = layout

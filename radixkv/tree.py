@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 from sortedcontainers import SortedDict
 
+from radixkv._checks import check_int
 from radixkv.hashing import as_token_bytes
 from radixkv.pool import as_page_ids
 
@@ -95,8 +96,7 @@ class RadixTree:
     """
 
     def __init__(self, page_size: int) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        check_int(page_size, "page_size", 1)
         self.page_size = page_size
         self._page_bytes = 4 * page_size
         self._clock = 0
@@ -311,8 +311,7 @@ class RadixTree:
         (its ``parent`` still set).  Returns the freed page ids; the caller gives them back to the
         pool.  Runtime complexity: O(log n) per evicted node.
         """
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
-            raise ValueError(f"num_pages must be a non-negative int, got {num_pages!r}")
+        check_int(num_pages, "num_pages")
         freed: list[np.ndarray] = []
         count = 0
         lru = self._lru

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
+from radixkv._checks import check_int
 
 if TYPE_CHECKING:
     from radixkv.cache import PrefixCache
@@ -103,8 +104,7 @@ def _check_range(name: str, value: tuple[int, int]) -> None:
 
 def _check_ints(minimum: int, **values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        check_int(value, name, minimum)
 
 
 def _random_tokens(rng: np.random.Generator, vocab_size: int, length: tuple[int, int]) -> np.ndarray:

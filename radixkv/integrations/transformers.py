@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixkv._checks import check_int
 from radixkv import ops
 from radixkv.cache import Match, PoolExhausted, PrefixCache
 from radixkv.hashing import Namespace, as_token_bytes
@@ -296,8 +297,7 @@ class PrefixCachedLM:
         one single-token forward per generated token, then one ``match`` (with tiers: a lookup for
         new full chunks) and one copy of the new KV into the pool.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        check_int(max_new_tokens, "max_new_tokens")
         ids = _token_array(tokens)
         result = self.prefill(ids)
         if max_new_tokens == 0:
