@@ -18,8 +18,9 @@ Three implementations give the same bytes:
 * ``"cuda+cpp"``: the same plus a CUDA kernel (``cuda_ext/block_copy_cuda.cu``), built where torch
   has CUDA and ``nvcc`` is found.  A buffer in pinned host memory is read or written by the kernel
   directly, with no staging copy on the GPU; the copy is asynchronous on the current stream.
-* ``"torch"``: ``index_select`` / ``index_copy_`` on byte views: the reference, and the fallback
-  when there is no compiler (or for devices the extension does not cover).
+* ``"torch"``: ``index_select`` on byte views for a gather, one ``copy_`` per page for a scatter:
+  the reference, and the fallback where there is no compiler (or for a device the extension does
+  not cover, such as a GPU pool when only the C++ part could be built).
 
 ``RADIXKV_EXT`` chooses: ``auto`` (default: build, and fall back to torch with one warning if the
 build fails), ``off`` (always torch), ``require`` (a failed build raises).  ``backend()`` says which
@@ -70,6 +71,12 @@ def gather_pages(pool: KVPool | torch.Tensor, page_ids: Any, out: torch.Tensor |
     Raises ``TypeError``/``ValueError`` naming the argument for a bad one; ``out`` is then untouched.
     Cost: O(len(page_ids) * page_bytes) bytes moved in one call, plus O(len(page_ids)) to check
     the ids (ids on a GPU are read back once: a sync).
+
+    >>> from radixkv.pool import KVLayout
+    >>> pool = KVPool(KVLayout(1, 1, 1, torch.float32, page_size=2), num_pages=4)
+    >>> pool.kv[0, 0, :, :, 0, 0] = torch.arange(8.0).view(4, 2)
+    >>> gather_pages(pool, [3, 1])[0, 0, :, 0, 0].tolist()    # K of pages 3 and 1, in that order
+    [6.0, 7.0, 2.0, 3.0]
     """
     kv = _pool_tensor(pool)
     skip = _check_skip(skip_pages)
@@ -190,17 +197,22 @@ def _load_extension(verbose: bool) -> str:
         os.makedirs(build_dir, exist_ok=True)
     # ATen's parallel_for is an OpenMP pragma in a header: without -fopenmp it runs on one thread.
     cflags = ["-O3"] + (["-fopenmp"] if sys.platform.startswith("linux") else [])
-    common = dict(extra_cflags=cflags, extra_include_paths=[str(src)], build_directory=build_dir,
-                  verbose=verbose, is_python_module=False)
+
+    def load(name: str, sources: list[str]) -> None:
+        cpp_extension.load(name=name, sources=sources, extra_cflags=cflags, extra_cuda_cflags=["-O3"],
+                           extra_include_paths=[str(src)], build_directory=build_dir, verbose=verbose,
+                           is_python_module=False)
+
     if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and cu:
         try:
-            cpp_extension.load(name="radixkv_block_copy_cuda", sources=cpp + cu,
-                               extra_cuda_cflags=["-O3"], **common)
+            load("radixkv_block_copy_cuda", cpp + cu)
             return "cuda+cpp"
-        except Exception:
+        except Exception as exc:
             if _mode() == "require":
                 raise
-    cpp_extension.load(name="radixkv_block_copy", sources=cpp, **common)
+            warnings.warn(f"radixkv.ops: could not build the CUDA kernel ({_first_line(exc)}); GPU pools "
+                          "use the torch fallback, CPU pools the C++ kernel", RuntimeWarning, stacklevel=2)
+    load("radixkv_block_copy", cpp)
     return "cpp"
 
 

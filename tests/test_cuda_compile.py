@@ -39,6 +39,7 @@ def test_there_are_cuda_sources() -> None:
                     "the CUDA sources are not compile-checked on this machine")
 @pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: p.name)
 def test_cuda_source_compiles(source: Path, tmp_path: Path) -> None:
+    assert NVCC is not None
     includes = [*cpp_extension.include_paths(), str(source.parent)]
     if not any((Path(d) / "c10/cuda/impl/cuda_cmake_macros.h").is_file() for d in includes):
         shim = tmp_path / "shim" / "c10" / "cuda" / "impl"

@@ -9,19 +9,22 @@ head-dim-128 fp16 pool of 2.5 GiB (page size 16: a chunk is 32 MiB in 1,024 runs
 a contiguous chunk buffer, with fresh page ids every repetition.  Beside it, in the same run and
 on the same threads:
 
-* the limit: a memcpy of the same bytes to (or from) the same buffer, from (or to) a random offset
-  of the pool, which is far larger than the caches.  ATen's parallel ``copy_`` and libc's
-  ``memmove`` split over as many Python threads are both timed; the faster is the limit.  A hot
-  memcpy (the same buffers again: it measures the cache, not memory) is shown for comparison.
+* the limit: a memcpy of the same bytes to (or from) the same chunk buffer, from (or to) a random
+  offset of the pool, which is far larger than the caches.  ATen's parallel ``copy_`` and libc's
+  ``memmove`` split over as many Python threads are both timed; the faster is the limit.  A memcpy
+  between two buffers of its own, copied again right before, is shown as "hot" for comparison.
 * ``index_select`` per layer, advanced indexing ``pool[:, :, ids]``, and a Python loop of
   per-page copies (one ``copy_`` per layer, K/V side and page: what an engine without a block-copy
   kernel writes).
 
-Variants are timed in interleaved rounds, each after a read of a buffer larger than the last-level
-cache, so that every one starts from the same cold caches and sees the same machine load; the
-ratios are of medians.  Targets on CPU: gather and scatter at >= 80% of the limit and >= 3x the
-per-page loop.  On a GPU (``--device cuda``): >= 80% of a ``cudaMemcpy`` (``copy_``) of the same
-bytes, device to device, and for the pinned-host path device to host and back.
+Variants are timed in interleaved rounds, in a new random order each round, each after a read of a buffer four times the size of the
+last-level cache (it lets the previous variant's writes drain), so that all see the same machine
+load and the same caches; the ratios are medians of per-round ratios.  The machine must be
+otherwise idle: a busy core stalls every parallel variant alike, and the ratios drift to 1.
+
+Targets on CPU: gather and scatter at >= 80% of the limit and >= 3x the per-page loop.  On a GPU
+(``--device cuda``): >= 80% of a ``cudaMemcpy`` (``copy_``) of the same bytes, device to device,
+and for the pinned-host path device to host and back.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from radixkv.bench import machine_line
 
 TARGET_OF_LIMIT = 0.80
 TARGET_OVER_LOOP = 3.0
-FLUSH_BYTES = 256 << 20  # read between timings: larger than any last-level cache in sight
+FLUSH_BYTES = 128 << 20  # read between timings: four times the last-level cache of the machine here
 T = TypeVar("T")
 
 
@@ -86,11 +89,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interleaved(variants: list[Variant], repeat: int, flush: Callable[[], object],
-                 sync: Callable[[], object]) -> dict[str, float]:
-    """Median seconds of each variant over ``repeat`` rounds that run every variant once."""
+                 sync: Callable[[], object]) -> dict[str, list[float]]:
+    """Seconds of each variant in each of ``repeat`` rounds that run every variant once.
+
+    Each round runs the variants in a new random order, so that none always follows the same
+    neighbour (whose writes, still draining, would slow it down every time).
+    """
     times: dict[str, list[float]] = {v.name: [] for v in variants}
+    rng = np.random.default_rng(2)
     for round_ in range(repeat + 1):  # round 0 warms up
-        for v in variants:
+        for k in rng.permutation(len(variants)):
+            v = variants[k]
             flush()
             if v.hot:
                 v.fn()
@@ -100,7 +109,16 @@ def _interleaved(variants: list[Variant], repeat: int, flush: Callable[[], objec
             sync()
             if round_:
                 times[v.name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def _ratio(times: dict[str, list[float]], name: str, *baselines: str) -> float:
+    """Median over rounds of (the fastest baseline's seconds / ``name``'s seconds) in that round.
+
+    Per-round ratios cancel what drifts between rounds (the machine's load), which a ratio of
+    overall medians would not.
+    """
+    return statistics.median(min(times[b][k] for b in baselines) / t for k, t in enumerate(times[name]))
 
 
 def _cycle(items: list[T]) -> Callable[[], T]:
@@ -135,8 +153,9 @@ def _header(kv: torch.Tensor, buf: torch.Tensor, args: argparse.Namespace) -> li
             f"medians of {args.repeat} interleaved rounds", ""]
 
 
-def _report(gbps: dict[str, float], checks: list[tuple[str, float, float]]) -> list[str]:
-    lines = [f"{name:<40} {v:7.2f} GB/s" for name, v in gbps.items()] + [""]
+def _report(times: dict[str, list[float]], nbytes: int, checks: list[tuple[str, float, float]]) -> list[str]:
+    lines = [f"{name:<40} {nbytes / statistics.median(t) / 1e9:7.2f} GB/s" for name, t in times.items()]
+    lines += ["", "ratios: medians of per-round ratios"]
     return lines + [f"{name:<40} {ratio:7.2f}  (target >= {target:.2f})  {'PASS' if ratio >= target else 'FAIL'}"
                     for name, ratio, target in checks]
 
@@ -146,7 +165,9 @@ def _run_cpu(args: argparse.Namespace) -> list[str]:
     ps, layers = args.page_size, args.layers
     nbytes = buf.numel() * buf.element_size()
     flat_buf = buf.view(torch.uint8).view(-1)
-    hot_src = torch.ones_like(flat_buf)
+    # The hot memcpy has buffers of its own: copied twice in a row, they would otherwise be kept in
+    # the last-level cache (which protects lines used again) and flatter the next cold copy.
+    hot_src, hot_dst = torch.ones_like(flat_buf), torch.zeros_like(flat_buf)
     flush_buf = torch.ones(FLUSH_BYTES // 4)
     threads = ThreadPoolExecutor(args.threads)
     buf_pages = buf.view(layers, 2, args.chunk // ps, ps, args.heads, args.head_dim)
@@ -188,7 +209,7 @@ def _run_cpu(args: argparse.Namespace) -> list[str]:
     gather = f"gather_pages ({ops.backend()})"
     scatter = f"scatter_pages ({ops.backend()})"
     variants = [
-        Variant("memcpy hot (same buffers again)", lambda: flat_buf.copy_(hot_src), hot=True),
+        Variant("memcpy hot (same buffers again)", lambda: hot_dst.copy_(hot_src), hot=True),
         Variant("memcpy cold read, ATen copy_", lambda: flat_buf.copy_(next_span())),
         Variant("memcpy cold read, libc memmove", lambda: memmove(flat_buf.data_ptr(), next_span().data_ptr())),
         Variant("memcpy cold write, ATen copy_", lambda: next_span().copy_(flat_buf)),
@@ -204,16 +225,15 @@ def _run_cpu(args: argparse.Namespace) -> list[str]:
         Variant("per-page copy_ loop, gather", loop_gather),
         Variant("per-page copy_ loop, scatter", loop_scatter),
     ]
-    seconds = _interleaved(variants, args.repeat, flush=flush_buf.sum, sync=lambda: None)
+    times = _interleaved(variants, args.repeat, flush=flush_buf.sum, sync=lambda: None)
     threads.shutdown()
-    gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
-    read_limit = max(gbps["memcpy cold read, ATen copy_"], gbps["memcpy cold read, libc memmove"])
-    write_limit = max(gbps["memcpy cold write, ATen copy_"], gbps["memcpy cold write, libc memmove"])
-    return _header(kv, buf, args) + _report(gbps, [
-        ("gather / cold memcpy read", gbps[gather] / read_limit, TARGET_OF_LIMIT),
-        ("scatter / cold memcpy write", gbps[scatter] / write_limit, TARGET_OF_LIMIT),
-        ("gather / per-page loop", gbps[gather] / gbps["per-page copy_ loop, gather"], TARGET_OVER_LOOP),
-        ("scatter / per-page loop", gbps[scatter] / gbps["per-page copy_ loop, scatter"], TARGET_OVER_LOOP),
+    return _header(kv, buf, args) + _report(times, nbytes, [
+        ("gather / cold memcpy read", _ratio(times, gather, "memcpy cold read, ATen copy_",
+                                             "memcpy cold read, libc memmove"), TARGET_OF_LIMIT),
+        ("scatter / cold memcpy write", _ratio(times, scatter, "memcpy cold write, ATen copy_",
+                                               "memcpy cold write, libc memmove"), TARGET_OF_LIMIT),
+        ("gather / per-page loop", _ratio(times, gather, "per-page copy_ loop, gather"), TARGET_OVER_LOOP),
+        ("scatter / per-page loop", _ratio(times, scatter, "per-page copy_ loop, scatter"), TARGET_OVER_LOOP),
     ])
 
 
@@ -232,14 +252,14 @@ def _run_cuda(args: argparse.Namespace) -> list[str]:
         Variant("gather_pages to pinned host", lambda: ops.gather_pages(kv, next_ids(), pinned)),
         Variant("scatter_pages from pinned host", lambda: ops.scatter_pages(pinned, kv, next_ids())),
     ]
-    seconds = _interleaved(variants, args.repeat, flush=flush_buf.sum, sync=torch.cuda.synchronize)
-    gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
-    d2d = gbps["cudaMemcpy device->device"]
-    return _header(kv, buf, args) + _report(gbps, [
-        ("gather / cudaMemcpy d2d", gbps["gather_pages to device"] / d2d, TARGET_OF_LIMIT),
-        ("scatter / cudaMemcpy d2d", gbps["scatter_pages from device"] / d2d, TARGET_OF_LIMIT),
+    times = _interleaved(variants, args.repeat, flush=flush_buf.sum, sync=torch.cuda.synchronize)
+    return _header(kv, buf, args) + _report(times, nbytes, [
+        ("gather / cudaMemcpy d2d", _ratio(times, "gather_pages to device", "cudaMemcpy device->device"),
+         TARGET_OF_LIMIT),
+        ("scatter / cudaMemcpy d2d", _ratio(times, "scatter_pages from device", "cudaMemcpy device->device"),
+         TARGET_OF_LIMIT),
         ("gather to pinned / cudaMemcpy d2h",
-         gbps["gather_pages to pinned host"] / gbps["cudaMemcpy device->pinned host"], TARGET_OF_LIMIT),
+         _ratio(times, "gather_pages to pinned host", "cudaMemcpy device->pinned host"), TARGET_OF_LIMIT),
         ("scatter from pinned / cudaMemcpy h2d",
-         gbps["scatter_pages from pinned host"] / gbps["cudaMemcpy pinned host->device"], TARGET_OF_LIMIT),
+         _ratio(times, "scatter_pages from pinned host", "cudaMemcpy pinned host->device"), TARGET_OF_LIMIT),
     ])
