@@ -87,6 +87,11 @@ class Match:
 class PrefixCache:
     """Prefix cache over a paged KV pool.  See the module docstring for the protocol.
 
+    ``tiers`` (fastest first, or a ready ``TierStack``) go below the pool; ``promote`` copies lower-tier
+    hits into the tiers above; ``write_queue`` bounds the chunks waiting to be written (a chunk that
+    does not fit is dropped and counted: with ``write_back``, one eviction may spill many chunks at
+    once, so give it room).
+
     >>> layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
     >>> cache = PrefixCache(layout, num_pages=8)
     >>> tokens = [1, 2, 3, 4, 5]
@@ -102,7 +107,8 @@ class PrefixCache:
 
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu",
                  namespace: Namespace | None = None, tiers: Sequence[Tier] | TierStack = (),
-                 chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True) -> None:
+                 chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True,
+                 write_queue: int = 64) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if check_int(chunk_size, "chunk_size", 1) % layout.page_size:
@@ -125,7 +131,7 @@ class PrefixCache:
             ("matches", "query_tokens", "hit_tokens", "pool_hit_tokens", "tier_hit_tokens", "inserts",
              "inserted_tokens", "duplicate_pages", "allocs", "allocated_pages", "evicted_pages", "evictions",
              "chunks_stored", "chunks_not_queued"), 0)
-        self.stack = self._make_stack(tiers, promote)
+        self.stack = self._make_stack(tiers, promote, write_queue)
         self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
 
     @classmethod
@@ -138,7 +144,7 @@ class PrefixCache:
 
         return load_config(config).build(layout)
 
-    def _make_stack(self, tiers: Any, promote: bool) -> TierStack | None:
+    def _make_stack(self, tiers: Any, promote: bool, write_queue: int) -> TierStack | None:
         from radixkv.tiers import TierStack   # here, so that a cache without tiers needs no backend
 
         if isinstance(tiers, TierStack):
@@ -149,7 +155,7 @@ class PrefixCache:
         if not tiers:
             return None
         return TierStack(tiers, namespace=self.namespace, layout=self.layout, chunk_size=self.chunk_size,
-                         promote=promote)
+                         promote=promote, queue_size=write_queue)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued tier write is done (``False`` if ``timeout`` seconds passed
