@@ -17,10 +17,11 @@ on the same threads:
   per-page copies (one ``copy_`` per layer, K/V side and page: what an engine without a block-copy
   kernel writes).
 
-Variants are timed in interleaved rounds, in a new random order each round, each after a read of a buffer four times the size of the
-last-level cache (it lets the previous variant's writes drain), so that all see the same machine
-load and the same caches; the ratios are medians of per-round ratios.  The machine must be
-otherwise idle: a busy core stalls every parallel variant alike, and the ratios drift to 1.
+Variants are timed in interleaved rounds, in a new random order each round; a timing is a burst
+of calls in a row (each on fresh pages and offsets) after a read of a buffer four times the size
+of the last-level cache, which lets the previous variant's writes drain and leaves every variant
+the same caches.  The ratios are medians of per-round ratios.  The machine must be otherwise idle:
+a busy core stalls every parallel variant alike, and the ratios drift towards 1.
 
 Targets on CPU: gather and scatter at >= 80% of the limit and >= 3x the per-page loop.  On a GPU
 (``--device cuda``): >= 80% of a ``cudaMemcpy`` (``copy_``) of the same bytes, device to device,
@@ -65,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=256, help="tokens per chunk (default 256)")
-    p.add_argument("--repeat", type=int, default=31, help="interleaved rounds (default 31)")
+    p.add_argument("--repeat", type=int, default=21, help="interleaved rounds (default 21)")
+    p.add_argument("--burst", type=int, default=4, help="calls in a row per timing (default 4)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="tiny pool, few rounds: a smoke test, not a measurement")
     p.add_argument("--out", help="also write the report to this file")
     args = p.parse_args(argv)
     if args.quick:
-        args.pool_gib, args.layers, args.repeat = 1 / 64, 2, 2
+        args.pool_gib, args.layers, args.repeat, args.burst = 1 / 64, 2, 2, 1
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no GPU here", file=sys.stderr)
         return 2
@@ -88,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _interleaved(variants: list[Variant], repeat: int, flush: Callable[[], object],
+def _interleaved(variants: list[Variant], repeat: int, burst: int, flush: Callable[[], object],
                  sync: Callable[[], object]) -> dict[str, list[float]]:
-    """Seconds of each variant in each of ``repeat`` rounds that run every variant once.
+    """Seconds per call of each variant in each of ``repeat`` rounds that run every variant once.
 
-    Each round runs the variants in a new random order, so that none always follows the same
-    neighbour (whose writes, still draining, would slow it down every time).
+    A variant's timing is a burst of ``burst`` calls in a row (each on fresh pages, as a run of
+    chunk stores would be) after the flush, so that its Python code, which the flush also evicts,
+    is not timed cold every time.  Each round runs the variants in a new random order, so that none
+    always follows the same neighbour (whose writes, still draining, would slow it every time).
     """
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     rng = np.random.default_rng(2)
@@ -105,10 +109,11 @@ def _interleaved(variants: list[Variant], repeat: int, flush: Callable[[], objec
                 v.fn()
             sync()
             t0 = time.perf_counter()
-            v.fn()
+            for _ in range(burst):
+                v.fn()
             sync()
             if round_:
-                times[v.name].append(time.perf_counter() - t0)
+                times[v.name].append((time.perf_counter() - t0) / burst)
     return times
 
 
@@ -150,7 +155,7 @@ def _header(kv: torch.Tensor, buf: torch.Tensor, args: argparse.Namespace) -> li
     return [f"pool {tuple(kv.shape)} {kv.dtype} = {kv.numel() * kv.element_size() / (1 << 30):.2f} GiB; "
             f"chunk of {args.chunk} tokens = {nbytes / (1 << 20):g} MiB in {runs} runs of "
             f"{nbytes // runs / 1024:g} KiB; {torch.get_num_threads()} torch threads; "
-            f"medians of {args.repeat} interleaved rounds", ""]
+            f"medians of {args.repeat} interleaved rounds of {args.burst} calls", ""]
 
 
 def _report(times: dict[str, list[float]], nbytes: int, checks: list[tuple[str, float, float]]) -> list[str]:
@@ -225,7 +230,7 @@ def _run_cpu(args: argparse.Namespace) -> list[str]:
         Variant("per-page copy_ loop, gather", loop_gather),
         Variant("per-page copy_ loop, scatter", loop_scatter),
     ]
-    times = _interleaved(variants, args.repeat, flush=flush_buf.sum, sync=lambda: None)
+    times = _interleaved(variants, args.repeat, args.burst, flush=flush_buf.sum, sync=lambda: None)
     threads.shutdown()
     return _header(kv, buf, args) + _report(times, nbytes, [
         ("gather / cold memcpy read", _ratio(times, gather, "memcpy cold read, ATen copy_",
@@ -252,7 +257,7 @@ def _run_cuda(args: argparse.Namespace) -> list[str]:
         Variant("gather_pages to pinned host", lambda: ops.gather_pages(kv, next_ids(), pinned)),
         Variant("scatter_pages from pinned host", lambda: ops.scatter_pages(pinned, kv, next_ids())),
     ]
-    times = _interleaved(variants, args.repeat, flush=flush_buf.sum, sync=torch.cuda.synchronize)
+    times = _interleaved(variants, args.repeat, args.burst, flush=flush_buf.sum, sync=torch.cuda.synchronize)
     return _header(kv, buf, args) + _report(times, nbytes, [
         ("gather / cudaMemcpy d2d", _ratio(times, "gather_pages to device", "cudaMemcpy device->device"),
          TARGET_OF_LIMIT),
