@@ -47,3 +47,8 @@ def test_demo_end_to_end_with_restart_and_cross_instance():
             if line[:6] in ("engine", "restar", "s3-wri", "s3-rea")}
     sources = [line[68:90].split()[0] if line[68:90].strip() else "-" for line in rows.values()]
     assert sources == ["-", "pool", "pool", "cpu", "lmdb", "pool", "-", "s3"], out
+
+
+def test_build_ext_reports_the_backend():
+    out = run("radixkv", "build-ext")
+    assert out.startswith("radixkv.ops backend: ") and out.split(": ")[1].strip() in ("cpp", "cuda+cpp", "torch")
