@@ -279,5 +279,5 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     out = tmp_path / "copy.txt"
     assert copy.main(["--quick", "--out", str(out)]) == 0
     text = out.read_text()
-    assert text.startswith("$ python -m radixkv.bench copy --quick")
+    assert text.startswith("# python -m radixkv.bench copy --quick")
     assert "gather / cold memcpy read" in text and "per-page loop" in text

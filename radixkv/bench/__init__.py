@@ -53,13 +53,15 @@ class Report:
     It opens with the exact command and the machine, the header every committed result carries.
     """
 
-    def __init__(self, name: str, argv: list[str] | None) -> None:
+    def __init__(self, name: str, argv: list[str] | None,
+                 echo: Callable[[str], object] = lambda line: print(line, flush=True)) -> None:
         self.lines: list[str] = []
+        self.echo = echo            # e.g. tqdm.write, so that lines and a progress bar do not collide
         self(f"# python -m radixkv.bench {name} {' '.join(argv or [])}".rstrip())
         self(f"# machine: {machine_line()}")
 
     def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
+        self.echo(line)
         self.lines.append(line)
 
     def save(self, path: str | None) -> None:

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from radixkv import ops
-from radixkv.bench import machine_line
+from radixkv.bench import Report
 
 TARGET_OF_LIMIT = 0.80
 TARGET_OVER_LOOP = 3.0
@@ -79,14 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
 
-    command = " ".join(["python -m radixkv.bench copy", *(sys.argv[1:] if argv is None else argv)])
-    lines = [f"$ {command}", machine_line(), f"radixkv.ops backend: {ops.backend()}"]
-    lines += _run_cuda(args) if args.device == "cuda" else _run_cpu(args)
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    say = Report("copy", sys.argv[1:] if argv is None else argv)
+    say(f"radixkv.ops backend: {ops.backend()}")
+    for line in _run_cuda(args) if args.device == "cuda" else _run_cpu(args):
+        say(line)
+    say.save(args.out)
     return 0
 
 

@@ -51,7 +51,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from radixkv.bench import machine_line
+from radixkv.bench import Report
 
 TARGET_REDUCTION = {2048: 0.80, 4096: 0.85, 8192: 0.95}
 TARGET_SPEEDUP_8K = 16.5
@@ -296,17 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from tqdm import tqdm
 
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        tqdm.write(s, file=sys.stdout)
-        lines.append(s)
-
     prefixes = _prefixes(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    say(f"# python -m radixkv.bench ttft {' '.join(argv)}".rstrip())
-    say(f"# machine: {machine_line()}")
+    say = Report("ttft", argv, echo=lambda line: tqdm.write(line, file=sys.stdout))
     say(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     workdir = tempfile.mkdtemp(prefix="radixkv-ttft-")
     steps = 2 * len(prefixes) * args.repeat + len(prefixes)
@@ -320,9 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         f"{time.perf_counter() - started:.0f} s in all")
     _report(args, layout, model, main_records, restart_records, say)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    say.save(args.out)
     return 0
 
 
