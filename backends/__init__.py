@@ -81,6 +81,8 @@ class Tier(abc.ABC):
       never do is return a blob other than the last one put under that key.
     * **Faults raise**: an I/O error, a timeout or a closed tier raises; ``TierStack`` turns that
       into a miss and counts it.  A tier never swallows a fault into a wrong answer.
+    * **Local or not** (``local``): a local tier's read costs no network round trip, so the stack
+      may read it for bookkeeping (to refresh a chunk's recency); a remote tier is read only to load.
 
     Subclasses implement ``get``, ``put``, ``contains_prefix``, ``delete``, ``drop_namespace`` and
     ``used_bytes``; the batch methods and ``read`` have correct (if unbatched) defaults.
@@ -88,6 +90,9 @@ class Tier(abc.ABC):
 
     #: Short name used in logs and ``TierStack.stats()``.
     name: str = "tier"
+    #: Local: a read costs no network round trip, so the stack may read it for bookkeeping (e.g.
+    #: ``TierStack.touch`` reads a chunk to refresh its LRU position).  A remote tier sets ``False``.
+    local: bool = True
 
     @abc.abstractmethod
     def get(self, key: bytes) -> Blob | None:

@@ -238,6 +238,7 @@ class S3Tier(Tier):
     """
 
     name = "s3"
+    local = False     # every read is a round trip: the stack never reads it for bookkeeping
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
                  region: str | None = None, client: Any = None, *,

@@ -17,8 +17,10 @@ the tree does not fully cover, asks the ``TierStack`` which of the following chu
 loads and verifies them, scatters them into new pool pages (only the pages past the tree's match
 when that match ends inside a chunk), inserts them into the tree and returns one match covering
 both.  Writes go down asynchronously: ``write_through`` stores every new full chunk when it is
-inserted; ``write_back`` stores a chunk when the tree evicts the node it ends in (its ancestors are
-still resident then, so the whole chunk is at hand).  Either way the chunk's pages are copied out
+inserted, and refreshes its recency in the tiers (``TierStack.touch``) when the tree evicts the
+node it ends in, so a tier below the pool keeps what the pool lets go; ``write_back`` stores a
+chunk when the tree evicts the node it ends in (its ancestors are still resident then, so the
+whole chunk is at hand).  Either way the chunk's pages are copied out
 synchronously and the copy is queued, so a write takes no lock on the tree: nothing can be left
 locked by a write that fails or is dropped.
 
@@ -390,24 +392,43 @@ class PrefixCache:
         self._counters["chunks_stored"] += queued
         self._counters["chunks_not_queued"] += len(items) - queued
 
+    def _chunks_ending_in(self, node: RadixNode) -> tuple[bytes, int, int]:
+        """The tokens from the root to the end of ``node`` (int32 bytes) and the range
+        ``first..last-1`` of the chunks that end inside ``node``.  O(depth + tokens)."""
+        tokens = self.tree.prefix_tokens(node)
+        start = len(tokens) - node.num_tokens
+        return tokens.tobytes(), start // self.chunk_size, len(tokens) // self.chunk_size
+
     def _spill(self, node: RadixNode) -> None:
         """write_back: store the chunks that end inside ``node``, which is about to be evicted."""
-        tokens = self.tree.prefix_tokens(node)
-        path_pages = []
-        walk: RadixNode | None = node
-        while walk is not None and walk.parent is not None:
-            path_pages.append(walk.pages)
-            walk = walk.parent
-        start = len(tokens) - node.num_tokens
-        first, last = start // self.chunk_size, len(tokens) // self.chunk_size
+        data, first, last = self._chunks_ending_in(node)
         if first < last:
-            self._store_chunks(tokens.tobytes(), np.concatenate(path_pages[::-1]), first, last)
+            path_pages = []
+            walk: RadixNode | None = node
+            while walk is not None and walk.parent is not None:
+                path_pages.append(walk.pages)
+                walk = walk.parent
+            self._store_chunks(data, np.concatenate(path_pages[::-1]), first, last)
+
+    def _refresh(self, node: RadixNode) -> None:
+        """write_through: mark the chunks that end inside ``node``, which is about to be evicted, as
+        just used in the tiers, so that a tier below the pool keeps what the pool lets go."""
+        assert self.stack is not None
+        data, first, last = self._chunks_ending_in(node)
+        if first < last:
+            refs = self.stack.refs_from_bytes(data[:last * self.chunk_size * 4])[first:]
+            self.stack.touch([ref.key for ref in refs])
 
     def evict(self, num_pages: int) -> int:
         """Evict least-recently-used unlocked prefixes until ``num_pages`` pages are freed (or
-        nothing more is evictable); return how many were freed.  O(log n) per evicted node."""
-        spill = self._spill if self.stack is not None and self.write_policy == "write_back" else None
-        freed = self.tree.evict(num_pages, spill)
+        nothing more is evictable); return how many were freed.  With tiers, the evicted chunks are
+        stored (``write_back``) or refreshed in the tiers' LRU order (``write_through``): the tiers
+        keep what the pool lets go.  O(log n) per evicted node, plus a hash pass over each evicted
+        node's prefix with tiers."""
+        on_evict = None
+        if self.stack is not None:
+            on_evict = self._spill if self.write_policy == "write_back" else self._refresh
+        freed = self.tree.evict(num_pages, on_evict)
         if freed.size:
             self.pool.free(freed)
             self._state[freed] = _FREE

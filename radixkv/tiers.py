@@ -13,6 +13,9 @@ tier keys.  Tier 0 is the fastest (e.g. ``CpuTier``), the last the slowest (e.g.
   tier, and the next tier down is tried.
 * ``store(items)`` encodes and writes chunks down every tier from one background thread, through
   a bounded queue: when the queue is full the write is dropped and counted, never waited for.
+* ``touch(keys)`` refreshes the recency of chunks in the local tiers that hold them (a read, from
+  the same background thread and queue as the writes), e.g. when the pool evicts them: a tier
+  below the pool then acts as a victim cache under ``write_through`` too.
 * ``prefetch(tokens)`` runs lookup and load on a worker thread and returns a ``Future``.
 
 No fault of a tier (any exception: disk full, network down, a closed tier) reaches the caller:
@@ -119,10 +122,11 @@ class TierStack:
         self._stats_lock = threading.Lock()
         n = len(self.tiers)
         self._per_tier = {k: [0] * n for k in ("tier_lookups", "hits", "corrupt", "errors", "stored",
-                                               "tier_bytes_loaded", "tier_bytes_stored")}
+                                               "touched", "tier_bytes_loaded", "tier_bytes_stored")}
         self._counts = dict.fromkeys(("lookups", "lookup_keys", "lookup_found", "misses", "load_misses",
                                       "promoted", "dropped_writes", "bytes_loaded", "bytes_stored"), 0)
-        # The write queue: ("store", ChunkRef, kv) or ("promote", tier indices, tier key, blob).
+        # The write queue: ("store", ChunkRef, kv), ("promote", tier indices, tier key, blob) or
+        # ("touch", tier key).
         self._queue: deque[tuple[Any, ...]] = deque()
         self._cv = threading.Condition()
         self._busy = False
@@ -175,10 +179,7 @@ class TierStack:
         one ``contains_prefix`` round trip per tier (a tier that fails counts as holding none).
         Cost: O(len(keys)) local lookups plus one round trip per tier.
         """
-        keys = list(keys)
-        for key in keys:
-            if type(key) is not bytes or len(key) != 16:
-                raise ValueError(f"keys must be 16-byte chunk keys, got {key!r}")
+        keys = _chunk_keys(keys)
         found: list[int] = []
         tier_keys = [self._prefix + k for k in keys]
         for i, tier in enumerate(self.tiers):
@@ -299,6 +300,21 @@ class TierStack:
                 raise ValueError(f"kv must be a {self.layout.dtype} tensor of shape {self.shape}, got {got}")
         return sum(self._enqueue(("store", ref, kv)) for ref, kv in items)
 
+    def touch(self, keys: Sequence[bytes]) -> int:
+        """Queue an access of each 16-byte chunk key in every local tier (``Tier.local``) that holds
+        it, so that its LRU order counts the chunk as just used; the number queued.  For a tier
+        below the pool to act as a victim cache: call it with the chunks the pool evicts.
+
+        Never blocks: what does not fit in the queue is dropped and counted in ``dropped_writes``.
+        The writer thread performs each as ``read(key, len)`` (after a ``contains_prefix`` probe) on
+        the tiers that hold it, before the writes it takes in the same batch; a fault is counted like
+        any other.  Remote tiers are never read.  Cost: O(1) per key on the caller's thread.
+        """
+        keys = _chunk_keys(keys)
+        if not any(tier.local for tier in self.tiers):
+            return 0
+        return sum(self._enqueue(("touch", self._prefix + key)) for key in keys)
+
     def _enqueue(self, item: tuple[Any, ...]) -> bool:
         with self._cv:
             if self._closed or len(self._queue) >= self.queue_size:
@@ -330,8 +346,11 @@ class TierStack:
     def _write_batch(self, batch: list[tuple[Any, ...]]) -> None:
         per_tier: list[list[tuple[bytes, bytes]]] = [[] for _ in self.tiers]
         stores: list[tuple[bytes, bytes]] = []
+        touches: list[bytes] = []
         for item in batch:
-            if item[0] == "promote":
+            if item[0] == "touch":
+                touches.append(item[1])
+            elif item[0] == "promote":
                 _, upper, key, blob = item
                 for i in upper:
                     per_tier[i].append((key, blob))
@@ -341,6 +360,12 @@ class TierStack:
                 blob = encode_chunk(self._prefix, ref.key, ref.parent, ref.tokens, kv)
                 stores.append((self._prefix + ref.key, blob))
         for i, tier in enumerate(self.tiers):
+            if touches and tier.local:
+                # Before the writes: a touch comes from an eviction that made room for what follows
+                # it, and a write puts its chunk first in LRU order anyway.
+                held = [k for k in touches if self._call(i, 0, tier.contains_prefix, [k]) == 1]
+                touched = sum(self._call(i, None, tier.read, k, len) is not None for k in held)
+                self._add("touched", touched, tier=i)
             # A tier that already holds a chunk is not written again (one cheap probe each).
             fresh = [(k, b) for k, b in stores if self._call(i, 0, tier.contains_prefix, [k]) == 0]
             writes = per_tier[i] + fresh
@@ -375,7 +400,8 @@ class TierStack:
     def stats(self) -> dict[str, Any]:
         """Counters: per tier (lists in stack order) ``tier_lookups`` (``contains_prefix`` calls),
         ``hits`` (chunks loaded), ``corrupt`` (blobs that failed verification), ``errors`` (faults),
-        ``stored`` (chunks written), ``tier_bytes_loaded`` (KV bytes decoded from it),
+        ``stored`` (chunks written), ``touched`` (chunks whose recency ``touch`` refreshed),
+        ``tier_bytes_loaded`` (KV bytes decoded from it),
         ``tier_bytes_stored`` (blob bytes written to it); and
         ``lookups``, ``lookup_keys``, ``lookup_found``, ``misses`` (lookups that stopped on a key no
         tier holds), ``load_misses`` (loads that stopped early), ``promoted``, ``dropped_writes``,
@@ -423,6 +449,15 @@ class TierStack:
             assert self._counts["lookup_found"] <= self._counts["lookup_keys"], "found more keys than asked"
         for tier in self.tiers:
             tier.check()
+
+
+def _chunk_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """``keys`` as a list, each checked to be a 16-byte chunk key (``ValueError`` otherwise)."""
+    keys = list(keys)
+    for key in keys:
+        if type(key) is not bytes or len(key) != 16:
+            raise ValueError(f"keys must be 16-byte chunk keys, got {key!r}")
+    return keys
 
 
 def _bad_answer(tier: Tier, n: object) -> None:

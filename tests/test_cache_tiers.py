@@ -284,3 +284,88 @@ def test_prefetch_warms_the_top_tier():
         assert m.num_tokens == 32
         assert b.stats()["tier_hit_tokens_by_tier"] == [32, 0]
         b.release(m)
+
+
+def _prefix(i):
+    """Nine tokens: one full chunk of 8 (two pages) and a tail token; a different chunk per ``i``."""
+    return [100 * (i + 1) + t for t in range(9)]
+
+
+def test_write_through_pool_evictions_refresh_the_cpu_tier():
+    """Under write_through the CPU tier is a victim cache: what the pool evicts becomes the most
+    recent chunk there, however long ago it was written, so it outlives later writes."""
+    slot = encoded_size(LAYOUT.chunk_shape(8), LAYOUT.dtype)
+    tier = CpuTier(3 * slot, slot_bytes=slot)                          # holds exactly 3 chunks
+    a, b, c, d = (_prefix(i) for i in range(4))
+    # 7 pages: A, B and C (two pages each) and one free; D's alloc (3 pages) evicts the LRU prefix.
+    with rk.PrefixCache(LAYOUT, 7, namespace=NS, tiers=[tier], chunk_size=8) as cache:
+        for tokens in (a, b, c):
+            prefill(cache, tokens)
+            for _ in range(3):                                         # A stays hot in the pool
+                cache.release(cache.match(a))
+        for tokens in (b, c):                                          # ... until B and C are hotter
+            cache.release(cache.match(tokens))
+        cache.stack.flush()
+        keys = [cache.namespace.id + cache.stack.refs(t)[0].key for t in (a, b, c, d)]
+        assert tier.contains_prefix(keys[:3]) == 3                     # written A, B, C: A is the oldest
+        prefill(cache, d)                                              # the pool evicts A; D is written
+        assert cache.stats()["evicted_pages"] == 2
+        assert [tier.contains_prefix([k]) for k in keys] == [1, 0, 1, 1]   # B, not A, left the tier
+        assert cache.stack.stats()["touched"] == [1]
+        cache.evict(cache.pool.num_pages)
+        m = cache.match(a)
+        assert (m.num_tokens, m.tier_tokens_by_tier) == (8, (8,))       # served by the CPU tier
+        cache.release(m)
+        cache.check()
+
+
+class _RemoteTier(MemoryTier):
+    """A tier that says it is remote and records its reads."""
+
+    local = False
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def get(self, key):
+        self.reads.append(key)
+        return super().get(key)
+
+
+def test_touch_refreshes_lru_order_in_local_tiers_only():
+    slot = encoded_size(LAYOUT.chunk_shape(8), LAYOUT.dtype)
+    cpu, remote = CpuTier(2 * slot, slot_bytes=slot), _RemoteTier()
+    with make([cpu, remote]) as cache:
+        stack = cache.stack
+        refs = stack.refs(TOKENS)
+        stack.store((ref, torch.zeros(LAYOUT.chunk_shape(8))) for ref in refs[:2])
+        stack.flush()
+        keys = [ref.key for ref in refs]
+        assert stack.touch([keys[0], keys[3]]) == 2                    # keys[3] is held by no tier
+        stack.flush()
+        assert remote.reads == []                                      # a remote tier is never read
+        assert stack.stats()["touched"] == [1, 0]
+        stack.store([(refs[2], torch.zeros(LAYOUT.chunk_shape(8)))])   # evicts the LRU chunk: 1, not 0
+        stack.flush()
+        held = [cpu.contains_prefix([cache.namespace.id + k]) for k in keys[:3]]
+        assert held == [1, 0, 1]
+        with pytest.raises(ValueError, match="16-byte"):
+            stack.touch([b"short"])
+        cache.check()
+
+
+def test_touch_is_dropped_and_counted_when_the_queue_is_full():
+    with make([MemoryTier()], write_queue=1) as cache:
+        keys = [ref.key for ref in cache.stack.refs(TOKENS)]
+        with cache.stack._cv:                                          # hold the writer off the queue
+            queued = cache.stack.touch(keys)
+        assert queued <= 1 and cache.stack.stats()["dropped_writes"] == len(keys) - queued
+
+
+def test_touch_without_a_local_tier_queues_nothing():
+    remote = _RemoteTier()
+    with make([remote]) as cache:
+        assert cache.stack.touch([ref.key for ref in cache.stack.refs(TOKENS)]) == 0
+        cache.stack.flush()
+        assert remote.reads == []
