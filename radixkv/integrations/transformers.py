@@ -108,7 +108,7 @@ def random_model(family: str = "llama", seed: int = 0, *, num_layers: int = 2, h
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(config)
-    return model.to(dtype).eval()
+    return model.to(dtype).train(False)   # inference mode (dropout off)
 
 
 def _text_config(model: Any) -> Any:
