@@ -38,7 +38,7 @@ import torch
 
 from radixkv._checks import check_int
 from radixkv import ops
-from radixkv.hashing import Namespace, as_token_bytes
+from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
 from radixkv.pool import KVLayout, KVPool, as_page_ids, has_duplicates
 from radixkv.tree import MatchResult, RadixNode, RadixTree
 
@@ -352,10 +352,11 @@ class PrefixCache:
             known = prefix_bytes // (4 * self.page_size)
             if in_tree[known:].any():
                 raise ValueError("pages: a cached page is passed for tokens it does not hold")
-            if known and (in_tree[:known].any() or self.stack is not None):
+            passes_cached = known and in_tree[:known].any()
+            if passes_cached or (known and self.stack is not None):   # the stack needs them to store
                 cached_pages.extend(n.pages for n in path)
-                if (in_tree[:known] & (body[:known] != np.concatenate(cached_pages))).any():
-                    raise ValueError("pages: a cached page is passed for tokens it does not hold")
+            if passes_cached and (in_tree[:known] & (body[:known] != np.concatenate(cached_pages))).any():
+                raise ValueError("pages: a cached page is passed for tokens it does not hold")
 
         result = self.tree._insert(data, body, validate)
         known = result.prefix_len // self.page_size
@@ -403,12 +404,7 @@ class PrefixCache:
         """write_back: store the chunks that end inside ``node``, which is about to be evicted."""
         data, first, last = self._chunks_ending_in(node)
         if first < last:
-            path_pages = []
-            walk: RadixNode | None = node
-            while walk is not None and walk.parent is not None:
-                path_pages.append(walk.pages)
-                walk = walk.parent
-            self._store_chunks(data, np.concatenate(path_pages[::-1]), first, last)
+            self._store_chunks(data, self.tree.prefix_pages(node), first, last)
 
     def _refresh(self, node: RadixNode) -> None:
         """write_through: mark the chunks that end inside ``node``, which is about to be evicted, as
@@ -416,8 +412,8 @@ class PrefixCache:
         assert self.stack is not None
         data, first, last = self._chunks_ending_in(node)
         if first < last:
-            refs = self.stack.refs_from_bytes(data[:last * self.chunk_size * 4])[first:]
-            self.stack.touch([ref.key for ref in refs])
+            keys = keys_from_token_bytes(data[:last * self.chunk_size * 4], self.chunk_size, self.namespace.root)
+            self.stack.touch(keys[first:])
 
     def evict(self, num_pages: int) -> int:
         """Evict least-recently-used unlocked prefixes until ``num_pages`` pages are freed (or

@@ -340,6 +340,14 @@ class RadixTree:
             node = node.parent
         return np.frombuffer(b"".join(reversed(parts)), dtype="<i4")
 
+    def prefix_pages(self, node: RadixNode) -> np.ndarray:
+        """All page ids from the root to the end of ``node`` (int64).  O(depth + pages)."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.pages)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else _EMPTY_PAGES
+
     def nodes(self) -> list[RadixNode]:
         """Every node but the root, parents before children.  O(n)."""
         out: list[RadixNode] = []

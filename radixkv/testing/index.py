@@ -116,6 +116,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
         assert result.pages.tolist() == expected
         assert result.num_tokens == len(expected) * self.tree.page_size
         assert self.tree.prefix_tokens(result.node).tolist() == toks[:result.num_tokens]
+        assert self.tree.prefix_pages(result.node).tolist() == expected
         if lock:
             self.tree.lock(result.node)
             self.locked.append((result.node, tuple(toks[:result.num_tokens])))
