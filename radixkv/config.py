@@ -39,6 +39,7 @@ from radixkv.hashing import Namespace
 from radixkv.pool import KVLayout
 
 if TYPE_CHECKING:
+    from radixkv.backends import Tier
     from radixkv.cache import PrefixCache
 
 __all__ = ["CacheConfig", "load_config"]
@@ -149,14 +150,13 @@ class CacheConfig:
             dtype = getattr(torch, str(dtype))
         return KVLayout(dtype=dtype, page_size=self.page_size, **spec)
 
-    def build(self, layout: KVLayout | None = None) -> PrefixCache:
-        """The ``PrefixCache`` this config describes, tiers included (fastest first)."""
+    def make_tiers(self, layout: KVLayout) -> list[Tier]:
+        """The tiers this config describes for chunks of ``layout`` KV, fastest first (none when no
+        tier key is set).  Used by ``build`` and by integrations whose engine owns the pool."""
         from radixkv.backends import CpuTier, LmdbTier
-        from radixkv.cache import PrefixCache
         from radixkv.format import encoded_size
 
-        layout = self.make_layout(layout)
-        tiers: list[Any] = []
+        tiers: list[Tier] = []
         if self.local_cpu:
             assert self.max_local_cpu_size is not None
             tiers.append(CpuTier(int(self.max_local_cpu_size * _GB),
@@ -169,10 +169,17 @@ class CacheConfig:
             from radixkv.backends.s3 import S3Tier
 
             tiers.append(S3Tier.from_url(self.remote_url, endpoint_url=self.remote_endpoint))
+        return tiers
+
+    def build(self, layout: KVLayout | None = None) -> PrefixCache:
+        """The ``PrefixCache`` this config describes, tiers included (fastest first)."""
+        from radixkv.cache import PrefixCache
+
+        layout = self.make_layout(layout)
         num_pages = self.num_pages if self.num_pages is not None else self.pool_tokens // self.page_size  # type: ignore[operator]
         return PrefixCache(layout, num_pages=num_pages, device=self.device, namespace=self.make_namespace(),
-                           tiers=tiers, chunk_size=self.chunk_size, write_policy=self.write_policy,
-                           promote=self.promote)
+                           tiers=self.make_tiers(layout), chunk_size=self.chunk_size,
+                           write_policy=self.write_policy, promote=self.promote)
 
 
 def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> CacheConfig:
