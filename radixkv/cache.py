@@ -29,7 +29,14 @@ A ``PrefixCache`` is used from one engine thread; the tier stack does its writes
 
 from __future__ import annotations
 
-import itertools
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -40,7 +47,8 @@ from radixkv._checks import check_int
 from radixkv import ops
 from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
 from radixkv.pool import KVLayout, KVPool, as_page_ids, has_duplicates
-from radixkv.tree import MatchResult, RadixNode, RadixTree
+from radixkv.request import LOAD_MODES, PendingLoad, Request, fetch_chunks
+from radixkv.tree import RadixNode, RadixTree
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -48,10 +56,12 @@ if TYPE_CHECKING:
     from radixkv.backends import Tier
     from radixkv.tiers import TierStack
 
-__all__ = ["Match", "PoolExhausted", "PrefixCache"]
+__all__ = ["Match", "PoolExhausted", "PrefixCache", "Request"]
+
+log = logging.getLogger("radixkv.cache")
 
 _FREE, _ENGINE, _TREE = 0, 1, 2
-_match_ids = itertools.count(1)  # global, so a Match from another cache is never mistaken for ours
+_NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 class CacheStats(dict):  # type: ignore[type-arg]
@@ -110,7 +120,7 @@ class PrefixCache:
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu",
                  namespace: Namespace | None = None, tiers: Sequence[Tier] | TierStack = (),
                  chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True,
-                 write_queue: int = 64) -> None:
+                 write_queue: int = 64, load_timeout: float = 5.0, load_workers: int = 4) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if check_int(chunk_size, "chunk_size", 1) % layout.page_size:
@@ -120,7 +130,14 @@ class PrefixCache:
             raise ValueError(f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}")
         if namespace is not None and not isinstance(namespace, Namespace):
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        check_int(write_queue, "write_queue", 1)
+        check_int(load_workers, "load_workers", 1)
+        if isinstance(load_timeout, bool) or not isinstance(load_timeout, (int, float)) or not load_timeout >= 0:
+            raise ValueError(f"load_timeout must be a number of seconds >= 0, got {load_timeout!r}")
         self.layout = layout
+        self.load_timeout = float(load_timeout)
+        self.load_workers = load_workers
+        self._loader: ThreadPoolExecutor | None = None
         self.page_size = layout.page_size
         self.chunk_size = chunk_size
         self.write_policy = write_policy
@@ -128,12 +145,14 @@ class PrefixCache:
         self.pool = KVPool(layout, num_pages, device)
         self.tree = RadixTree(layout.page_size)
         self._state = np.zeros(num_pages, dtype=np.uint8)   # _FREE / _ENGINE / _TREE per page
-        self._live: dict[int, RadixNode] = {}
+        self._live: dict[int, Request] = {}
         self._counters = dict.fromkeys(
             ("matches", "query_tokens", "hit_tokens", "pool_hit_tokens", "tier_hit_tokens", "inserts",
              "inserted_tokens", "duplicate_pages", "allocs", "allocated_pages", "evicted_pages", "evictions",
-             "chunks_stored", "chunks_not_queued"), 0)
+             "chunks_stored", "chunks_not_queued", "late_loads", "load_errors"), 0)
         self.stack = self._make_stack(tiers, promote, write_queue)
+        if self.stack is not None:
+            _flush_at_exit(self.stack)
         self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
 
     @classmethod
@@ -165,7 +184,10 @@ class PrefixCache:
         return True if self.stack is None else self.stack.flush(timeout)
 
     def close(self) -> None:
-        """Finish queued tier writes and close the tiers.  Idempotent."""
+        """Finish queued tier writes and close the tiers.  Idempotent.  Without it, queued writes
+        are flushed at interpreter exit, for at most ``RADIXKV_EXIT_FLUSH_S`` seconds (10)."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
         if self.stack is not None:
             self.stack.close()
 
@@ -187,35 +209,52 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- the protocol
 
-    def match(self, tokens: Any, *, leave_last: bool = True) -> Match:
-        """Find and lock the longest cached page-aligned prefix of ``tokens``.
+    def open(self, tokens: Any, *, leave_last: bool = True, load: str = "wait",
+             deadline_s: float | None = None) -> Request:
+        """Start a request: find and hold the longest cached page-aligned prefix of ``tokens``.
 
-        With ``leave_last`` (the default) the match never covers the last token, since the engine
-        needs its logits; pass ``False`` for a pure lookup.  The match holds a reference until
-        ``release``.  With tiers, chunks past the tree's match that the tiers hold are loaded into
-        new pool pages and inserted first (a tier fault is a miss, never an exception).
-        Cost: O(d + L/page_size + log n), as ``RadixTree.match_prefix``; with tiers, plus one hash
-        pass over the prefix when the tree does not cover every full chunk, one lookup round trip
-        per tier, and one decode and scatter per loaded chunk.
+        Returns a ``Request`` that holds every page of ``tokens[:req.num_cached]`` until
+        ``release``.  ``tokens`` is converted once, here.  With ``leave_last`` (the default) the
+        match never covers the last token, whose logits the engine needs.  With tiers, the chunks
+        past the pool's match are looked up and fetched on a worker thread by a deadline
+        (``deadline_s`` seconds from now, default ``load_timeout``): ``load="wait"`` lands them
+        before returning (the engine thread waits at most until the deadline), ``"async"`` returns
+        at once with what the pool holds and a pending load (``poll``/``wait`` land it),
+        ``"none"`` asks the pool only.  A tier fault or a late load is a miss, never an exception.
+        Cost on the engine thread: one conversion, O(d + L/page_size + log n) for the tree, plus
+        with tiers one hash pass over the uncovered chunks and, when they land, one scatter per
+        chunk.
         """
+        if type(leave_last) is not bool:
+            raise TypeError(f"leave_last must be a bool, got {type(leave_last).__name__}")
+        if load not in LOAD_MODES:
+            raise ValueError(f"load must be one of {LOAD_MODES}, got {load!r}")
+        deadline = self._deadline(deadline_s)
         data = as_token_bytes(tokens)
-        usable = data[:-4] if leave_last and data else data
-        result = self.tree._match(usable)
+        usable = len(data) - 4 if leave_last and data else len(data)
+        result = self.tree._match(data[:usable])
         self.tree.lock(result.node)
-        pool_tokens = result.num_tokens
-        by_tier: tuple[int, ...] = ()
-        if self.stack is not None and result.num_tokens // self.chunk_size < len(usable) // 4 // self.chunk_size:
-            result, by_tier = self._load_from_tiers(usable, result)
-        match = Match(result.num_tokens, torch.from_numpy(result.pages), next(_match_ids),
-                      result.num_tokens - pool_tokens, by_tier)
-        self._live[match.id] = result.node
+        req = Request(self, data, usable, result.node, result.pages, result.num_tokens)
+        self._live[req.id] = req
         c = self._counters
         c["matches"] += 1
         c["query_tokens"] += len(data) // 4
         c["hit_tokens"] += result.num_tokens
-        c["pool_hit_tokens"] += pool_tokens
-        c["tier_hit_tokens"] += result.num_tokens - pool_tokens
-        return match
+        c["pool_hit_tokens"] += result.num_tokens
+        if load != "none" and self.stack is not None:
+            self._start_load(req, deadline)
+            if load == "wait":
+                self.wait(req)
+        return req
+
+    def match(self, tokens: Any, *, leave_last: bool = True, deadline_s: float | None = None) -> Match:
+        """The one-call path: ``open(tokens, load="wait")`` as a ``Match`` (see ``open``).
+
+        The match holds its pages until ``release``; pages passed to ``insert`` afterwards are the
+        tree's, not held for the caller (use ``open`` and ``Request.extend`` for that).
+        """
+        req = self.open(tokens, leave_last=leave_last, deadline_s=deadline_s)
+        return Match(req.num_cached, req.pages, req.id, req.tier_tokens, req.tier_tokens_by_tier)
 
     def prefetch(self, tokens: Any) -> Future[list[torch.Tensor]]:
         """Start loading what the tiers hold of ``tokens`` past what the pool holds, on a worker
@@ -234,62 +273,188 @@ class PrefixCache:
         start = self.tree._match(data).num_tokens // self.chunk_size
         return self.stack.prefetch(tokens, start)
 
-    def _load_from_tiers(self, data: bytes, result: MatchResult) -> tuple[MatchResult, tuple[int, ...]]:
-        """Extend a locked tree match with the chunks the tiers hold; return the new (locked) match
-        and the tokens each tier served."""
+    def _deadline(self, deadline_s: float | None) -> float:
+        if deadline_s is None:
+            deadline_s = self.load_timeout
+        elif isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s >= 0:
+            raise ValueError(f"deadline_s must be a number of seconds >= 0, got {deadline_s!r}")
+        return time.monotonic() + deadline_s
+
+    def _start_load(self, req: Request, deadline: float) -> None:
+        """Hand the chunks past ``req``'s pool match to a worker, if the tiers may hold any."""
         assert self.stack is not None
         cs, ps = self.chunk_size, self.page_size
-        first = result.num_tokens // cs                      # the first chunk the tree does not cover
-        refs = self.stack.refs_from_bytes(data[:len(data) // (4 * cs) * 4 * cs])[first:]
-        where = self.stack.lookup([ref.key for ref in refs])
-        if not where:
-            return result, ()
-        skip = (result.num_tokens - first * cs) // ps       # pages of that chunk already in the tree
-        # Load no more chunks than the pool can take without touching locked or engine pages.
-        room = self.pool.num_free + self.tree.evictable_size // ps
-        n = min(len(where), (room + skip) // (cs // ps))
-        chunks = self.stack.load(refs[:n], where=where[:n]) if n else []
-        if not chunks:
-            return result, ()
-        new = self._take_pages(len(chunks) * (cs // ps) - skip)
-        start = 0
-        for i, chunk in enumerate(chunks):
-            k = cs // ps - (skip if i == 0 else 0)
-            ops.scatter_pages(chunk.to(self.pool.device), self.pool, new[start:start + k],
-                              skip_pages=skip if i == 0 else 0)
-            start += k
+        first, last = req.num_cached // cs, req._usable // 4 // cs
+        if first >= last:
+            return
+        refs = self.stack.refs_from_bytes(req._data[:last * cs * 4])[first:]   # keys chain from token 0
+        # Fetch no more chunks than the pool could take without touching held or engine pages.
+        room = self.pool.num_free + self.tree.evictable_size // ps + (req.num_cached - first * cs) // ps
+        limit = min(len(refs), room // (cs // ps))
+        if limit == 0:
+            return
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=self.load_workers, thread_name_prefix="radixkv-load")
+        req._pending = PendingLoad(self._loader.submit(fetch_chunks, self.stack, refs, limit, deadline),
+                                   first, deadline)
+
+    def poll(self, req: Request) -> bool:
+        """Land ``req``'s pending load if it has arrived: its chunks go into new pool pages and the
+        tree, and ``req.num_cached`` / ``req.pages`` grow.  Past the deadline the load is dropped (a
+        miss).  ``True`` when nothing is pending any more.  Never blocks.  Cost: O(1) while in
+        flight; when it lands, a tree walk and one scatter per chunk."""
+        self._held(req)
+        pending = req._pending
+        if pending is None:
+            return True
+        if pending.future.done():
+            req._pending = None
+            try:
+                where, chunks = pending.future.result()
+            except Exception as exc:   # noqa: BLE001 - a fault below the pool is a miss
+                self._counters["load_errors"] += 1
+                _log_load_error(exc)
+                return True
+            if chunks:
+                self._land(req, pending.first, where, chunks)
+            return True
+        if time.monotonic() < pending.deadline:
+            return False
+        req._pending = None
+        pending.future.cancel()
+        self._counters["late_loads"] += 1
+        return True
+
+    def wait(self, req: Request, timeout: float | None = None) -> bool:
+        """Block until ``req``'s pending load lands or its deadline passes, or ``timeout`` seconds;
+        ``True`` when nothing is pending any more.  The wait never outlasts the deadline.  Cost:
+        ``poll``'s plus the wait."""
+        self._held(req)
+        pending = req._pending
+        if pending is not None:
+            limit = pending.remaining() if timeout is None else min(timeout, pending.remaining())
+            futures_wait([pending.future], timeout=limit)
+        return self.poll(req)
+
+    def _land(self, req: Request, first: int, where: list[int], chunks: list[torch.Tensor]) -> None:
+        """Put loaded chunks ``first, first + 1, ...`` of ``req`` into pool pages and the tree and
+        move ``req``'s hold to the end of them.  The tree may have grown meanwhile (another request
+        cached some of these tokens): only what it still lacks is copied in."""
+        cs, ps, per_chunk = self.chunk_size, self.page_size, self.chunk_size // self.page_size
         end = (first + len(chunks)) * cs
-        pages = np.concatenate([result.pages, new])
-        inserted = self.tree._insert(data[:end * 4], pages)
-        assert inserted.prefix_len == result.num_tokens, "the locked tree match changed under a load"
-        self._state[new] = _TREE
-        self.tree.lock(inserted.node)
-        self.tree.unlock(result.node)
-        by_tier = [0] * len(self.stack.tiers)
+        result = self.tree._match(req._data[:end * 4])
+        self.tree.lock(result.node)
+        self.tree.unlock(req.node)
+        req.node, req._pages, held = result.node, result.pages, req.num_cached
+        req.num_cached = result.num_tokens
+        done, skip = divmod(result.num_tokens - first * cs, cs)    # chunks the tree has, pages into the next
+        chunks, where, skip = chunks[done:], where[done:], skip // ps
+        room = self.pool.num_free + self.tree.evictable_size // ps
+        chunks = chunks[:(room + skip) // per_chunk]
+        if chunks:
+            new = self._take_pages(len(chunks) * per_chunk - skip)
+            try:
+                start = 0
+                for i, chunk in enumerate(chunks):
+                    k = per_chunk - (skip if i == 0 else 0)
+                    ops.scatter_pages(chunk.to(self.pool.device), self.pool, new[start:start + k],
+                                      skip_pages=skip if i == 0 else 0)
+                    start += k
+            except BaseException:
+                self.pool.free(new)
+                self._state[new] = _FREE
+                raise
+            stop = result.num_tokens + len(new) * ps
+            pages = np.concatenate([result.pages, new])
+            inserted = self.tree._insert(req._data[:stop * 4], pages)
+            assert inserted.prefix_len == result.num_tokens, "the held tree match changed under a load"
+            self._state[new] = _TREE
+            self.tree.lock(inserted.node)
+            self.tree.unlock(result.node)
+            req.node, req._pages, req.num_cached = inserted.node, pages, stop
+        # Count what the tiers served (tokens resident meanwhile count as pool hits).
+        by_tier = [0] * len(self.stack.tiers)     # type: ignore[union-attr]
         for i, tier in enumerate(where[:len(chunks)]):
             by_tier[tier] += cs - (skip * ps if i == 0 else 0)
-        for tier, tokens in enumerate(by_tier):
-            self._tier_hit_tokens[tier] += tokens
-        return MatchResult(end, pages, inserted.node), tuple(by_tier)
+        for tier, n in enumerate(by_tier):
+            self._tier_hit_tokens[tier] += n
+        tier_tokens = sum(by_tier)
+        c = self._counters
+        c["hit_tokens"] += req.num_cached - held
+        c["pool_hit_tokens"] += req.num_cached - held - tier_tokens
+        c["tier_hit_tokens"] += tier_tokens
+        req.tier_tokens += tier_tokens
+        req.tier_tokens_by_tier = tuple(by_tier)
 
-    def release(self, match: Match) -> None:
-        """Drop the reference ``match`` holds, so its pages may be evicted again.  O(depth).
+    def extend(self, req: Request, tokens: Any, pages: Any) -> torch.Tensor:
+        """Cache the KV the engine computed for ``req`` and keep holding it (SGLang's
+        ``cache_unfinished_req``): call it after prefill and whenever decoding fills a page.
 
-        Raises ``ValueError`` for a match released twice or not made by this cache.
+        ``tokens`` is the request's whole sequence so far (prompt and generated tokens; only those
+        past what the request already has are converted); ``pages`` has one id from ``alloc`` per
+        full page of ``tokens`` past ``req.num_cached`` (a partial tail page is not passed: it stays
+        the engine's).  Returns the canonical page table of ``tokens[:req.num_cached]``: where
+        another request cached the same tokens first, the tree's pages replace the engine's, which
+        are freed — the engine must use the returned ids from now on.  Raises ``ValueError`` /
+        ``TypeError`` and changes nothing for a wrong page count or a page not from ``alloc``.
+        A pending load is dropped first (the engine computed those tokens itself).
+        Cost: O(new tokens) to convert, O(d + L/page_size + log n) to insert, plus with
+        ``write_through`` one gather per newly completed chunk.
         """
-        if not isinstance(match, Match):
-            raise TypeError(f"match must be a Match, got {type(match).__name__}")
-        node = self._live.pop(match.id, None)
-        if node is None:
+        self._held(req)
+        data = req._grow(tokens)
+        ids = as_page_ids(pages, self.pool.num_pages, "pages")
+        full = len(data) // (4 * self.page_size)
+        held = len(req._pages)
+        if len(ids) != full - held:
+            raise ValueError(f"pages: {len(data) // 4} tokens have {full} full pages, {held} of them held "
+                             f"already: {full - held} page ids needed, got {len(ids)}")
+        if has_duplicates(ids):
+            raise ValueError("pages: the same page id is given more than once")
+        if (self._state[ids] != _ENGINE).any():
+            raise ValueError(f"pages: page {int(ids[self._state[ids] != _ENGINE][0])} is not one from alloc()")
+        req._data = data
+        if ids.size:
+            if req._pending is not None:       # the engine computed those tokens itself
+                req._pending.future.cancel()
+                req._pending = None
+            node, _ = self._insert_pages(data[:full * self.page_size * 4], np.concatenate([req._pages, ids]))
+            self.tree.lock(node)
+            self.tree.unlock(req.node)
+            req.node, req._pages = node, self.tree.prefix_pages(node)
+            req.num_cached = full * self.page_size
+        return req.pages
+
+    def release(self, request: Request | Match) -> None:
+        """Drop every hold of ``request`` (a ``Request`` or a ``Match``), so its pages may be evicted
+        again, and drop its pending load (SGLang's ``cache_finished_req``, after ``extend``).
+        Pages the engine still has from ``alloc`` stay the engine's (``free`` or ``insert`` them).
+        O(depth).  Raises ``ValueError`` for a request released twice or not made by this cache.
+        """
+        if not isinstance(request, (Request, Match)):
+            raise TypeError(f"match must be a Match or a Request, got {type(request).__name__}")
+        req = self._live.pop(request.id, None)
+        if req is None:
             raise ValueError("match: already released, or not made by this cache")
-        self.tree.unlock(node)
+        if req._pending is not None:
+            req._pending.future.cancel()
+            req._pending = None
+        req.released = True
+        self.tree.unlock(req.node)
+
+    def _held(self, req: Request) -> None:
+        if not isinstance(req, Request):
+            raise TypeError(f"req must be a Request, got {type(req).__name__}")
+        if self._live.get(req.id) is not req:
+            raise ValueError("req: already released, or not made by this cache")
 
     def alloc(self, num_pages: int) -> torch.Tensor:
         """Take ``num_pages`` free pages (int64 ids), evicting LRU prefixes when the pool is short.
 
-        The engine owns them until it passes them to ``insert`` (or ``free``).  Raises
-        ``PoolExhausted`` without evicting anything when free + evictable pages are not enough.
-        Cost: O(num_pages) plus O(log n) per evicted node.
+        The engine owns them until it passes them to ``insert``/``extend`` (or ``free``).  Raises
+        ``PoolExhausted`` without evicting anything when free + evictable pages are not enough
+        (pages held by requests and by the engine are never taken).  Evicts only as many pages as
+        are missing (rounded up to whole leaves).  Cost: O(num_pages) plus O(log n) per evicted node.
         """
         check_int(num_pages, "num_pages")
         ids = self._take_pages(num_pages)
@@ -313,7 +478,8 @@ class PrefixCache:
         return ids
 
     def free(self, pages: Any) -> None:
-        """Give back pages from ``alloc`` that the engine will not insert (an aborted request).  O(n)."""
+        """Give back pages from ``alloc`` that the engine will not insert (an aborted request, a
+        finished request's partial tail page).  O(n)."""
         ids = self._engine_pages(pages, "pages")
         self.pool.free(ids)
         self._state[ids] = _FREE
@@ -324,7 +490,8 @@ class PrefixCache:
         ``pages`` has one id per full page of ``tokens`` (plus optionally one for a partial tail
         page, which is freed): the pages of a match, then pages from ``alloc``.  Pages of tokens
         that are cached already (another request inserted them meanwhile) are freed, as is the
-        tail page.  Returns how many leading tokens were already cached.  Raises
+        tail page.  Returns how many leading tokens were already cached.  The pages are not held
+        for the caller afterwards (``Request.extend`` holds them).  Raises
         ``ValueError``/``TypeError`` and changes nothing for a wrong page count, a page id out of
         range, repeated or free, or a cached page passed for a position it does not hold.
         Cost: O(d + L/page_size + log n).
@@ -335,49 +502,48 @@ class PrefixCache:
         if len(ids) not in (full, full + (tail > 0)):
             raise ValueError(f"pages: {len(data) // 4} tokens need {full} page ids"
                              f"{' (or one more for the partial tail page)' if tail else ''}, got {len(ids)}")
+        if len(ids) > full and self._state[ids[-1]] != _ENGINE:
+            raise ValueError("pages: the partial tail page must be one from alloc()")
         if has_duplicates(ids):
             raise ValueError("pages: the same page id is given more than once")
+        return self._insert_pages(data[:full * self.page_size * 4], ids[:full], ids[full:])[1]
+
+    def _insert_pages(self, data: bytes, ids: np.ndarray, tail: np.ndarray = _NO_PAGES) -> tuple[RadixNode, int]:
+        """Insert whole pages ``ids`` for ``data`` (page-aligned), freeing duplicates and ``tail``;
+        return the node that ends the sequence and how many tokens were cached already.
+        Validates before changing anything."""
         state = self._state[ids]
         if (state == _FREE).any():
             raise ValueError(f"pages: page {int(ids[state == _FREE][0])} is free; pass pages from "
                              "alloc() or a match")
-        if len(ids) > full and state[-1] != _ENGINE:
-            raise ValueError("pages: the partial tail page must be one from alloc()")
-        body = ids[:full]
-        in_tree = state[:full] == _TREE
+        in_tree = state == _TREE
+        cached: list[np.ndarray] = []
 
-        cached_pages: list[np.ndarray] = []
-
-        def validate(prefix_bytes: int, path: list[RadixNode]) -> None:
+        def validate(prefix_bytes: int, path_pages: list[np.ndarray]) -> None:
             known = prefix_bytes // (4 * self.page_size)
             if in_tree[known:].any():
                 raise ValueError("pages: a cached page is passed for tokens it does not hold")
-            passes_cached = known and in_tree[:known].any()
-            if passes_cached or (known and self.stack is not None):   # the stack needs them to store
-                cached_pages.extend(n.pages for n in path)
-            if passes_cached and (in_tree[:known] & (body[:known] != np.concatenate(cached_pages))).any():
+            cached.extend(path_pages)
+            if known and in_tree[:known].any() and (in_tree[:known] & (ids[:known] != np.concatenate(path_pages))).any():
                 raise ValueError("pages: a cached page is passed for tokens it does not hold")
 
-        result = self.tree._insert(data, body, validate)
+        result = self.tree._insert(data, ids, validate)
         known = result.prefix_len // self.page_size
-        duplicates = body[:known][~in_tree[:known]]
-        if len(ids) > full:
-            duplicates = np.append(duplicates, ids[-1])
+        duplicates = np.concatenate([ids[:known][~in_tree[:known]], tail])
         if duplicates.size:
             self.pool.free(duplicates)
             self._state[duplicates] = _FREE
-        self._state[body[known:]] = _TREE
+        self._state[ids[known:]] = _TREE
         c = self._counters
         c["inserts"] += 1
-        c["inserted_tokens"] += (full - known) * self.page_size
+        c["inserted_tokens"] += (len(ids) - known) * self.page_size
         c["duplicate_pages"] += int(duplicates.size)
         if self.stack is not None and self.write_policy == "write_through":
             first = result.prefix_len // self.chunk_size             # chunks not complete before
-            last = full * self.page_size // self.chunk_size
+            last = len(ids) * self.page_size // self.chunk_size
             if first < last:
-                pages = np.concatenate([*cached_pages, body[known:]])
-                self._store_chunks(data, pages, first, last)
-        return result.prefix_len
+                self._store_chunks(data, np.concatenate([*cached, ids[known:]]), first, last)
+        return result.node, result.prefix_len
 
     def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int) -> None:
         """Copy chunks ``first..last-1`` of a cached sequence out of the pool and queue them for
@@ -498,10 +664,60 @@ class PrefixCache:
         tree_pages = np.sort(self.tree.all_pages())
         assert np.array_equal(tree_pages, np.flatnonzero(state == _TREE)), "tree pages != pages marked cached"
         expected: dict[int, int] = {}
-        for node in self._live.values():
+        for req in self._live.values():
+            assert not req.released, f"{req!r}: released but still live"
+            assert len(req._pages) * self.page_size == req.num_cached, \
+                f"{req!r}: {len(req._pages)} held pages for {req.num_cached} tokens"
+            assert req.num_cached <= req.num_tokens, f"{req!r}: holds more tokens than it has"
+            held = self.tree.prefix_pages(req.node)
+            assert np.array_equal(held, req._pages), f"{req!r}: held pages {req._pages} != the tree's {held}"
+            assert np.array_equal(self.tree.prefix_tokens(req.node).view(np.uint8),
+                                  np.frombuffer(req._data[:req.num_cached * 4], dtype=np.uint8)), \
+                f"{req!r}: the tree holds other tokens than the request's"
+            assert (state[req._pages] == _TREE).all(), f"{req!r}: a held page is not in the tree"
+            node = req.node
             while node.parent is not None:
                 expected[id(node)] = expected.get(id(node), 0) + 1
                 node = node.parent
+            assert node is self.tree.root, f"{req!r}: its held node is not in the tree any more"
         for node in self.tree.nodes():
             assert node.lock_ref == expected.get(id(node), 0), \
-                f"{node!r}: lock_ref {node.lock_ref} but {expected.get(id(node), 0)} live matches use it"
+                f"{node!r}: lock_ref {node.lock_ref} but {expected.get(id(node), 0)} live requests hold it"
+
+
+def _log_load_error(exc: BaseException, _last: list[float] = [0.0]) -> None:
+    """Log a failed tier load once per minute (it is a miss)."""
+    now = time.monotonic()
+    if now - _last[0] >= 60.0:
+        _last[0] = now
+        log.warning("radixkv: a tier load failed and was treated as a miss: %s: %s", type(exc).__name__, exc)
+
+
+_exit_stacks: weakref.WeakSet[TierStack] = weakref.WeakSet()
+_exit_lock = threading.Lock()
+
+
+def _flush_at_exit(stack: TierStack) -> None:
+    """Register ``stack`` so that its queued writes are flushed when the interpreter exits."""
+    with _exit_lock:
+        if not _exit_stacks:
+            atexit.register(_exit_flush)
+        _exit_stacks.add(stack)
+
+
+def _exit_flush() -> None:
+    """At interpreter exit: finish every open stack's queued writes within one total bound
+    (``RADIXKV_EXIT_FLUSH_S`` seconds, default 10) and close it; log what could not be written."""
+    try:
+        bound = float(os.environ.get("RADIXKV_EXIT_FLUSH_S", "10"))
+    except ValueError:
+        bound = 10.0
+    deadline = time.monotonic() + bound
+    with _exit_lock:
+        stacks = list(_exit_stacks)
+        _exit_stacks.clear()
+    for stack in stacks:
+        if not stack.flush(max(0.0, deadline - time.monotonic())):
+            lost = stack.stats()["queued"]
+            log.warning("radixkv: %d queued tier writes not done within %.1f s at exit; dropped", lost, bound)
+        stack.close(timeout=max(0.0, deadline - time.monotonic()))

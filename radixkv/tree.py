@@ -34,7 +34,7 @@ from sortedcontainers import SortedDict
 
 from radixkv._checks import check_int
 from radixkv.hashing import as_token_bytes
-from radixkv.pool import as_page_ids
+from radixkv.pool import as_page_ids, has_duplicates
 
 __all__ = ["InsertResult", "MatchResult", "RadixNode", "RadixTree"]
 
@@ -152,15 +152,22 @@ class RadixTree:
         return self._match(as_token_bytes(tokens))
 
     def _match(self, data: bytes) -> MatchResult:
-        node, pos, path = self._walk(data[:len(data) - len(data) % self._page_bytes])
+        """``match_prefix`` of validated token bytes (e.g. from ``as_token_bytes``)."""
+        node, pos, path, cut = self._walk(data[:len(data) - len(data) % self._page_bytes])
+        if cut is not None:
+            node = self._split(*cut)
+            pos += cut[1] * self._page_bytes
+            path.append(node)
         self._touch(path)
         pages = np.concatenate([n.pages for n in path]) if len(path) > 1 else (
             path[0].pages if path else _EMPTY_PAGES)
         return MatchResult(pos // 4, pages, node)
 
-    def _walk(self, data: bytes) -> tuple[RadixNode, int, list[RadixNode]]:
-        """Follow ``data`` (page-aligned) down the tree, splitting the last node if the match ends
-        inside it.  Returns (deepest matched node, matched bytes, matched path without the root)."""
+    def _walk(self, data: bytes) -> tuple[RadixNode, int, list[RadixNode], tuple[RadixNode, int] | None]:
+        """Follow ``data`` (page-aligned) down the tree without changing it.  Returns the deepest
+        node matched whole, the bytes matched up to its end, the path without the root, and, when
+        the match goes on inside a child, ``(child, pages)``: the split ``_split(child, pages)``
+        that makes the match end on a node (the caller decides whether to make it)."""
         pb = self._page_bytes
         node, pos, end = self._root, 0, len(data)
         path: list[RadixNode] = []
@@ -182,11 +189,8 @@ class RadixTree:
                     lo = mid
                 else:
                     hi = mid - 1
-            node = self._split(child, lo)
-            pos += lo * pb
-            path.append(node)
-            break
-        return node, pos, path
+            return node, pos, path, (child, lo)
+        return node, pos, path, None
 
     def _split(self, child: RadixNode, num_pages: int) -> RadixNode:
         """Cut ``child`` after ``num_pages`` pages; return the new upper part."""
@@ -229,22 +233,32 @@ class RadixTree:
         full = len(data) // self._page_bytes
         ids = as_page_ids(pages, np.iinfo(np.int64).max, "pages")
         if len(ids) not in (full, full + (len(data) % self._page_bytes > 0)):
-            raise ValueError(f"pages: {len(tokens)} tokens need {full} page ids "
+            raise ValueError(f"pages: {len(data) // 4} tokens need {full} page ids "
                              f"(one more for a partial tail is allowed), got {len(ids)}")
+        if has_duplicates(ids):
+            raise ValueError("pages: the same page id is given more than once")
         return self._insert(data, ids[:full])
 
     def _insert(self, data: bytes, pages: np.ndarray,
-                validate: Callable[[int, list[RadixNode]], None] | None = None) -> InsertResult:
+                validate: Callable[[int, list[np.ndarray]], None] | None = None) -> InsertResult:
         """Insert validated token bytes and exactly one page id per full page.
 
-        ``validate(prefix_bytes, path)`` runs before anything observable changes (only splits,
-        which keep the set of cached sequences, may have happened) and may raise to abort.
+        ``validate(prefix_bytes, path_pages)`` sees how many bytes are cached already and the page
+        arrays of the nodes (or node parts) holding them, before anything changes, and may raise
+        to abort: the tree is then exactly as it was (no split made).
         """
         pb = self._page_bytes
         data = data[:len(pages) * pb]
-        node, pos, path = self._walk(data)
+        node, pos, path, cut = self._walk(data)
         if validate is not None:
-            validate(pos, path)
+            path_pages = [n.pages for n in path]
+            if cut is not None:
+                path_pages.append(cut[0].pages[:cut[1]])
+            validate(pos + (cut[1] * pb if cut is not None else 0), path_pages)
+        if cut is not None:
+            node = self._split(*cut)
+            pos += cut[1] * pb
+            path.append(node)
         self._touch(path)
         if pos < len(data):
             leaf = RadixNode(data[pos:], pages[pos // pb:], node, self._clock)
