@@ -35,14 +35,15 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from radixkv.pool import KVPool, as_page_ids, has_duplicates
 
-__all__ = ["backend", "build", "gather_pages", "scatter_pages"]
+__all__ = ["backend", "build", "gather_blocks", "gather_pages", "scatter_blocks", "scatter_pages"]
 
 ENV_MODE = "RADIXKV_EXT"
 ENV_BUILD_DIR = "RADIXKV_BUILD_DIR"
@@ -68,6 +69,7 @@ def gather_pages(pool: KVPool | torch.Tensor, page_ids: Any, out: torch.Tensor |
     many tokens.  On a GPU pool, ``out`` is on the pool's device or in pinned host memory (then
     written directly by the kernel: synchronise the stream before reading it).
 
+    The pool's special case of ``gather_blocks`` (its layers are ``pool.kv[l]``).
     Raises ``TypeError``/``ValueError`` naming the argument for a bad one; ``out`` is then untouched.
     Cost: O(len(page_ids) * page_bytes) bytes moved in one call, plus O(len(page_ids)) to check
     the ids (ids on a GPU are read back once: a sync).
@@ -78,20 +80,14 @@ def gather_pages(pool: KVPool | torch.Tensor, page_ids: Any, out: torch.Tensor |
     >>> gather_pages(pool, [3, 1])[0, 0, :, 0, 0].tolist()    # K of pages 3 and 1, in that order
     [6.0, 7.0, 2.0, 3.0]
     """
-    kv = _pool_tensor(pool)
-    skip = _check_skip(skip_pages)
-    ids = as_page_ids(page_ids, kv.shape[2], "page_ids")
+    geo = _pool_geometry(pool)
+    skip = _check_skip(skip_pages, "skip_pages")
+    ids = as_page_ids(page_ids, geo.num_blocks, "page_ids")
     if out is None:
-        num_layers, _, _, page_size, heads, dim = kv.shape
-        out = torch.empty((num_layers, 2, (skip + ids.size) * page_size, heads, dim), dtype=kv.dtype,
-                          device=kv.device)
-    _check_buffer("out", out, kv, skip, ids.size)
+        out = torch.empty(geo.buffer_shape((skip + ids.size) * geo.block_size), dtype=geo.dtype, device=geo.device)
+    _check_buffer("out", out, geo, skip, ids.size)
     if ids.size:
-        ids_t = torch.from_numpy(np.ascontiguousarray(ids))
-        if _use_extension(kv):
-            torch.ops.radixkv.gather_pages(kv, ids_t, out, skip)
-        else:
-            _gather_torch(kv, ids_t, out, skip)
+        _copy(geo, _ids_tensor(ids), out, skip, to_buf=True)
     return out
 
 
@@ -105,23 +101,99 @@ def scatter_pages(src: torch.Tensor, pool: KVPool | torch.Tensor, page_ids: Any,
     must be distinct.  On a GPU pool, ``src`` is on the pool's device or in pinned host memory
     (read directly by the kernel).
 
+    The pool's special case of ``scatter_blocks``.
     Raises ``TypeError``/``ValueError`` naming the argument for a bad one; the pool is then untouched.
     Cost: O(len(page_ids) * page_bytes) bytes moved in one call, plus O(n log n) to check the ids.
     """
-    kv = _pool_tensor(pool)
-    skip = _check_skip(skip_pages)
-    ids = as_page_ids(page_ids, kv.shape[2], "page_ids")
-    if has_duplicates(ids):
-        values, counts = np.unique(ids, return_counts=True)
-        raise ValueError(f"page_ids holds page {int(values[counts > 1][0])} more than once; "
-                         "a scatter would write it twice")
-    _check_buffer("src", src, kv, skip, ids.size)
+    geo = _pool_geometry(pool)
+    skip = _check_skip(skip_pages, "skip_pages")
+    ids = as_page_ids(page_ids, geo.num_blocks, "page_ids")
+    _check_distinct(ids, "page_ids", "page")
+    _check_buffer("src", src, geo, skip, ids.size)
     if ids.size:
-        ids_t = torch.from_numpy(np.ascontiguousarray(ids))
-        if _use_extension(kv):
-            torch.ops.radixkv.scatter_pages(src, kv, ids_t, skip)
+        _copy(geo, _ids_tensor(ids), src, skip, to_buf=False)
+
+
+def gather_blocks(layers: Sequence[torch.Tensor], block_ids: Any, out: torch.Tensor, *,
+                  skip_blocks: int = 0) -> torch.Tensor:
+    """Copy blocks ``block_ids`` of an engine's own per-layer KV tensors into a chunk buffer; return it.
+
+    ``layers[l]`` is a 5-D view ``[sides, num_blocks, block_size, heads, head_dim]`` of layer
+    ``l``'s KV, with any strides: vLLM's ``[2, num_blocks, block_size, H, D]`` as it is,
+    ``[num_blocks, 2, block_size, H, D]`` or ``[2, num_blocks, H, block_size, D]`` permuted into
+    that order, MLA's ``[num_blocks, block_size, D]`` unsqueezed to ``sides=1, heads=1``.  All
+    layers have one shape, dtype and device (their strides may differ).  ``out`` is the contiguous
+    ``[num_layers, sides, num_tokens, heads, head_dim]`` buffer, of the layers' dtype, with
+    ``num_tokens >= (skip_blocks + len(block_ids)) * block_size``:
+
+        out[l, s, (skip_blocks + i) * block_size + t] = layers[l][s, block_ids[i], t]
+
+    and every other token of ``out`` is left as it was.  For GPU layers, ``out`` is on their
+    device or in pinned host memory (written by the kernel asynchronously: synchronise the stream
+    before reading it).
+
+    Raises ``TypeError``/``ValueError`` naming the argument for a bad one; ``out`` is then untouched.
+    Cost: O(len(block_ids) * num_layers * sides * block_bytes) bytes moved in one call (the C++ or
+    CUDA kernel where built, else the torch fallback: one ``index_select`` per layer), plus
+    O(num_layers + len(block_ids)) checks.
+
+    >>> kv = torch.arange(2 * 3 * 2, dtype=torch.float32).view(2, 3, 1, 2, 1)   # [2, 3 blocks, H=1, bs=2, D=1]
+    >>> out = torch.zeros(1, 2, 4, 1, 1)
+    >>> gather_blocks([kv.transpose(2, 3)], [2, 0], out)[0, 0, :, 0, 0].tolist()   # K of blocks 2, 0
+    [4.0, 5.0, 0.0, 1.0]
+    """
+    geo = _layers_geometry(layers, writable=False)
+    skip = _check_skip(skip_blocks, "skip_blocks")
+    ids = as_page_ids(block_ids, geo.num_blocks, "block_ids")
+    _check_buffer("out", out, geo, skip, ids.size)
+    if ids.size:
+        _copy(geo, _ids_tensor(ids), out, skip, to_buf=True)
+    return out
+
+
+def scatter_blocks(src: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Any, *,
+                   skip_blocks: int = 0) -> None:
+    """Copy a chunk buffer into blocks ``block_ids`` of an engine's own per-layer KV tensors.
+
+    The inverse of ``gather_blocks`` (same ``layers`` and ``src`` shapes):
+
+        layers[l][s, block_ids[i], t] = src[l, s, (skip_blocks + i) * block_size + t]
+
+    Block ids must be distinct, and the layers must not share elements with each other or
+    overlap themselves (an expanded view would be written twice).  For GPU layers, ``src`` is on
+    their device or in pinned host memory (read by the kernel asynchronously).
+
+    Raises ``TypeError``/``ValueError`` naming the argument for a bad one; the layers are then
+    untouched.  Cost: O(len(block_ids) * num_layers * sides * block_bytes) bytes moved in one call,
+    plus O(num_layers + n log n) checks for ``n = len(block_ids)``.
+    """
+    geo = _layers_geometry(layers, writable=True)
+    skip = _check_skip(skip_blocks, "skip_blocks")
+    ids = as_page_ids(block_ids, geo.num_blocks, "block_ids")
+    _check_distinct(ids, "block_ids", "block")
+    _check_buffer("src", src, geo, skip, ids.size)
+    if ids.size:
+        _copy(geo, _ids_tensor(ids), src, skip, to_buf=False)
+
+
+def _copy(geo: _Geometry, ids: torch.Tensor, buf: torch.Tensor, skip: int, to_buf: bool) -> None:
+    """Run a validated copy on the extension where it covers the device, else on torch."""
+    if _use_extension(geo.device) and (geo.pool is not None or hasattr(torch.ops.radixkv, "gather_blocks")):
+        if geo.pool is not None:
+            op = torch.ops.radixkv.gather_pages if to_buf else torch.ops.radixkv.scatter_pages
+            op(geo.pool, ids, buf, skip) if to_buf else op(buf, geo.pool, ids, skip)
+        elif to_buf:
+            torch.ops.radixkv.gather_blocks(list(geo.layers), ids, buf, skip)
         else:
-            _scatter_torch(src, kv, ids_t, skip)
+            torch.ops.radixkv.scatter_blocks(buf, list(geo.layers), ids, skip)
+    elif to_buf:
+        _gather_geo(geo, ids, buf, skip)
+    else:
+        _scatter_geo(geo, ids, buf, skip)
+
+
+def _ids_tensor(ids: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(ids))
 
 
 # ------------------------------------------------------------------------ backend selection
@@ -228,10 +300,10 @@ def _sources_dir() -> Path:
     return path
 
 
-def _use_extension(kv: torch.Tensor) -> bool:
-    if kv.device.type == "cpu":
+def _use_extension(device: torch.device) -> bool:
+    if device.type == "cpu":
         return backend() != "torch"
-    return kv.device.type == "cuda" and backend() == "cuda+cpp"
+    return device.type == "cuda" and backend() == "cuda+cpp"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -241,8 +313,40 @@ def _first_line(exc: BaseException) -> str:
 
 # ------------------------------------------------------------------------- argument checks
 
+# Integer dtypes of each element size: the copies move bytes, and a view of the same element size
+# keeps any strides (fp8, bool and every float dtype are then indexed as integers).
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-def _pool_tensor(pool: Any) -> torch.Tensor:
+
+class _Geometry(NamedTuple):
+    """A validated source or destination of block copies: the pool tensor or an engine's layers."""
+
+    pool: torch.Tensor | None               # [num_layers, 2, num_pages, page_size, heads, dim], contiguous
+    layers: tuple[torch.Tensor, ...]        # () for a pool; else [sides, num_blocks, block_size, heads, dim] each
+    shape: tuple[int, int, int, int, int, int]  # num_layers, sides, num_blocks, block_size, heads, head_dim
+    dtype: torch.dtype
+    device: torch.device
+    unit: str                               # "page" or "block", for messages
+    owner: str                              # what the buffer must not overlap: "the pool" or "layers"
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.shape[3]
+
+    def buffer_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        num_layers, sides, _, _, heads, dim = self.shape
+        return (num_layers, sides, num_tokens, heads, dim)
+
+    def stacks(self) -> list[torch.Tensor]:
+        """6-D views ``[k, sides, num_blocks, block_size, heads, dim]`` covering the layers in order."""
+        return [self.pool] if self.pool is not None else [t.unsqueeze(0) for t in self.layers]
+
+
+def _pool_geometry(pool: Any) -> _Geometry:
     kv = pool.kv if isinstance(pool, KVPool) else pool
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"pool must be a KVPool or its kv tensor, got {type(pool).__name__}")
@@ -251,72 +355,164 @@ def _pool_tensor(pool: Any) -> torch.Tensor:
                          f"got shape {tuple(kv.shape)}")
     if kv.layout != torch.strided or not kv.is_contiguous():
         raise ValueError("pool must be a contiguous dense tensor")
-    return kv
+    _check_element_size(kv.dtype, "pool")
+    shape = tuple(kv.shape)
+    return _Geometry(kv, (), shape, kv.dtype, kv.device, "page", "the pool")  # type: ignore[arg-type]
 
 
-def _check_skip(skip_pages: Any) -> int:
-    if isinstance(skip_pages, bool) or not isinstance(skip_pages, (int, np.integer)):
-        raise TypeError(f"skip_pages must be an int, got {type(skip_pages).__name__}")
-    if skip_pages < 0:
-        raise ValueError(f"skip_pages must be >= 0, got {skip_pages}")
-    return int(skip_pages)
+def _layers_geometry(layers: Any, writable: bool) -> _Geometry:
+    """Check ``layers`` (a sequence of 5-D views of one shape, dtype and device)."""
+    if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
+        raise TypeError("layers must be a sequence (list or tuple) of per-layer tensors, got "
+                        f"{type(layers).__name__}")
+    if len(layers) == 0:
+        raise ValueError("layers is empty: pass one tensor per layer")
+    first = layers[0]
+    for l, t in enumerate(layers):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"layers[{l}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise ValueError(f"layers[{l}] must be a dense (strided) tensor, got layout {t.layout}")
+        if t.dim() != 5:
+            raise ValueError(f"layers[{l}] must be 5-D [sides, num_blocks, block_size, heads, head_dim], "
+                             f"got shape {tuple(t.shape)}")
+        if t.shape != first.shape:
+            raise ValueError(f"layers[{l}] has shape {tuple(t.shape)} but layers[0] has {tuple(first.shape)}")
+        if t.dtype != first.dtype:
+            raise TypeError(f"layers[{l}] has dtype {t.dtype} but layers[0] has {first.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"layers[{l}] is on {t.device} but layers[0] is on {first.device}")
+        if writable and _overlaps_itself(t):
+            raise ValueError(f"layers[{l}] has elements that overlap (strides {t.stride()}); a scatter "
+                             "would write them twice")
+    if first.shape[0] < 1 or first.shape[2] < 1:
+        raise ValueError(f"layers must have sides >= 1 and block_size >= 1, got shape {tuple(first.shape)}")
+    _check_element_size(first.dtype, "layers")
+    shape = (len(layers), *first.shape)
+    return _Geometry(None, tuple(layers), shape, first.dtype, first.device, "block", "layers")  # type: ignore[arg-type]
 
 
-def _check_buffer(name: str, buf: Any, kv: torch.Tensor, skip: int, n: int) -> None:
-    """The chunk buffer ``name`` ("out" or "src") must fit ``n`` pages after ``skip`` pages."""
+def _check_element_size(dtype: torch.dtype, name: str) -> None:
+    if torch.empty((), dtype=dtype).element_size() not in _INT_VIEW:
+        raise TypeError(f"{name} has dtype {dtype}: only dtypes of 1, 2, 4 or 8 bytes are copied")
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two indices of ``t`` may share an element.  O(dim log dim), sufficient, not exact:
+    every view made by slicing, permuting, (un)squeezing or unbinding a dense tensor passes."""
+    reach = 0  # elements spanned by the dimensions of smaller stride, minus one
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _check_skip(skip: Any, name: str) -> int:
+    if isinstance(skip, bool) or not isinstance(skip, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(skip).__name__}")
+    if skip < 0:
+        raise ValueError(f"{name} must be >= 0, got {skip}")
+    return int(skip)
+
+
+def _check_distinct(ids: np.ndarray, name: str, unit: str) -> None:
+    if has_duplicates(ids):
+        values, counts = np.unique(ids, return_counts=True)
+        raise ValueError(f"{name} holds {unit} {int(values[counts > 1][0])} more than once; "
+                         "a scatter would write it twice")
+
+
+def _check_buffer(name: str, buf: Any, geo: _Geometry, skip: int, n: int) -> None:
+    """The chunk buffer ``name`` ("out" or "src") must fit ``n`` blocks after ``skip`` blocks."""
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
-    num_layers, _, _, page_size, heads, dim = kv.shape
-    if buf.dim() != 5 or buf.shape[:2] != (num_layers, 2) or buf.shape[3:] != (heads, dim):
-        raise ValueError(f"{name} must be [{num_layers}, 2, num_tokens, {heads}, {dim}] for this pool, "
-                         f"got shape {tuple(buf.shape)}")
-    if buf.dtype != kv.dtype:
-        raise TypeError(f"{name} has dtype {buf.dtype} but the pool holds {kv.dtype}")
+    num_layers, sides, _, block_size, heads, dim = geo.shape
+    if buf.dim() != 5 or buf.shape[:2] != (num_layers, sides) or buf.shape[3:] != (heads, dim):
+        raise ValueError(f"{name} must be [{num_layers}, {sides}, num_tokens, {heads}, {dim}] for these "
+                         f"{geo.unit}s, got shape {tuple(buf.shape)}")
+    if buf.dtype != geo.dtype:
+        raise TypeError(f"{name} has dtype {buf.dtype} but {geo.owner} hold{'s' if geo.pool is not None else ''} "
+                        f"{geo.dtype}")
     if buf.layout != torch.strided or not buf.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
-    need = (skip + n) * page_size
+    need = (skip + n) * block_size
     if buf.shape[2] < need:
-        raise ValueError(f"{name} holds {buf.shape[2]} tokens, but skip_pages={skip} plus {n} pages of "
-                         f"{page_size} tokens need {need}")
-    if buf.device != kv.device:
-        pinned_ok = kv.device.type == "cuda" and buf.device.type == "cpu" and buf.is_pinned()
+        raise ValueError(f"{name} holds {buf.shape[2]} tokens, but skip_{geo.unit}s={skip} plus {n} "
+                         f"{geo.unit}s of {block_size} tokens need {need}")
+    if buf.device != geo.device:
+        pinned_ok = geo.device.type == "cuda" and buf.device.type == "cpu" and buf.is_pinned()
         if not pinned_ok:
-            where = " or in pinned CPU memory (pin_memory=True)" if kv.device.type == "cuda" else ""
-            raise ValueError(f"{name} is on {buf.device} but must be on the pool's device {kv.device}{where}")
-    elif buf.numel() and buf.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr():
-        raise ValueError(f"{name} shares memory with the pool")
+            where = " or in pinned CPU memory (pin_memory=True)" if geo.device.type == "cuda" else ""
+            raise ValueError(f"{name} is on {buf.device} but must be on the device of {geo.owner}, "
+                             f"{geo.device}{where}")
+    elif buf.numel():
+        for l, t in enumerate(geo.layers or (geo.pool,)):
+            if _share_memory(buf, t):  # type: ignore[arg-type]
+                where = f"layers[{l}]" if geo.pool is None else "the pool"
+                raise ValueError(f"{name} shares memory with {where}")
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of ``a`` and ``b`` in one storage intersect.  O(dim)."""
+    if not b.numel() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 # --------------------------------------------------------------- torch reference / fallback
 
 
-def _pool_rows(kv: torch.Tensor) -> torch.Tensor:
-    """``kv`` as bytes ``[2 * num_layers, num_pages, row_bytes]``: one row per page per (layer, K/V)."""
-    num_layers, _, num_pages, page_size, heads, dim = kv.shape
-    return kv.view(torch.uint8).view(2 * num_layers, num_pages, page_size * heads * dim * kv.element_size())
+def _buffer_blocks(buf: torch.Tensor, geo: _Geometry, skip: int, n: int) -> torch.Tensor:
+    """Blocks ``skip .. skip+n`` of ``buf`` as an integer view ``[num_layers, sides, n, block_size, heads, dim]``."""
+    num_layers, sides, _, block_size, heads, dim = geo.shape
+    view = buf.view(_INT_VIEW[buf.element_size()]).narrow(2, skip * block_size, n * block_size)
+    return view.view(num_layers, sides, n, block_size, heads, dim)
 
 
-def _buffer_rows(buf: torch.Tensor, page_size: int, skip: int, n: int) -> torch.Tensor:
-    """Pages ``skip .. skip+n`` of ``buf`` as a bytes view ``[2 * num_layers, n, row_bytes]``."""
-    num_layers, _, num_tokens, heads, dim = buf.shape
-    token_bytes = heads * dim * buf.element_size()
-    row = page_size * token_bytes
-    flat = buf.view(torch.uint8).view(2 * num_layers, num_tokens * token_bytes)
-    return flat.narrow(1, skip * row, n * row).view(2 * num_layers, n, row)
+def _gather_torch(source: Any, ids: torch.Tensor, out: torch.Tensor, skip: int) -> None:
+    """The torch reference of a gather from a pool (tensor or ``KVPool``) or a sequence of layers,
+    unchecked beyond their geometry: ``ids`` is an int64 tensor of valid ids."""
+    _gather_geo(_geometry(source, writable=False), ids, out, skip)
 
 
-def _gather_torch(kv: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, skip: int) -> None:
-    rows = _pool_rows(kv)
-    dst = _buffer_rows(out, kv.shape[3], skip, ids.numel())
-    if kv.device.type == "cpu":
-        torch.index_select(rows, 1, ids, out=dst)
-    else:  # through a temporary on the device: also covers a pinned host `out`
-        dst.copy_(rows.index_select(1, ids.to(kv.device)))
+def _scatter_torch(src: torch.Tensor, target: Any, ids: torch.Tensor, skip: int) -> None:
+    """The torch reference of a scatter into a pool or a sequence of layers (see ``_gather_torch``)."""
+    _scatter_geo(_geometry(target, writable=True), ids, src, skip)
 
 
-def _scatter_torch(src: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, skip: int) -> None:
-    rows = _buffer_rows(src, kv.shape[3], skip, ids.numel())
-    pool = _pool_rows(kv)
-    # One copy per page, all layers at once: index_copy_ along dim 1 is several times slower here.
-    for i, page in enumerate(ids.tolist()):
-        pool[:, page].copy_(rows[:, i])
+def _geometry(x: Any, writable: bool) -> _Geometry:
+    is_pool = isinstance(x, KVPool) or (isinstance(x, torch.Tensor) and x.dim() == 6)
+    return _pool_geometry(x) if is_pool else _layers_geometry(x, writable)
+
+
+def _gather_geo(geo: _Geometry, ids: torch.Tensor, out: torch.Tensor, skip: int) -> None:
+    dst = _buffer_blocks(out, geo, skip, ids.numel())
+    first = 0
+    for stack in geo.stacks():
+        rows, part = stack.view(_INT_VIEW[stack.element_size()]), dst.narrow(0, first, stack.shape[0])
+        if stack.device.type == "cpu":
+            torch.index_select(rows, 2, ids, out=part)
+        else:  # through a temporary on the device: also covers a pinned host `out`
+            part.copy_(rows.index_select(2, ids.to(stack.device)))
+        first += stack.shape[0]
+
+
+def _scatter_geo(geo: _Geometry, ids: torch.Tensor, src: torch.Tensor, skip: int) -> None:
+    rows = _buffer_blocks(src, geo, skip, ids.numel())
+    if geo.pool is not None:
+        # One copy per page, all layers at once: index_copy_ along the page axis is several times
+        # slower on a contiguous pool.
+        pool = geo.pool.view(_INT_VIEW[geo.pool.element_size()])
+        for i, page in enumerate(ids.tolist()):
+            pool[:, :, page].copy_(rows[:, :, i])
+        return
+    ids_dev = ids.to(geo.device)
+    for l, layer in enumerate(geo.layers):
+        layer.view(_INT_VIEW[layer.element_size()]).index_copy_(1, ids_dev, rows[l].to(geo.device))

@@ -36,7 +36,14 @@ def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    """``t``'s bytes, contiguous, of shape ``[*t.shape[:-1], t.shape[-1] * itemsize]``."""
+    dense = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)  # standard strides, even for size-1 axes
+    return dense.view(torch.uint8)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (random bytes hold NaNs, which torch.equal calls unequal)."""
+    return a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
 
 
 @st.composite
@@ -281,3 +288,180 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     text = out.read_text()
     assert text.startswith("# python -m radixkv.bench copy --quick")
     assert "gather / cold memcpy read" in text and "per-page loop" in text
+
+
+# ------------------------------------------------------- an engine's own layers (gather_blocks)
+
+# How an engine may lay out one layer's KV, each given as the 5-D view [sides, num_blocks,
+# block_size, heads, head_dim] that gather_blocks takes.  "cross-layer" puts every layer in one
+# tensor [num_blocks, num_layers, sides, ...], so that the layers interleave in one storage.
+LAYOUTS = ["sbthd", "bsthd", "sbhtd", "cross-layer", "padded", "dim-strided", "mla"]
+
+
+def engine_layers(layout: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
+    """Random per-layer tensors of ``layout``, as 5-D views of logical ``shape`` = (L, sides, nb, bs, H, D)."""
+    layers, sides, nb, bs, heads, dim = shape
+    if layout == "cross-layer":
+        whole = random_bytes((nb, layers, sides, bs, heads, dim), dtype, gen)
+        return [whole[:, l].transpose(0, 1) for l in range(layers)]
+    out = []
+    for _ in range(layers):
+        if layout == "sbthd":      # vLLM's FlashAttention / CPU layout [2, num_blocks, block_size, H, D]
+            t = random_bytes((sides, nb, bs, heads, dim), dtype, gen)
+        elif layout == "bsthd":    # [num_blocks, 2, block_size, H, D] (FlashInfer)
+            t = random_bytes((nb, sides, bs, heads, dim), dtype, gen).transpose(0, 1)
+        elif layout == "sbhtd":    # [2, num_blocks, H, block_size, D]
+            t = random_bytes((sides, nb, heads, bs, dim), dtype, gen).transpose(2, 3)
+        elif layout == "padded":   # head_dim padded in memory: rows are not contiguous
+            t = random_bytes((sides, nb, bs, heads, dim + 3), dtype, gen)[..., 1:dim + 1]
+        elif layout == "dim-strided":  # head_dim not the innermost axis: element-wise strides
+            t = random_bytes((sides, nb, bs, dim, heads), dtype, gen).transpose(3, 4)
+        else:                      # MLA: [num_blocks, block_size, D], one side, one head
+            t = random_bytes((nb, bs, dim), dtype, gen).unsqueeze(0).unsqueeze(3)
+        out.append(t)
+    return out
+
+
+@st.composite
+def block_copies(draw: st.DrawFn) -> dict:
+    layout = draw(st.sampled_from(LAYOUTS))
+    sides, heads = (1, 1) if layout == "mla" else (draw(st.integers(1, 2)), draw(st.integers(1, 3)))
+    num_blocks = draw(st.integers(1, 10))
+    block_size = draw(st.integers(1, 16))
+    ids = draw(st.lists(st.integers(0, num_blocks - 1), max_size=num_blocks, unique=True))
+    skip = draw(st.integers(0, 3))
+    return dict(layout=layout, shape=(draw(st.integers(1, 5)), sides, num_blocks, block_size, heads,
+                                      draw(st.sampled_from([1, 3, 8]))),
+                dtype=draw(st.sampled_from(DTYPES)), ids=ids, skip=skip,
+                tokens=(skip + len(ids)) * block_size + draw(st.integers(0, block_size + 1)),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def make_blocks(case: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
+    gen = torch.Generator().manual_seed(case["seed"])
+    layers = engine_layers(case["layout"], case["shape"], case["dtype"], gen)
+    num_layers, sides, _, _, heads, dim = case["shape"]
+    return layers, random_bytes((num_layers, sides, case["tokens"], heads, dim), case["dtype"], gen)
+
+
+def gather_blocks_by_definition(layers: list[torch.Tensor], ids: list[int], buf: torch.Tensor,
+                                skip: int) -> torch.Tensor:
+    """out[l, s, (skip+i)*bs + t] = layers[l][s, ids[i], t], one block at a time, on bytes."""
+    out, bs = as_bytes(buf).clone(), layers[0].shape[2]
+    for l, layer in enumerate(layers):
+        for i, block in enumerate(ids):
+            out[l, :, (skip + i) * bs:(skip + i + 1) * bs] = as_bytes(layer[:, block])
+    return out
+
+
+def scatter_blocks_by_definition(src: torch.Tensor, layers: list[torch.Tensor], ids: list[int],
+                                 skip: int) -> list[torch.Tensor]:
+    """The bytes each layer should hold after the scatter (as contiguous copies)."""
+    bs, expected = layers[0].shape[2], [as_bytes(t).clone() for t in layers]
+    for l in range(len(layers)):
+        for i, block in enumerate(ids):
+            expected[l][:, block] = as_bytes(src[l, :, (skip + i) * bs:(skip + i + 1) * bs])
+    return expected
+
+
+@given(block_copies())
+def test_torch_block_reference_matches_the_definition(case: dict) -> None:
+    layers, buf = make_blocks(case)
+    ids = torch.tensor(case["ids"], dtype=torch.int64)
+    expected_out = gather_blocks_by_definition(layers, case["ids"], buf, case["skip"])
+    ops._gather_torch(layers, ids, buf, case["skip"])
+    assert torch.equal(as_bytes(buf), expected_out)
+
+    layers, buf = make_blocks(case)
+    expected = scatter_blocks_by_definition(buf, layers, case["ids"], case["skip"])
+    ops._scatter_torch(buf, layers, ids, case["skip"])
+    assert all(torch.equal(as_bytes(t), e) for t, e in zip(layers, expected))
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_public_block_ops_round_trip(mode: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ops.ENV_MODE, mode)
+    gen = torch.Generator().manual_seed(1)
+    shape = (3, 1, 7, 4, 1, 8) if layout == "mla" else (3, 2, 7, 4, 2, 8)
+    layers = engine_layers(layout, shape, torch.float16, gen)
+    before = [t.clone() for t in layers]
+    chunk = torch.zeros((3, shape[1], 5 * 4, shape[4], 8), dtype=torch.float16)
+    assert ops.gather_blocks(layers, [6, 0, 3], chunk, skip_blocks=2) is chunk
+    assert not chunk[:, :, :8].any()
+    for l in range(3):
+        assert same(chunk[l, :, 8:].view(shape[1], 3, 4, shape[4], 8), layers[l][:, [6, 0, 3]])
+    ops.scatter_blocks(chunk, layers, torch.tensor([1, 2, 5]), skip_blocks=2)
+    for l in range(3):
+        assert same(layers[l][:, [1, 2, 5]], before[l][:, [6, 0, 3]])
+        assert same(layers[l][:, [0, 3, 4, 6]], before[l][:, [0, 3, 4, 6]])  # the rest untouched
+
+
+def test_pool_ops_are_the_block_ops_on_the_pool_layers() -> None:
+    gen = torch.Generator().manual_seed(2)
+    kv = random_bytes((3, 2, 6, 4, 2, 8), torch.bfloat16, gen)
+    a, b = torch.zeros(3, 2, 12, 2, 8, dtype=torch.bfloat16), torch.ones(3, 2, 12, 2, 8, dtype=torch.bfloat16)
+    ops.gather_pages(kv, [5, 2], a, skip_pages=1)
+    ops.gather_blocks(list(kv.unbind(0)), [5, 2], b, skip_blocks=1)
+    assert same(a[:, :, 4:], b[:, :, 4:])
+
+
+BL = [torch.zeros(2, 4, 2, 3, 5) for _ in range(2)]
+BAD_BLOCK_GATHER = [
+    # (layers, block_ids, out, skip_blocks), error, words the message must contain
+    ((BL, [0], BUF, "1"), TypeError, "skip_blocks must be an int"),
+    ((BL, [0], BUF, -1), ValueError, "skip_blocks must be >= 0"),
+    ((BL, [0], BUF, 2), ValueError, "out holds 4 tokens, but skip_blocks=2 plus 1 blocks"),
+    ((BL, [0, 4], BUF, 0), ValueError, "block_ids holds"),
+    ((BL, [-1], BUF, 0), ValueError, "block_ids"),
+    ((BL, [0.5], BUF, 0), TypeError, "block_ids"),
+    ((BL, [[0]], BUF, 0), ValueError, "block_ids must be 1-D"),
+    ((BL, [0], BUF.half(), 0), TypeError, "out has dtype torch.float16"),
+    ((BL, [0], torch.zeros(2, 2, 4, 3, 4), 0), ValueError, "out must be [2, 2, num_tokens, 3, 5]"),
+    ((BL[:1], [0], BUF, 0), ValueError, "out must be [1, 2, num_tokens, 3, 5]"),
+    ((BL, [0], torch.zeros(2, 2, 4, 5, 3).transpose(3, 4), 0), ValueError, "out must be contiguous"),
+    ((BL, [0], "buffer", 0), TypeError, "out must be a torch.Tensor"),
+    ((BL[0], [0], BUF, 0), TypeError, "layers must be a sequence"),
+    (([], [0], BUF, 0), ValueError, "layers is empty"),
+    (([BL[0], "x"], [0], BUF, 0), TypeError, r"layers\[1\] must be a torch.Tensor"),
+    (([BL[0], BL[1][0]], [0], BUF, 0), ValueError, r"layers\[1\] must be 5-D"),
+    (([BL[0], BL[1][:, :3]], [0], BUF, 0), ValueError, r"layers\[1\] has shape"),
+    (([BL[0], BL[1].double()], [0], BUF, 0), TypeError, r"layers\[1\] has dtype torch.float64"),
+    (([BL[0], BL[1].to("meta")], [0], BUF, 0), ValueError, r"layers\[1\] is on meta"),
+    (([torch.zeros(2, 4, 0, 3, 5)] * 2, [0], torch.zeros(2, 2, 0, 3, 5), 0), ValueError, "block_size >= 1"),
+    ((BL, [0], torch.zeros(2, 2, 4, 3, 5, dtype=torch.complex128), 0), TypeError, "out has dtype"),
+    (([torch.zeros(2, 4, 2, 3, 5, dtype=torch.complex128)] * 2, [0], BUF, 0), TypeError, "1, 2, 4 or 8 bytes"),
+]
+
+
+@pytest.mark.parametrize("args, error, words", BAD_BLOCK_GATHER)
+def test_gather_blocks_rejects_bad_arguments(args: tuple, error: type, words: str) -> None:
+    layers, ids, out, skip = args
+    before = out.clone() if isinstance(out, torch.Tensor) else None
+    with pytest.raises(error, match=words.replace("[2,", r"\[2,").replace("[1,", r"\[1,")):
+        ops.gather_blocks(layers, ids, out, skip_blocks=skip)
+    if before is not None:
+        assert torch.equal(out, before)
+
+
+def test_block_buffer_sharing_memory_with_a_layer_is_refused() -> None:
+    whole = torch.zeros(2 * 4 * 2 * 3 * 5 * 3)
+    layer = whole[:240].view(2, 4, 2, 3, 5)
+    inside = whole[200:320].view(1, 2, 4, 3, 5)
+    with pytest.raises(ValueError, match=r"out shares memory with layers\[0\]"):
+        ops.gather_blocks([layer], [0], inside)
+    apart = whole[240:480].view(1, 2, 8, 3, 5)  # the same storage, other bytes: fine
+    ops.gather_blocks([layer], [0], apart)
+
+
+def test_scatter_blocks_rejects_repeats_and_self_overlap_and_leaves_the_layers() -> None:
+    layers = [torch.zeros(2, 4, 2, 3, 5) for _ in range(2)]
+    with pytest.raises(ValueError, match="block_ids holds block 1 more than once"):
+        ops.scatter_blocks(torch.ones(2, 2, 4, 3, 5), layers, [1, 1])
+    with pytest.raises(ValueError, match="src holds 4 tokens"):
+        ops.scatter_blocks(torch.ones(2, 2, 4, 3, 5), layers, [1, 2, 3])
+    expanded = torch.zeros(2, 4, 1, 3, 5).expand(2, 4, 2, 3, 5)
+    with pytest.raises(ValueError, match=r"layers\[1\] has elements that overlap"):
+        ops.scatter_blocks(torch.ones(2, 2, 4, 3, 5), [layers[0], expanded], [1])
+    ops.gather_blocks([layers[0], expanded], [1], torch.ones(2, 2, 4, 3, 5))  # reading one is fine
+    assert not any(t.any() for t in layers)
