@@ -283,3 +283,79 @@ def test_the_ttft_benchmark_runs_and_checks_logits_at_every_level(tmp_path: Any)
     for level in ("no cache", "compute-only", "pool", "cpu tier", "lmdb (restart)"):
         assert f"   64 {level}" in text
     assert "PASS  P=32: last-token logits" in text and "PASS  P=64: last-token logits" in text
+
+
+# -- namespace safety -----------------------------------------------------------------------------
+
+def bare_llama(seed: int) -> Any:
+    """A Llama built from a bare config, as a user would without ``random_model``: no name_or_path."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config).train(False)
+
+
+def test_a_model_without_a_name_needs_a_name_or_a_fingerprint() -> None:
+    import copy
+
+    a, b = bare_llama(0), bare_llama(1)
+    assert a.config.name_or_path == ""
+    with pytest.raises(ValueError, match="name=... or fingerprint=True"):
+        namespace_for(a)
+    with pytest.raises(ValueError, match="name"):
+        namespace_for(a, name="")
+    with pytest.raises(TypeError, match="fingerprint"):
+        namespace_for(a, fingerprint=1)  # type: ignore[arg-type]
+    assert namespace_for(a, name="mine").model == "mine"
+    fa, fb = namespace_for(a, fingerprint=True), namespace_for(b, fingerprint=True)
+    assert fa != fb and fa.model.startswith("llama@weights:")
+    assert namespace_for(copy.deepcopy(a), fingerprint=True) == fa            # a pure function of the weights
+    named = random_model("llama", seed=0)
+    assert namespace_for(named, fingerprint=True).model.startswith(named.config.name_or_path + "@weights:")
+    changed = copy.deepcopy(named)                                             # same name, weights changed
+    with torch.no_grad():
+        changed.lm_head.weight[0, 0] += 1
+    assert namespace_for(changed) == namespace_for(named)
+    assert namespace_for(changed, fingerprint=True) != namespace_for(named, fingerprint=True)
+
+
+@pytest.mark.parametrize("naming", ["fingerprint", "random_model names"])
+def test_two_models_on_one_lmdb_tier_never_serve_each_others_kv(tmp_path: Any, naming: str) -> None:
+    pytest.importorskip("lmdb")
+    from radixkv.backends import LmdbTier
+
+    if naming == "fingerprint":
+        models = [bare_llama(0), bare_llama(1)]
+        spaces = [namespace_for(m, fingerprint=True) for m in models]
+    else:
+        models = [random_model("llama", seed=s, num_kv_heads=2, vocab_size=VOCAB) for s in (0, 1)]
+        spaces = [namespace_for(m) for m in models]
+    prompt = tokens(41, seed=23)
+
+    def serve(i: int, ns: Namespace) -> Result:
+        with make_cache(models[i], tiers=[LmdbTier(tmp_path / "kv", max_bytes=1 << 22)], namespace=ns) as cache:
+            return prefill_exact(PrefixCachedLM(models[i], cache), prompt)   # its own full recompute
+
+    assert serve(0, spaces[0]).match_tokens == 0
+    assert serve(1, spaces[1]).match_tokens == 0          # the same tokens, the other model: a miss
+    assert serve(0, spaces[0]).levels == {"lmdb": 40}      # each still finds its own
+    assert serve(1, spaces[1]).levels == {"lmdb": 40}
+
+
+def test_one_namespace_for_two_models_would_serve_wrong_kv(tmp_path: Any) -> None:
+    """Why the namespace matters: given the same name, the second model gets the first's KV, far off."""
+    pytest.importorskip("lmdb")
+    from radixkv.backends import LmdbTier
+
+    a, b = bare_llama(0), bare_llama(1)
+    ns = namespace_for(a, name="same")
+    prompt = tokens(41, seed=24)
+    with make_cache(a, tiers=[LmdbTier(tmp_path / "kv", max_bytes=1 << 22)], namespace=ns) as cache:
+        PrefixCachedLM(a, cache).prefill(prompt)
+    with make_cache(b, tiers=[LmdbTier(tmp_path / "kv", max_bytes=1 << 22)], namespace=ns) as cache:
+        result = PrefixCachedLM(b, cache).prefill(prompt)
+    assert result.levels == {"lmdb": 40}
+    assert (result.logits[-1] - full_logits(b, prompt)[-1]).abs().max().item() > 100 * TOL

@@ -52,7 +52,8 @@ from radixkv.cache import Match, PoolExhausted, PrefixCache
 from radixkv.hashing import Namespace, as_token_bytes
 from radixkv.pool import KVLayout
 
-__all__ = ["FAMILIES", "PrefixCachedLM", "Result", "layer_kv", "layout_for", "namespace_for", "random_model"]
+__all__ = ["FAMILIES", "PrefixCachedLM", "Result", "layer_kv", "layout_for", "namespace_for", "random_model",
+           "weights_fingerprint"]
 
 #: Architectures ``random_model`` builds: two grouped-query families and one multi-head one.
 FAMILIES = ("llama", "qwen2", "gpt_neox")
@@ -128,13 +129,50 @@ def layout_for(model: Any, page_size: int = 16, dtype: torch.dtype | None = None
                     dtype=dtype or model.dtype, page_size=page_size)
 
 
-def namespace_for(model: Any, *, revision: str = "main", salt: bytes = b"", lora_id: str = "") -> Namespace:
-    """A ``Namespace`` for ``model``: its ``name_or_path`` (else its ``model_type``) with
-    ``revision``, ``lora_id`` and the tenant ``salt``.  Pass the revision of the weights you
-    loaded: a namespace is what keeps KV of other weights out.  O(1)."""
-    config = model.config
-    name = getattr(config, "name_or_path", "") or config.model_type
-    return Namespace(model=name, revision=revision, lora_id=lora_id, salt=salt)
+def namespace_for(model: Any, *, name: str | None = None, revision: str = "main", salt: bytes = b"",
+                  lora_id: str = "", fingerprint: bool = False) -> Namespace:
+    """A ``Namespace`` for ``model``: its id with ``revision``, ``lora_id`` and the tenant ``salt``.
+
+    The id is ``name``, else the config's ``name_or_path`` (what ``from_pretrained`` was given;
+    ``random_model`` sets one from its arguments).  A model built from a bare config has no
+    ``name_or_path`` and is refused with ``ValueError``: its ``model_type`` alone would let every
+    model of that type read each other's KV.  Give it a ``name``, or pass ``fingerprint=True``
+    to append a digest of the weights (``weights_fingerprint``) to the id — with or without a name,
+    so that weights changed in place under the same path or name never meet the old KV.  Pass the
+    ``revision`` of the weights you loaded: a namespace is what keeps KV of other weights out.
+    Cost: O(1); with ``fingerprint``, one hash pass over every weight (a device-to-host copy per
+    tensor for weights on an accelerator; about a second per few GB).
+    """
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not isinstance(fingerprint, bool):
+        raise TypeError(f"fingerprint must be a bool, got {type(fingerprint).__name__}")
+    model_id = name or getattr(model.config, "name_or_path", "") or ""
+    if not model_id and not fingerprint:
+        raise ValueError(f"model: its config has no name_or_path (built from a config?), so its "
+                         f"{model.config.model_type!r} type is all that would tell it from other models; "
+                         f"pass name=... or fingerprint=True")
+    if fingerprint:
+        model_id = f"{model_id or model.config.model_type}@weights:{weights_fingerprint(model)}"
+    return Namespace(model=model_id, revision=revision, lora_id=lora_id, salt=salt)
+
+
+def weights_fingerprint(model: Any) -> str:
+    """Hex xxh3-128 digest of ``model``'s weights: the name, dtype, shape and bytes of every tensor
+    in its ``state_dict``, in name order.  Equal weights give equal digests in every process.
+    Raises ``ValueError`` for weights that are not materialised (meta device).  Cost: one hash
+    pass over all weights, plus a device-to-host copy per tensor for weights on an accelerator.
+    """
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    for key, tensor in sorted(model.state_dict().items()):
+        if tensor.is_meta:
+            raise ValueError(f"model: weight {key!r} is on the meta device; load the weights first")
+        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        flat = tensor.detach().reshape(-1).contiguous().cpu()
+        digest.update(flat.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------- the adapter
@@ -351,16 +389,16 @@ class PrefixCachedLM:
             return 0
         start, end = have * ps, full * ps
         pool = self.cache.pool
-        buf = torch.empty(self.cache.layout.chunk_shape(end - start), dtype=pool.kv.dtype, device=pool.device)
-        for layer in range(buf.shape[0]):
-            keys, values = layer_kv(model_cache, layer)   # [1, heads, tokens, dim]
-            buf[layer, 0].copy_(keys[0, :, start:end].transpose(0, 1))
-            buf[layer, 1].copy_(values[0, :, start:end].transpose(0, 1))
-        try:
+        try:                                # from alloc to insert the pages are ours: free them on any error
+            buf = torch.empty(self.cache.layout.chunk_shape(end - start), dtype=pool.kv.dtype, device=pool.device)
+            for layer in range(buf.shape[0]):
+                keys, values = layer_kv(model_cache, layer)   # [1, heads, tokens, dim]
+                buf[layer, 0].copy_(keys[0, :, start:end].transpose(0, 1))
+                buf[layer, 1].copy_(values[0, :, start:end].transpose(0, 1))
             ops.scatter_pages(buf, pool, new)
             cached = self.cache.insert(ids[:end], torch.cat([m.pages, new]))
         except BaseException:
-            self.cache.free(new)            # insert changes nothing when it raises: the pages are ours
+            self.cache.free(new)            # insert changes nothing when it raises
             raise
         return end - max(cached, start)
 
