@@ -14,19 +14,33 @@ dependency::
     >>> tier.put(bytes(24), b"blob"), bytes(tier.get(bytes(24)))
     (True, b'blob')
 
-``CpuTier``, ``LmdbTier`` and ``S3Tier`` are attributes of this package that import their module
-(and its dependency) on first use.
+``CpuTier``, ``LmdbTier``, ``S3Tier`` and ``RedisTier`` are attributes of this package that import
+their module (and its dependency) on first use.
+
+**Bounds on remote waits.**  A caller bounds every tier call it makes inside ``with bounded(deadline,
+max_blob_bytes):`` (a context variable, so it passes through wrappers unchanged): a remote tier
+gives up when ``time.monotonic()`` passes ``deadline`` and raises ``DeadlineExceeded`` (with what it
+had by then in ``partial``), and refuses to download a blob over ``max_blob_bytes``
+(``OversizeBlob``).  Local tiers do not wait on other machines and ignore both.  ``BoundedPool`` is
+the worker pool and deadline-bounded wait the remote backends share.
 """
 
 from __future__ import annotations
 
 import abc
+import contextvars
 import importlib
+import re
 import threading
-from typing import Any, Callable, Container, Iterable, Sequence, TypeVar, Union
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait_futures
+from contextlib import contextmanager
+from typing import Any, Callable, Container, Iterable, Iterator, Sequence, TypeVar, Union
 
-__all__ = ["KEY_BYTES", "NAMESPACE_BYTES", "Blob", "MemoryTier", "Tier", "available", "blob_view", "check_key",
-           "check_namespace_id", "count_leading", "create", "register"]
+__all__ = ["KEY_BYTES", "NAMESPACE_BYTES", "Blob", "BoundedPool", "DeadlineExceeded", "MemoryTier", "OversizeBlob",
+           "Tier", "available", "blob_view", "bounded", "check_key", "check_namespace_id", "count_leading", "create",
+           "current_deadline", "current_max_blob_bytes", "redact", "register"]
 
 KEY_BYTES = 24
 NAMESPACE_BYTES = 8
@@ -59,6 +73,19 @@ def count_leading(keys: Sequence[bytes], held: Container[bytes]) -> int:
         if key not in held:
             return n
     return len(keys)
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s'\"]*@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the user-info of every URL in it (``scheme://user:password@``) replaced by
+    ``***@``: what every log line and error message about an endpoint goes through.  O(len).
+
+    >>> redact("GET http://AK:secret@127.0.0.1:9000/bucket failed")
+    'GET http://***@127.0.0.1:9000/bucket failed'
+    """
+    return _USERINFO.sub("***@", text)
 
 
 def blob_view(blob: Any) -> memoryview:
@@ -264,15 +291,142 @@ class MemoryTier(Tier):
             assert all(len(k) == KEY_BYTES for k in self._data), "memory tier holds a malformed key"
 
 
+# -- bounds on remote waits -------------------------------------------------------------------
+
+class DeadlineExceeded(TimeoutError):
+    """A remote tier did not answer before the caller's deadline.  ``partial`` is what it had by
+    then (``get_many``: a list with ``None`` for what did not arrive; ``contains_prefix``: the
+    leading keys confirmed), so the caller can use the part that arrived intact."""
+
+    def __init__(self, message: str, partial: Any = None) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+class OversizeBlob(ValueError):
+    """A stored blob is larger than the caller can use; it was not downloaded (a miss, and a bad
+    entry: the stack deletes it like a corrupt one)."""
+
+
+_BOUNDS: contextvars.ContextVar[tuple[float | None, int | None]] = contextvars.ContextVar(
+    "radixkv_tier_bounds", default=(None, None))
+
+
+@contextmanager
+def bounded(deadline: float | None = None, max_blob_bytes: int | None = None) -> Iterator[None]:
+    """Bound every tier call in the block: remote tiers stop waiting at ``deadline`` (absolute
+    ``time.monotonic()`` seconds) and download no blob over ``max_blob_bytes``.  ``None`` keeps
+    the enclosing bound (or the tier's own default).  O(1); per thread and per task."""
+    old_deadline, old_max = _BOUNDS.get()
+    token = _BOUNDS.set((old_deadline if deadline is None else deadline,
+                         old_max if max_blob_bytes is None else max_blob_bytes))
+    try:
+        yield
+    finally:
+        _BOUNDS.reset(token)
+
+
+def current_deadline() -> float | None:
+    """The deadline ``bounded`` set for this thread or task, or ``None``.  O(1)."""
+    return _BOUNDS.get()[0]
+
+
+def current_max_blob_bytes() -> int | None:
+    """The blob size bound ``bounded`` set for this thread or task, or ``None``.  O(1)."""
+    return _BOUNDS.get()[1]
+
+
+class BoundedPool:
+    """The worker threads of a remote tier (made on first use, ``size`` of them), and a wait on
+    them that ends at a deadline.
+
+    ``submit`` runs each call in a copy of the caller's context (so ``current_deadline`` holds in
+    the worker), or on the calling thread when that is one of the pool's own (a task that waited
+    on tasks queued behind it could deadlock the pool).  ``gather`` waits for the futures until
+    the deadline; what did not finish by then is abandoned — cancelled if it had not started, else
+    left to end on its own (its socket timeouts bound it) — and counted through ``on_abandon``.
+    Thread-safe.
+    """
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size = size
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def on_worker(self) -> bool:
+        """Whether the calling thread is one of the pool's workers."""
+        return bool(getattr(self._local, "active", False))
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """``fn(*args)`` on a worker (inline on a worker's own thread), in the caller's context."""
+        if self.on_worker():
+            done: Future[T] = Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                done.set_exception(e)
+            return done
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.size, thread_name_prefix=self.name,
+                                                initializer=setattr, initargs=(self._local, "active", True))
+            pool = self._pool
+        return pool.submit(contextvars.copy_context().run, fn, *args)
+
+    def gather(self, futures: Sequence[Future[T]], deadline: float,
+               on_abandon: Callable[[int], None] | None = None) -> list[T]:
+        """Every future's result, in order, waiting at most until ``deadline``.
+
+        A fault raises (the first, once the others finished or the deadline passed).  At the
+        deadline, ``DeadlineExceeded`` with ``partial`` = the results (``None`` where a call did
+        not finish or failed), after ``on_abandon(number abandoned)``.  O(len(futures))."""
+        _wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
+        results: list[Any] = []
+        error: BaseException | None = None
+        for f in futures:
+            if f.done() and not f.cancelled() and f.exception() is None:
+                results.append(f.result())
+                continue
+            results.append(None)
+            if f.done() and not f.cancelled():
+                error = error or f.exception()
+        late = [f for f in futures if not f.done()]
+        if late:
+            for f in late:
+                f.cancel()
+            if on_abandon is not None:
+                on_abandon(len(late))
+            raise DeadlineExceeded(f"{self.name}: {len(late)} of {len(futures)} requests did not finish "
+                                   "by the deadline", partial=results)
+        if error is not None:
+            raise error
+        return results
+
+    def close(self) -> None:
+        """Refuse new calls, cancel queued ones and let running ones end on their own (never waits
+        on a hung request).  Idempotent."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
 # name -> "module:attribute" (imported on first use) or a factory.
 _REGISTRY: dict[str, str | Callable[..., Tier]] = {
     "memory": "radixkv.backends:MemoryTier",
     "cpu": "radixkv.backends.cpu:CpuTier",
     "lmdb": "radixkv.backends.lmdb:LmdbTier",
     "s3": "radixkv.backends.s3:S3Tier",
+    "redis": "radixkv.backends.redis:RedisTier",
 }
 _LAZY_CLASSES = {"CpuTier": "radixkv.backends.cpu", "LmdbTier": "radixkv.backends.lmdb",
-                 "S3Tier": "radixkv.backends.s3"}
+                 "S3Tier": "radixkv.backends.s3", "RedisTier": "radixkv.backends.redis"}
 
 
 def register(name: str, factory: str | Callable[..., Tier]) -> None:

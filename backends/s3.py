@@ -76,12 +76,13 @@ import re
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from radixkv._checks import check_int
-from radixkv.backends import Blob, Tier, blob_view, check_key, check_namespace_id
+from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, OversizeBlob, Tier, blob_view, bounded, check_key,
+                              check_namespace_id, current_deadline, current_max_blob_bytes, redact)
 
 __all__ = ["CircuitBreaker", "S3Tier", "parse_remote_url"]
 
@@ -92,11 +93,41 @@ _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _CHANGED = {"412", "PreconditionFailed", "InvalidRange", "416"}  # overwritten or emptied mid-read
 _DELETE_BATCH = 1000  # S3's limit for DeleteObjects
+_CHUNK_NAME = re.compile(r"[0-9a-f]{32}")  # an object name's last segment: a 16-byte chunk key
 
 
 def _redacted(url: str) -> str:
     """``url`` with any user-info (credentials someone put in a URL) replaced by ``***``."""
-    return re.sub(r"(?<=://)[^/@]*@", "***@", url) if isinstance(url, str) else repr(url)
+    return redact(url) if isinstance(url, str) else repr(url)
+
+
+def _split_credentials(endpoint_url: str | None) -> tuple[str | None, dict[str, str]]:
+    """An endpoint URL without its user-info, and that user-info as boto3 session credentials
+    (``http://AK:SECRET@host`` is a common way to write them): boto3 then never sees (or logs, or
+    puts in an error message) a URL holding a secret."""
+    if not isinstance(endpoint_url, str) or "@" not in endpoint_url:
+        return endpoint_url, {}
+    parts = urlsplit(endpoint_url)
+    if parts.username is None:
+        return endpoint_url, {}
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    credentials = {"aws_access_key_id": unquote(parts.username)}
+    if parts.password is not None:
+        credentials["aws_secret_access_key"] = unquote(parts.password)
+    return parts._replace(netloc=netloc).geturl(), credentials
+
+
+def _redact_error(e: Exception) -> Exception:
+    """``e`` itself when its message holds no URL credentials, else an exception of the same
+    kind of fault (``ConnectionError``/``OSError``) whose message is redacted."""
+    text = str(e)
+    clean = redact(text)
+    if clean == text:
+        return e
+    return (ConnectionError if isinstance(e, ConnectionError) else OSError)(f"{type(e).__name__}: {clean}")
 
 
 def parse_remote_url(url: str) -> tuple[str, str]:
@@ -248,18 +279,24 @@ class S3Tier(Tier):
                  failure_threshold: int = 3, backoff_s: float = 5.0, max_backoff_s: float | None = None,
                  breaker: CircuitBreaker | None = None,
                  ttl_s: float | None = None, namespace_ttl_s: Mapping[bytes, float | None] | None = None,
-                 clock: Callable[[], float] = time.time, lazy: bool = False) -> None:
+                 clock: Callable[[], float] = time.time, lazy: bool = False,
+                 timeout_s: float = 10.0, max_object_bytes: int = 1 << 30) -> None:
         if not isinstance(bucket, str) or not _BUCKET_NAME.match(bucket):
             raise ValueError(f"bucket: {bucket!r} is not a valid S3 bucket name")
         if not isinstance(prefix, str) or "//" in prefix.strip("/"):
             raise ValueError(f"prefix must be a str without empty path segments, got {prefix!r}")
-        for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s)):
+        for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s),
+                            ("timeout_s", timeout_s)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         for name, value, low in (("max_attempts", max_attempts, 1), ("max_concurrency", max_concurrency, 1),
                                  ("multipart_threshold", multipart_threshold, 5 << 20),
-                                 ("multipart_chunksize", multipart_chunksize, 5 << 20)):
+                                 ("multipart_chunksize", multipart_chunksize, 5 << 20),
+                                 ("max_object_bytes", max_object_bytes, 1)):
             check_int(value, name, low)
+        endpoint_url, url_credentials = _split_credentials(endpoint_url)
+        if url_credentials and client is not None:
+            raise ValueError("endpoint_url: credentials in the URL, but a client was given (it has its own)")
         self._ttl = _check_ttl(ttl_s, "ttl_s")
         self._ns_ttl = {check_namespace_id(ns): _check_ttl(s, "namespace_ttl_s")
                         for ns, s in (namespace_ttl_s or {}).items()}
@@ -270,6 +307,8 @@ class S3Tier(Tier):
         self.max_concurrency = max_concurrency
         self.connect_timeout_s = float(connect_timeout_s)
         self.read_timeout_s = float(read_timeout_s)
+        self.timeout_s = float(timeout_s)
+        self.max_object_bytes = max_object_bytes
         self.max_attempts = max_attempts
         self._root = f"{self.prefix}/" if self.prefix else ""
         self._clock = clock
@@ -286,8 +325,8 @@ class S3Tier(Tier):
                             retries={"total_max_attempts": max_attempts, "mode": "standard"},
                             max_pool_connections=max_concurrency,
                             s3={"addressing_style": "path" if endpoint_url else "auto"})
-            client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
-                                                    config=config)
+            session = boto3.session.Session(**url_credentials)
+            client = session.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
         elif endpoint_url is not None or region is not None:
             raise ValueError("pass either client or endpoint_url/region, not both (the client has its own)")
         self._client = client
@@ -295,12 +334,12 @@ class S3Tier(Tier):
         self._transfer = TransferConfig(multipart_threshold=multipart_threshold,
                                         multipart_chunksize=multipart_chunksize,
                                         max_concurrency=max_concurrency, use_threads=True)
-        self._pool: ThreadPoolExecutor | None = None
-        self._worker = threading.local()  # .active on the pool's own threads
+        self._pool = BoundedPool(max_concurrency, "radixkv-s3")
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter(dict.fromkeys(
             ("gets", "hits", "misses", "expired", "skipped", "get_errors",
-             "puts", "stored", "skipped_puts", "put_errors", "deletes", "bytes_read", "bytes_written"), 0))
+             "puts", "stored", "skipped_puts", "put_errors", "deletes", "bytes_read", "bytes_written",
+             "timeouts", "oversize"), 0))
         self._closed = False
         if not lazy:
             self._check_bucket()
@@ -339,73 +378,130 @@ class S3Tier(Tier):
         """The object-name prefix holding every chunk of a namespace.  O(1)."""
         return f"{self._root}{check_namespace_id(ns_id).hex()}/"
 
-    def _request(self, op: Callable[..., T], **kwargs: Any) -> T:
-        """One guarded request: ``_Skipped`` when the breaker is open; a not-found answer is
-        success for the breaker (raised as ``KeyError``); any other fault is recorded and raised."""
+    def _deadline(self) -> float:
+        """The caller's deadline (``radixkv.backends.bounded``), else ``timeout_s`` from now."""
+        deadline = current_deadline()
+        return time.monotonic() + self.timeout_s if deadline is None else deadline
+
+    def _abandoned(self, n: int) -> None:
+        """``n`` requests still running at their deadline: timeouts, and failures for the breaker
+        now (not when their sockets finally give up), so that a slow endpoint opens it like a dead one."""
+        self._count(timeouts=n)
+        for _ in range(n):
+            self.breaker.record(False)
+
+    def _bounded(self, fn: Callable[..., T], items: Sequence[Any]) -> list[T]:
+        """``fn(item)`` for each item on the tier's pool, all at once (up to ``max_concurrency``),
+        waiting until the deadline: ``DeadlineExceeded`` (with the results that arrived) past it,
+        else the first fault once every call finished.  Inline when called from the pool."""
         if self._closed:
             raise RuntimeError("S3Tier is closed")
+        if self._pool.on_worker():
+            return _wait_all([self._pool.submit(fn, item) for item in items])
+        deadline = self._deadline()
+        # While the breaker is not closed the first call goes alone: it is the probe, which the
+        # others would otherwise skip.
+        head = 1 if len(items) > 1 and self.breaker.state != "closed" else 0
+        results: list[T] = []
+        with bounded(deadline):
+            if head:
+                results = self._pool.gather([self._pool.submit(fn, items[0])], deadline, self._abandoned)
+            futures = [self._pool.submit(fn, item) for item in items[head:]]
+        try:
+            return results + self._pool.gather(futures, deadline, self._abandoned)
+        except DeadlineExceeded as e:
+            raise DeadlineExceeded(str(e), partial=results + list(e.partial)) from None
+
+    def _request(self, op: Callable[..., T], **kwargs: Any) -> T:
+        """One guarded request: ``_Skipped`` when the breaker is open; a not-found answer is
+        success for the breaker (raised as ``KeyError``); any other fault, and an answer that came
+        after the deadline, is recorded and raised."""
+        if self._closed:
+            raise RuntimeError("S3Tier is closed")
+        deadline = self._deadline()
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"S3 bucket {self.bucket!r}: the deadline passed before the request was sent")
         if not self.breaker.allow():
             raise _Skipped
         ok = False
         try:
             result = op(Bucket=self.bucket, **kwargs)
+            if time.monotonic() > deadline:
+                self._count(timeouts=1)
+                raise DeadlineExceeded(f"S3 bucket {self.bucket!r} at {self._where} answered after the deadline")
             ok = True
             return result
+        except DeadlineExceeded:
+            raise
         except Exception as e:
             code = _error_code(e)
             if code in _NOT_FOUND or code in _CHANGED:
                 ok = True
                 raise KeyError(code) from None
-            raise
+            if isinstance(e, OversizeBlob):
+                ok = True  # the endpoint answered; the object is bad
+                raise
+            raise _redact_error(e) from None
         finally:
             self.breaker.record(ok)
 
-    def _read_object(self, key: bytes | None, **kwargs: Any) -> tuple[Mapping[str, Any], bytes | None]:
-        """One GET and its body, as one guarded request (a body read that times out feeds the
-        breaker too); the body is ``None`` when ``key``'s TTL says the object expired."""
-        def op(**kw: Any) -> tuple[Mapping[str, Any], bytes | None]:
+    def _read_object(self, key: bytes | None, **kwargs: Any) -> tuple[Mapping[str, Any], bytearray | None]:
+        """One GET and its body, as one guarded request (a body that does not arrive by the
+        deadline feeds the breaker too); the body is ``None`` when ``key``'s TTL says the object
+        expired.  An object over the size bound is refused from its headers (``OversizeBlob``),
+        before a byte of its body is read."""
+        limit = current_max_blob_bytes()
+        limit = self.max_object_bytes if limit is None else min(limit, self.max_object_bytes)
+
+        def op(**kw: Any) -> tuple[Mapping[str, Any], bytearray | None]:
             resp = self._client.get_object(**kw)
+            body = resp["Body"]
             if key is not None and self._expired(key, resp.get("LastModified")):
-                resp["Body"].close()
+                body.close()
                 return resp, None
-            return resp, resp["Body"].read()
+            length = resp.get("ContentLength")
+            total = _total_size(resp, length if isinstance(length, int) else 0)
+            if not isinstance(length, int) or length > limit or total > limit:
+                body.close()
+                self._count(oversize=1)
+                raise OversizeBlob(f"S3 object of {total} bytes is over the {limit}-byte bound; not read")
+            return resp, self._read_body(body, length)
 
         return self._request(op, **kwargs)
+
+    def _read_body(self, body: Any, length: int) -> bytearray:
+        """``length`` bytes of a response body, read as they come (one socket read at a time, each
+        bounded by what is left of the deadline), so that a body trickling in under the per-read
+        timeout still ends at the deadline."""
+        deadline = self._deadline()
+        raw = getattr(body, "_raw_stream", None)
+        out = bytearray(length)
+        view, got = memoryview(out), 0
+        try:
+            while got < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._count(timeouts=1)
+                    raise DeadlineExceeded(f"S3 bucket {self.bucket!r}: an object body did not arrive by the deadline")
+                body.set_socket_timeout(min(self.read_timeout_s, left))
+                piece = raw.read1(min(length - got, 1 << 20)) if raw is not None else body.read(length - got)
+                if not piece:
+                    raise ConnectionError(f"S3 bucket {self.bucket!r}: an object body ended after {got} of "
+                                          f"{length} bytes")
+                view[got:got + len(piece)] = piece
+                got += len(piece)
+        except BaseException:
+            body.close()
+            raise
+        if raw is not None:
+            raw.release_conn()
+        return out
 
     def _expired(self, key: bytes, last_modified: Any) -> bool:
         ttl = self._ns_ttl.get(key[:8], self._ttl)
         if ttl is None or not isinstance(last_modified, _dt.datetime):
             return False
         return self._clock() - last_modified.timestamp() > ttl
-
-    def _each(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[Future[T]]:
-        """``fn`` on each item on the tier's pool (made on first use), up to ``max_concurrency`` at
-        once.  A single item, or the first while the breaker is not closed (the probe, which the
-        others must not skip), runs on the calling thread; so does everything when the caller is
-        one of the pool's own threads (a large get inside ``get_many``).  The futures, in order."""
-        if not items:
-            return []
-        if self._closed:
-            raise RuntimeError("S3Tier is closed")
-        inline = 1 if len(items) == 1 or self.breaker.state != "closed" else 0
-        if getattr(self._worker, "active", False):
-            inline = len(items)  # a pool task waiting on tasks queued behind it could deadlock the pool
-        futures: list[Future[T]] = []
-        for item in items[:inline]:
-            done: Future[T] = Future()
-            try:
-                done.set_result(fn(item))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-                done.set_exception(e)
-            futures.append(done)
-        if len(items) > inline:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="radixkv-s3",
-                                                    initializer=setattr, initargs=(self._worker, "active", True))
-                pool = self._pool
-            futures.extend(pool.submit(fn, item) for item in items[inline:])
-        return futures
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -416,8 +512,13 @@ class S3Tier(Tier):
     def get(self, key: bytes) -> Blob | None:
         """The object's bytes, or ``None`` if absent, expired, overwritten mid-read or the breaker
         is open.  One GET for objects under ``multipart_threshold``; larger ones get their other
-        ``multipart_chunksize`` ranges concurrently (into a ``bytearray``).  Raises on a fault.
-        Thread-safe."""
+        ``multipart_chunksize`` ranges concurrently (into a ``bytearray``).  Bounded by the deadline
+        (``DeadlineExceeded``) and the size bound (``OversizeBlob``, from the headers).  Raises on a
+        fault.  Thread-safe."""
+        check_key(key)
+        return self._bounded(self._get, [key])[0]
+
+    def _get(self, key: bytes) -> Blob | None:
         name = self.object_key(key)
         outcome = "get_errors"
         try:
@@ -445,8 +546,9 @@ class S3Tier(Tier):
         finally:
             self._count(gets=1, **{outcome: 1})
 
-    def _get_rest(self, name: str, first: bytes, total: int, etag: str) -> bytearray:
-        """The ranges after ``first``, fetched concurrently and pinned to ``etag``."""
+    def _get_rest(self, name: str, first: bytearray, total: int, etag: str) -> bytearray:
+        """The ranges after ``first`` (``total`` is already within the size bound), fetched
+        concurrently and pinned to ``etag``."""
         out = bytearray(total)
         out[:len(first)] = first
         starts = range(len(first), total, self._chunk)
@@ -458,26 +560,32 @@ class S3Tier(Tier):
                 raise KeyError("short range")  # the object changed size under us: a miss
             out[start:end] = part
 
-        _wait_all(self._each(fetch, starts))
+        _wait_all([self._pool.submit(fetch, start) for start in starts])
         return out
 
     def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
-        """``[get(k) for k in keys]``, up to ``max_concurrency`` at once.  Raises the first fault
-        once every request has finished.  Thread-safe."""
+        """``[get(k) for k in keys]``, all at once (up to ``max_concurrency``), within one
+        deadline: ``DeadlineExceeded`` carries in ``partial`` the blobs that arrived.  Raises the
+        first fault once every request has finished.  Thread-safe."""
         for key in keys:
             check_key(key)
-        return _wait_all(self._each(self.get, keys))
+        return self._bounded(self._get, keys)
 
     def put(self, key: bytes, blob: Blob) -> bool:
         """Upload ``blob`` as the object of ``key`` (multipart from ``multipart_threshold`` bytes).
 
         ``False`` (counted as ``skipped_puts``) while the breaker is open.  A failed upload is
         counted as ``put_errors`` and raises; it is not retried beyond ``max_attempts``.  Cost: one
-        PUT, or a multipart upload.  Thread-safe.
+        PUT, or a multipart upload, within the deadline.  Thread-safe.
         """
+        check_key(key)
+        blob_view(blob)
+        return self._bounded(self._put, [(key, blob)])[0]
+
+    def _put(self, item: tuple[bytes, Blob]) -> bool:
+        key, blob = item
         name = self.object_key(key)
-        view = blob_view(blob)
-        body = blob if type(blob) is bytes else view.tobytes()
+        body = blob if type(blob) is bytes else blob_view(blob).tobytes()
         outcome = "put_errors"
         try:
             if len(body) >= self._threshold:
@@ -495,49 +603,55 @@ class S3Tier(Tier):
             self._count(puts=1, **{outcome: 1})
 
     def put_many(self, items: Iterable[tuple[bytes, Blob]]) -> int:
-        """``put`` each item, up to ``max_concurrency`` at once (a repeated key sends only its last
-        blob); the number stored.  Failed puts are counted (``put_errors``) and the first fault is
-        raised once every put has finished.  Thread-safe."""
+        """``put`` each item, all at once (up to ``max_concurrency``; a repeated key sends only its
+        last blob) within one deadline; the number stored.  Failed puts are counted (``put_errors``)
+        and the first fault is raised once every put has finished.  Thread-safe."""
         pairs = list(items)
         last: dict[bytes, Blob] = {}
         for key, blob in pairs:
             check_key(key)
             blob_view(blob)
             last[key] = blob  # concurrent puts of one key could land in any order: keep the last
-        stored = dict(zip(last, _wait_all(self._each(lambda kb: self.put(*kb), list(last.items())))))
+        if not last:
+            return 0
+        stored = dict(zip(last, self._bounded(self._put, list(last.items()))))
         return sum(stored[key] for key, _ in pairs)
 
     def _holds(self, key: bytes) -> bool:
         try:
             resp = self._request(self._client.head_object, Key=self.object_key(key))
-        except KeyError:
+        except (KeyError, _Skipped):  # a key the breaker skips counts as absent
             return False
         return not self._expired(key, resp.get("LastModified"))
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """Leading keys the bucket holds (unexpired): ``HEAD``s, ``max_concurrency`` at once, in
         windows, stopping at the first window with a miss; ``ceil(hits / max_concurrency) + 1``
-        round trips.  0 at once while the breaker is open (a key the breaker skips counts as
-        absent).  Raises on a fault.  Does not modify the bucket.  Thread-safe."""
+        round trips, all within one deadline (``DeadlineExceeded`` carries the leading keys
+        confirmed by then in ``partial``).  0 at once while the breaker is open.  Raises on a
+        fault.  Does not modify the bucket.  Thread-safe."""
         for key in keys:
             check_key(key)
         n = 0
-        while n < len(keys):
-            window = keys[n:n + self.max_concurrency]
-            futures = self._each(self._holds, window)
-            try:
-                lead = _leading_true(_wait_all(futures))
-            except _Skipped:  # the breaker opened meanwhile: what answered before the skip counts
-                return n + _leading_true([f.exception() is None and f.result() for f in futures])
-            n += lead
-            if lead < len(window):
-                return n
+        with bounded(self._deadline()):
+            while n < len(keys):
+                window = keys[n:n + self.max_concurrency]
+                try:
+                    lead = _leading_true(self._bounded(self._holds, window))
+                except DeadlineExceeded as e:
+                    raise DeadlineExceeded(str(e), partial=n + _leading_true(e.partial or [])) from None
+                n += lead
+                if lead < len(window):
+                    return n
         return n
 
     def delete(self, key: bytes) -> bool:
         """Delete the object of ``key``; ``True`` if it existed.  Two requests (HEAD, DELETE) since
-        S3's DELETE does not say.  Raises on a fault or while the breaker is open.  Thread-safe."""
-        name = self.object_key(key)
+        S3's DELETE does not say, within one deadline.  Raises on a fault or while the breaker is
+        open.  Thread-safe."""
+        return self._bounded(self._delete, [self.object_key(key)])[0]
+
+    def _delete(self, name: str) -> bool:
         try:
             self._request(self._client.head_object, Key=name)
             self._request(self._client.delete_object, Key=name)
@@ -549,16 +663,23 @@ class S3Tier(Tier):
         return True
 
     def drop_namespace(self, ns_id: bytes) -> int:
-        """Delete every object under the namespace's prefix; how many.  One LIST per 1000 objects
-        and one DeleteObjects per 1000.  Raises on a fault.  Thread-safe, but objects written
-        concurrently may survive."""
-        prefix = self.namespace_prefix(ns_id)
+        """Delete every chunk object of the namespace; how many.  Exactly one namespace: only
+        objects named ``<prefix>/<ns hex>/<32 hex digits>`` go, so a tier configured with a
+        longer prefix inside this one (``prefix="kv/<ns hex>"``) keeps its objects.  One LIST
+        (with a ``/`` delimiter) and one DeleteObjects per 1000 objects, each request within
+        ``timeout_s`` (or the caller's deadline).  Raises on a fault.  Thread-safe, but objects
+        written concurrently may survive."""
+        return self._bounded(self._drop, [self.namespace_prefix(ns_id)])[0]
+
+    def _drop(self, prefix: str) -> int:
         dropped = 0
         try:
             token: dict[str, str] = {}
             while True:
-                page = self._request(self._client.list_objects_v2, Prefix=prefix, MaxKeys=_DELETE_BATCH, **token)
-                names = [{"Key": obj["Key"]} for obj in page.get("Contents", ())]
+                page = self._request(self._client.list_objects_v2, Prefix=prefix, Delimiter="/",
+                                     MaxKeys=_DELETE_BATCH, **token)
+                names = [{"Key": obj["Key"]} for obj in page.get("Contents", ())
+                         if _CHUNK_NAME.fullmatch(obj["Key"][len(prefix):])]
                 if names:
                     resp = self._request(self._client.delete_objects, Delete={"Objects": names, "Quiet": True})
                     if resp.get("Errors"):
@@ -590,13 +711,12 @@ class S3Tier(Tier):
                 "breaker_open": int(self.breaker.state != "closed"), "breaker_opened": self.breaker.opened}
 
     def close(self) -> None:
-        """Finish in-flight requests, stop the pool and refuse further requests.  Idempotent; the
-        bucket keeps its objects."""
+        """Refuse further requests and stop the pool: queued requests are cancelled, running ones
+        end on their own (bounded by their socket timeouts; never waited for, so a hung endpoint
+        cannot hang a close).  Idempotent; the bucket keeps its objects."""
         with self._lock:
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._pool.close()
 
     def check(self) -> None:
         """The counters add up (every get and put ended in exactly one outcome), the breaker is

@@ -19,12 +19,32 @@ tier keys.  Tier 0 is the fastest (e.g. ``CpuTier``), the last the slowest (e.g.
 * ``prefetch(tokens)`` runs lookup and load on a worker thread and returns a ``Future``.
 
 No fault of a tier (any exception: disk full, network down, a closed tier) reaches the caller:
-it is a miss, counted in ``stats()["errors"]`` and logged once per burst.
+it is a miss, counted in ``stats()["errors"]`` and logged once per burst (with any credential in
+a URL redacted).
+
+**Deadlines.**  ``lookup`` and ``load`` take ``deadline``, an absolute ``time.monotonic()`` value
+(default: ``timeout_s`` from the call); every remote wait of the call ends by it (``with
+radixkv.backends.bounded(deadline)``), so an engine passes one deadline to both and a request never
+waits longer on the network, however slowly an endpoint answers.  Chunks not delivered by then are
+misses (a fault, counted in ``timeouts`` and ``errors``); ``load`` returns the leading chunks that
+arrived intact.  A remote tier's chunks are fetched concurrently (``get_many``), and no stored
+object larger than the chunk it should be is downloaded.
+
+**Trust.**  Without a secret, blobs carry an unkeyed checksum: protection against accidents only
+(anyone who can write to a shared store can forge a chunk that verifies).  With ``secret`` (or the
+``RADIXKV_SECRET`` environment variable) every blob is sealed with an HMAC under a key derived
+from it for this namespace, and a blob without a valid MAC is a miss counted in ``forged`` (and
+deleted, so the next store rewrites it).  ``previous_secret`` (``RADIXKV_PREVIOUS_SECRET``) is a
+second secret accepted on read, never used to write: for rotation.  ``encrypt=True`` seals the
+blobs of remote tiers (``Tier.local`` false: S3, Redis) with AES-256-GCM instead, so nothing they
+store reveals tokens or KV; local tiers keep the (cheaper) MAC.  See ``radixkv.format``.  The
+secrets are never stored on the stack, logged or shown in a ``repr``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -34,14 +54,18 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from radixkv._checks import check_int
-from radixkv.backends import Tier
-from radixkv.format import ChunkFormatError, decode_chunk, encode_chunk
+from radixkv.backends import DeadlineExceeded, OversizeBlob, Tier, bounded, redact
+from radixkv.format import ChunkAuthError, ChunkFormatError, Seal, decode_chunk, encode_chunk, encoded_size
 from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
 from radixkv.pool import KVLayout
 
-__all__ = ["ChunkRef", "TierStack"]
+__all__ = ["PREVIOUS_SECRET_ENV", "SECRET_ENV", "ChunkRef", "TierStack"]
 
 log = logging.getLogger("radixkv.tiers")
+
+SECRET_ENV = "RADIXKV_SECRET"
+PREVIOUS_SECRET_ENV = "RADIXKV_PREVIOUS_SECRET"
+_FETCH_WINDOW = 8  # remote chunks requested at once by one load (bounds the blobs held in memory)
 
 
 class ChunkRef(NamedTuple):
@@ -73,7 +97,7 @@ class _BurstLog:
             self._last[key] = now
             count = self._since.pop(key)
         log.warning("radixkv tier %d (%s): %s x%d, treated as a miss; latest: %s: %s",
-                    tier, name, kind, count, type(exc).__name__, exc)
+                    tier, name, kind, count, type(exc).__name__, redact(str(exc)))
 
 
 class TierStack:
@@ -81,7 +105,11 @@ class TierStack:
     ``namespace``; see the module docstring.  Thread-safe: every method may be called from any
     thread.  ``queue_size`` bounds the chunks waiting to be written (stores and promotions);
     ``write_batch`` is how many the writer takes per ``put_many``; faults are logged at most once
-    per ``log_interval`` seconds per tier.
+    per ``log_interval`` seconds per tier.  ``timeout_s``: the default total bound of one
+    ``lookup`` or ``load`` on remote waits; ``write_timeout_s``: the bound of one batch of writes
+    to a tier.  ``secret``, ``previous_secret`` (bytes or str, 16 bytes or more; default: the
+    ``RADIXKV_SECRET`` / ``RADIXKV_PREVIOUS_SECRET`` environment variables) and ``encrypt``: see
+    the module docstring.
 
     >>> from radixkv.backends import MemoryTier
     >>> ns = Namespace(model="m")
@@ -100,7 +128,9 @@ class TierStack:
 
     def __init__(self, tiers: Sequence[Tier], *, namespace: Namespace, layout: KVLayout, chunk_size: int,
                  promote: bool = True, queue_size: int = 64, write_batch: int = 8,
-                 log_interval: float = 60.0) -> None:
+                 log_interval: float = 60.0, timeout_s: float = 2.0, write_timeout_s: float = 30.0,
+                 secret: bytes | str | None = None, previous_secret: bytes | str | None = None,
+                 encrypt: bool = False) -> None:
         if not all(isinstance(t, Tier) for t in tiers):
             raise TypeError("tiers must be radixkv.backends.Tier instances")
         if not isinstance(namespace, Namespace):
@@ -109,7 +139,23 @@ class TierStack:
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         for name, value in (("chunk_size", chunk_size), ("queue_size", queue_size), ("write_batch", write_batch)):
             check_int(value, name, 1)
+        for name, seconds in (("timeout_s", timeout_s), ("write_timeout_s", write_timeout_s)):
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
+        if secret is None:
+            secret = os.environ.get(SECRET_ENV) or None
+        if previous_secret is None:
+            previous_secret = os.environ.get(PREVIOUS_SECRET_ENV) or None
+        local_seal = Seal(secret, previous_secret, namespace_id=namespace.id)
+        remote_seal = Seal(secret, previous_secret, namespace_id=namespace.id, encrypt=True) if encrypt else local_seal
+        del secret, previous_secret  # only the derived keys are kept, inside the seals
         self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self.encrypt = bool(encrypt)
+        self.timeout_s = float(timeout_s)
+        self.write_timeout_s = float(write_timeout_s)
+        #: Per tier, how its blobs are sealed (``radixkv.format.Seal``): remote tiers get the AEAD
+        #: seal when ``encrypt``.
+        self.seals: tuple[Seal, ...] = tuple(local_seal if t.local else remote_seal for t in self.tiers)
         self.namespace = namespace
         self.layout = layout
         self.chunk_size = chunk_size
@@ -117,16 +163,17 @@ class TierStack:
         self.queue_size = queue_size
         self.write_batch = write_batch
         self.shape = layout.chunk_shape(chunk_size)
+        self._blob_bytes = tuple(encoded_size(self.shape, layout.dtype, seal) for seal in self.seals)
         self._prefix = namespace.id
         self._log = _BurstLog(log_interval)
         self._stats_lock = threading.Lock()
         n = len(self.tiers)
-        self._per_tier = {k: [0] * n for k in ("tier_lookups", "hits", "corrupt", "errors", "stored",
-                                               "touched", "tier_bytes_loaded", "tier_bytes_stored")}
+        self._per_tier = {k: [0] * n for k in ("tier_lookups", "hits", "corrupt", "forged", "errors", "timeouts",
+                                               "stored", "touched", "tier_bytes_loaded", "tier_bytes_stored")}
         self._counts = dict.fromkeys(("lookups", "lookup_keys", "lookup_found", "misses", "load_misses",
                                       "promoted", "dropped_writes", "bytes_loaded", "bytes_stored"), 0)
-        # The write queue: ("store", ChunkRef, kv), ("promote", tier indices, tier key, blob) or
-        # ("touch", tier key).
+        # The write queue: ("store", ChunkRef, kv), ("promote", tier indices, ChunkRef, blob or None,
+        # kv or None), ("touch", tier key) or ("delete", tier index, tier key).
         self._queue: deque[tuple[Any, ...]] = deque()
         self._cv = threading.Condition()
         self._busy = False
@@ -136,7 +183,9 @@ class TierStack:
         self._prefetcher: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
-        return f"TierStack([{', '.join(t.name for t in self.tiers)}], chunk_size={self.chunk_size})"
+        seal = {0: "checksum", 1: "mac", 2: "aead"}
+        return (f"TierStack([{', '.join(f'{t.name}:{seal[s.mode]}' for t, s in zip(self.tiers, self.seals))}], "
+                f"chunk_size={self.chunk_size})")
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -157,6 +206,31 @@ class TierStack:
             self._log("error", i, self.tiers[i].name, exc)
             return default
 
+    def _deadline(self, deadline: float | None) -> float:
+        if deadline is None:
+            return time.monotonic() + self.timeout_s
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+            raise TypeError(f"deadline must be a time.monotonic() value or None, got {type(deadline).__name__}")
+        return float(deadline)
+
+    def _bounded_call(self, i: int, default: Any, deadline: float, fn: Callable[..., Any], *args: Any) -> Any:
+        """``_call`` of a read within ``deadline``: past it, the tier's ``DeadlineExceeded`` is a
+        fault counted in ``timeouts`` too, and its ``partial`` answer (if of ``default``'s type)
+        is what the call returns."""
+        try:
+            with bounded(deadline, self._blob_bytes[i]):
+                return fn(*args)
+        except DeadlineExceeded as exc:
+            with self._stats_lock:
+                self._per_tier["errors"][i] += 1
+                self._per_tier["timeouts"][i] += 1
+            self._log("deadline passed", i, self.tiers[i].name, exc)
+            return exc.partial if isinstance(exc.partial, type(default)) else default
+        except Exception as exc:  # noqa: BLE001 - a tier's fault must never reach the engine
+            self._add("errors", tier=i)
+            self._log("error", i, self.tiers[i].name, exc)
+            return default
+
     # -- reads --------------------------------------------------------------------------------
 
     def refs(self, tokens: Any) -> list[ChunkRef]:
@@ -171,23 +245,26 @@ class TierStack:
         parents = [self.namespace.root, *keys[:-1]]
         return [ChunkRef(k, p, data[i * step:(i + 1) * step]) for i, (k, p) in enumerate(zip(keys, parents))]
 
-    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+    def lookup(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[int]:
         """For each leading chunk key that some tier holds, the index of the tier to load it from;
         stops at the first key no tier holds.  Does not load or touch anything.
 
         Tier 0 answers for the leading keys it holds, tier 1 for the keys after those, and so on:
-        one ``contains_prefix`` round trip per tier (a tier that fails counts as holding none).
-        Cost: O(len(keys)) local lookups plus one round trip per tier.
+        one ``contains_prefix`` round trip per tier (a tier that fails counts as holding none; one
+        that does not answer by ``deadline`` — absolute ``time.monotonic()``, default ``timeout_s``
+        from now — as holding the leading keys it confirmed by then).  Cost: O(len(keys)) local
+        lookups plus one round trip per tier, within the deadline.
         """
         keys = _chunk_keys(keys)
+        deadline = self._deadline(deadline)
         found: list[int] = []
         tier_keys = [self._prefix + k for k in keys]
         for i, tier in enumerate(self.tiers):
             if len(found) == len(keys):
                 break
             self._add("tier_lookups", tier=i)
-            n = self._call(i, 0, tier.contains_prefix, tier_keys[len(found):])
-            if not isinstance(n, int) or not 0 <= n <= len(keys) - len(found):
+            n = self._bounded_call(i, 0, deadline, tier.contains_prefix, tier_keys[len(found):])
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(keys) - len(found):
                 self._call(i, 0, _bad_answer, tier, n)
                 n = 0
             found.extend([i] * n)
@@ -199,65 +276,123 @@ class TierStack:
         return found
 
     def load(self, refs: Sequence[ChunkRef], *, where: Sequence[int] | None = None,
-             out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+             deadline: float | None = None, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Fetch, verify and decode the chunks of leading ``refs``; stop at the first chunk that
-        no tier delivers intact.  Returns one ``layout.chunk_shape(chunk_size)`` tensor per loaded
+        no tier delivers intact by ``deadline`` (absolute ``time.monotonic()``; default
+        ``timeout_s`` from now).  Returns one ``layout.chunk_shape(chunk_size)`` tensor per loaded
         chunk (``out[i]`` itself when given, else a new CPU tensor).
 
         ``where`` (e.g. ``lookup``'s answer) says which tier to try first for each ref; the tiers
-        below it are tried next.  A blob that fails verification is deleted from its tier and
-        counted in ``corrupt``; ``out[i]`` is untouched unless chunk ``i`` is returned.  A hit below
+        below it are tried next.  Each tier is asked once for all the chunks it should deliver: a
+        local tier reads them one by one (zero-copy), a remote one fetches them concurrently
+        (``get_many``, a window at a time), never past the deadline.  A blob that fails
+        verification is deleted from its tier and counted in ``corrupt`` (``forged`` when its MAC
+        is missing or wrong); ``out[i]`` is untouched unless chunk ``i`` is returned.  A hit below
         tier 0 is queued for promotion into the tiers above it (``promote``).  Cost: per chunk, one
-        ``read`` per tier tried, one hash pass and one copy.
+        read per tier tried, one hash or MAC pass and one copy.
         """
+        refs = list(refs)
         if out is not None and len(out) < len(refs):
             raise ValueError(f"out has {len(out)} tensors for {len(refs)} refs")
-        loaded = []
-        for i, ref in enumerate(refs):
-            first = where[i] if where is not None and i < len(where) else 0
-            chunk = self._load_one(ref, first, None if out is None else out[i])
+        for ref in refs:
+            if not isinstance(ref, ChunkRef):
+                raise TypeError(f"refs must be ChunkRef, got {type(ref).__name__}")
+        deadline = self._deadline(deadline)
+        first = [where[i] if where is not None and i < len(where) else 0 for i in range(len(refs))]
+        chunks: list[torch.Tensor | None] = [None] * len(refs)
+        limit = len(refs)  # chunks from here on are of no use: an earlier one is lost everywhere
+        for t, tier in enumerate(self.tiers):
+            last = t == len(self.tiers) - 1
+            todo = [i for i in range(limit) if chunks[i] is None and first[i] <= t]
+            if tier.local:
+                for i in todo:
+                    chunks[i] = self._load_local(t, refs[i], None if out is None else out[i])
+                    if chunks[i] is None and last:
+                        limit = i
+                        break
+                continue
+            for start in range(0, len(todo), _FETCH_WINDOW):
+                window = [i for i in todo[start:start + _FETCH_WINDOW] if i < limit]
+                if not window:
+                    break
+                keys = [self._prefix + refs[i].key for i in window]
+                blobs = self._bounded_call(t, [None] * len(window), deadline, tier.get_many, keys)
+                if not isinstance(blobs, list) or len(blobs) != len(window):
+                    self._call(t, None, _bad_answer, tier, blobs)
+                    blobs = [None] * len(window)
+                for i, blob in zip(window, blobs):
+                    if blob is not None:
+                        chunks[i] = self._decode_fetched(t, refs[i], blob, None if out is None else out[i])
+                    if chunks[i] is None and last:
+                        limit = i
+                        break
+        loaded: list[torch.Tensor] = []
+        for chunk in chunks:
             if chunk is None:
-                self._add("load_misses")
                 break
             loaded.append(chunk)
+        if len(loaded) < len(refs):
+            self._add("load_misses")
         return loaded
 
-    def _load_one(self, ref: ChunkRef, first: int, out: torch.Tensor | None) -> torch.Tensor | None:
+    def _decode(self, t: int, ref: ChunkRef, blob: Any, out: torch.Tensor | None) -> torch.Tensor:
+        return decode_chunk(blob, namespace_id=self._prefix, key=ref.key, parent_key=ref.parent,
+                            tokens=ref.tokens, dtype=self.layout.dtype, shape=self.shape, out=out,
+                            seal=self.seals[t])
+
+    def _bad_blob(self, t: int, ref: ChunkRef, exc: Exception) -> None:
+        """A blob that did not verify (or was too large to read): counted, logged and deleted —
+        from a local tier at once, from a remote one by the writer thread (not on the engine's)."""
+        kind = "forged" if isinstance(exc, ChunkAuthError) else "corrupt"
+        self._add(kind, tier=t)
+        self._log(f"{kind} blob", t, self.tiers[t].name, exc)
         key = self._prefix + ref.key
+        if self.tiers[t].local:
+            self._call(t, None, self.tiers[t].delete, key)
+        else:
+            self._enqueue(("delete", t, key))
 
-        def decode(blob: Any) -> torch.Tensor:
-            return decode_chunk(blob, namespace_id=self._prefix, key=ref.key, parent_key=ref.parent,
-                                tokens=ref.tokens, dtype=self.layout.dtype, shape=self.shape, out=out)
+    def _loaded(self, t: int, ref: ChunkRef, chunk: torch.Tensor, blob: Any) -> torch.Tensor:
+        """Count a chunk delivered by tier ``t`` and queue its promotion to the tiers above."""
+        nbytes = chunk.numel() * chunk.element_size()
+        with self._stats_lock:
+            self._per_tier["hits"][t] += 1
+            self._per_tier["tier_bytes_loaded"][t] += nbytes
+            self._counts["bytes_loaded"] += nbytes
+        upper = list(range(t)) if self.promote else []
+        if upper:
+            if all(self.seals[u] == self.seals[t] for u in upper) and blob is not None:
+                self._enqueue(("promote", upper, ref, bytes(blob), None))
+            else:  # sealed differently above (e.g. encrypted below, MAC above): re-encoded by the writer
+                self._enqueue(("promote", upper, ref, None, chunk.detach().to("cpu", copy=True)))
+        return chunk
 
-        for i in range(max(0, first), len(self.tiers)):
-            tier = self.tiers[i]
-            upper = list(range(i)) if self.promote else []
-            try:
-                if upper:  # keep a copy of the blob to promote
-                    blob = tier.get(key)
-                    chunk = None if blob is None else decode(blob)
-                else:
-                    blob, chunk = None, tier.read(key, decode)
-            except ChunkFormatError as exc:
-                self._add("corrupt", tier=i)
-                self._log("corrupt blob", i, tier.name, exc)
-                self._call(i, None, tier.delete, key)
-                continue
-            except Exception as exc:  # noqa: BLE001 - a tier's fault must never reach the engine
-                self._add("errors", tier=i)
-                self._log("error", i, tier.name, exc)
-                continue
-            if chunk is None:
-                continue
-            nbytes = chunk.numel() * chunk.element_size()
-            with self._stats_lock:
-                self._per_tier["hits"][i] += 1
-                self._per_tier["tier_bytes_loaded"][i] += nbytes
-                self._counts["bytes_loaded"] += nbytes
-            if blob is not None and upper:
-                self._enqueue(("promote", upper, key, bytes(blob)))
-            return chunk
-        return None
+    def _load_local(self, t: int, ref: ChunkRef, out: torch.Tensor | None) -> torch.Tensor | None:
+        tier = self.tiers[t]
+        key = self._prefix + ref.key
+        promote = self.promote and t > 0
+        try:
+            if promote:  # keep a copy of the blob to promote
+                blob = tier.get(key)
+                chunk = None if blob is None else self._decode(t, ref, blob, out)
+            else:
+                blob, chunk = None, tier.read(key, lambda view: self._decode(t, ref, view, out))
+        except (ChunkFormatError, OversizeBlob) as exc:
+            self._bad_blob(t, ref, exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a tier's fault must never reach the engine
+            self._add("errors", tier=t)
+            self._log("error", t, tier.name, exc)
+            return None
+        return None if chunk is None else self._loaded(t, ref, chunk, blob)
+
+    def _decode_fetched(self, t: int, ref: ChunkRef, blob: Any, out: torch.Tensor | None) -> torch.Tensor | None:
+        try:
+            chunk = self._decode(t, ref, blob, out)
+        except ChunkFormatError as exc:
+            self._bad_blob(t, ref, exc)
+            return None
+        return self._loaded(t, ref, chunk, blob)
 
     def prefetch(self, tokens: Any, start: int = 0) -> Future[list[torch.Tensor]]:
         """Look up and load the chunks of ``tokens`` from chunk ``start`` on, on a worker thread.
@@ -278,8 +413,9 @@ class TierStack:
             return self._prefetcher.submit(self._lookup_and_load, refs)
 
     def _lookup_and_load(self, refs: list[ChunkRef]) -> list[torch.Tensor]:
-        where = self.lookup([ref.key for ref in refs])
-        return self.load(refs[:len(where)], where=where)
+        deadline = time.monotonic() + self.timeout_s  # one deadline for both
+        where = self.lookup([ref.key for ref in refs], deadline=deadline)
+        return self.load(refs[:len(where)], where=where, deadline=deadline)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -345,33 +481,46 @@ class TierStack:
 
     def _write_batch(self, batch: list[tuple[Any, ...]]) -> None:
         per_tier: list[list[tuple[bytes, bytes]]] = [[] for _ in self.tiers]
-        stores: list[tuple[bytes, bytes]] = []
+        deletes: list[list[bytes]] = [[] for _ in self.tiers]
+        stores: list[tuple[ChunkRef, torch.Tensor]] = []
         touches: list[bytes] = []
+        encoded: dict[tuple[bytes, Seal], bytes] = {}
+
+        def blob_for(ref: ChunkRef, kv: torch.Tensor, seal: Seal) -> bytes:
+            if (ref.key, seal) not in encoded:  # once per seal: local and remote tiers may differ
+                encoded[(ref.key, seal)] = encode_chunk(self._prefix, ref.key, ref.parent, ref.tokens, kv, seal=seal)
+            return encoded[(ref.key, seal)]
+
         for item in batch:
             if item[0] == "touch":
                 touches.append(item[1])
+            elif item[0] == "delete":
+                deletes[item[1]].append(item[2])
             elif item[0] == "promote":
-                _, upper, key, blob = item
+                _, upper, ref, blob, kv = item
                 for i in upper:
-                    per_tier[i].append((key, blob))
+                    per_tier[i].append((self._prefix + ref.key, blob if blob is not None
+                                        else blob_for(ref, kv, self.seals[i])))
                 self._add("promoted")
             else:
-                _, ref, kv = item
-                blob = encode_chunk(self._prefix, ref.key, ref.parent, ref.tokens, kv)
-                stores.append((self._prefix + ref.key, blob))
+                stores.append((item[1], item[2]))
         for i, tier in enumerate(self.tiers):
-            if touches and tier.local:
-                # Before the writes: a touch comes from an eviction that made room for what follows
-                # it, and a write puts its chunk first in LRU order anyway.
-                held = [k for k in touches if self._call(i, 0, tier.contains_prefix, [k]) == 1]
-                touched = sum(self._call(i, None, tier.read, k, len) is not None for k in held)
-                self._add("touched", touched, tier=i)
-            # A tier that already holds a chunk is not written again (one cheap probe each).
-            fresh = [(k, b) for k, b in stores if self._call(i, 0, tier.contains_prefix, [k]) == 0]
-            writes = per_tier[i] + fresh
-            if not writes:
-                continue
-            stored = self._call(i, None, tier.put_many, writes)
+            with bounded(time.monotonic() + self.write_timeout_s):
+                for key in deletes[i]:
+                    self._call(i, None, tier.delete, key)
+                if touches and tier.local:
+                    # Before the writes: a touch comes from an eviction that made room for what
+                    # follows it, and a write puts its chunk first in LRU order anyway.
+                    held = [k for k in touches if self._call(i, 0, tier.contains_prefix, [k]) == 1]
+                    touched = sum(self._call(i, None, tier.read, k, len) is not None for k in held)
+                    self._add("touched", touched, tier=i)
+                # A tier that already holds a chunk is not written again (one cheap probe each).
+                fresh = [(self._prefix + ref.key, blob_for(ref, kv, self.seals[i])) for ref, kv in stores
+                         if self._call(i, 0, tier.contains_prefix, [self._prefix + ref.key]) == 0]
+                writes = per_tier[i] + fresh
+                if not writes:
+                    continue
+                stored = self._call(i, None, tier.put_many, writes)
             if stored is not None:
                 nbytes = sum(len(b) for _, b in writes)
                 with self._stats_lock:
@@ -399,7 +548,9 @@ class TierStack:
 
     def stats(self) -> dict[str, Any]:
         """Counters: per tier (lists in stack order) ``tier_lookups`` (``contains_prefix`` calls),
-        ``hits`` (chunks loaded), ``corrupt`` (blobs that failed verification), ``errors`` (faults),
+        ``hits`` (chunks loaded), ``corrupt`` (blobs that failed verification), ``forged`` (blobs
+        without a valid MAC or AEAD tag under this stack's secrets), ``errors`` (faults),
+        ``timeouts`` (reads that did not finish by their deadline; also in ``errors``),
         ``stored`` (chunks written), ``touched`` (chunks whose recency ``touch`` refreshed),
         ``tier_bytes_loaded`` (KV bytes decoded from it),
         ``tier_bytes_stored`` (blob bytes written to it); and
@@ -447,6 +598,12 @@ class TierStack:
             assert all(x >= 0 for v in self._per_tier.values() for x in v), "negative per-tier counter"
             assert all(v >= 0 for v in self._counts.values()), "negative counter"
             assert self._counts["lookup_found"] <= self._counts["lookup_keys"], "found more keys than asked"
+            assert all(t <= e for t, e in zip(self._per_tier["timeouts"], self._per_tier["errors"])), \
+                "a timeout not counted as an error"
+        assert len(self.seals) == len(self.tiers), "one seal per tier"
+        for tier, seal in zip(self.tiers, self.seals):
+            assert (seal.mode == 2) == (self.encrypt and not tier.local), f"{tier.name}: sealed against `encrypt`"
+            assert seal.keyed == self.seals[0].keyed, f"{tier.name}: keyed unlike the other tiers"
         for tier in self.tiers:
             tier.check()
 
