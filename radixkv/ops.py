@@ -178,14 +178,16 @@ def scatter_blocks(src: torch.Tensor, layers: Sequence[torch.Tensor], block_ids:
 
 def _copy(geo: _Geometry, ids: torch.Tensor, buf: torch.Tensor, skip: int, to_buf: bool) -> None:
     """Run a validated copy on the extension where it covers the device, else on torch."""
-    if _use_extension(geo.device) and (geo.pool is not None or hasattr(torch.ops.radixkv, "gather_blocks")):
-        if geo.pool is not None:
-            op = torch.ops.radixkv.gather_pages if to_buf else torch.ops.radixkv.scatter_pages
-            op(geo.pool, ids, buf, skip) if to_buf else op(buf, geo.pool, ids, skip)
+    if _use_extension(geo.device):
+        lib = torch.ops.radixkv
+        if geo.pool is not None and to_buf:
+            lib.gather_pages(geo.pool, ids, buf, skip)
+        elif geo.pool is not None:
+            lib.scatter_pages(buf, geo.pool, ids, skip)
         elif to_buf:
-            torch.ops.radixkv.gather_blocks(list(geo.layers), ids, buf, skip)
+            lib.gather_blocks(list(geo.layers), ids, buf, skip)
         else:
-            torch.ops.radixkv.scatter_blocks(buf, list(geo.layers), ids, skip)
+            lib.scatter_blocks(buf, list(geo.layers), ids, skip)
     elif to_buf:
         _gather_geo(geo, ids, buf, skip)
     else:

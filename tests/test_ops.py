@@ -216,7 +216,7 @@ CPP_BAD = [
     (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF, 2**62), ValueError, "holds 4 tokens"),
     (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF.double(), 0), TypeError, "dtype"),
     (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF[:, :, :, :, :4], 0), ValueError,
-     "pool's KV needs"),
+     "KV of the pool needs"),
     (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF.transpose(0, 1), 0), ValueError,
      "contiguous"),
     (lambda: torch.ops.radixkv.gather_pages(KV[0], torch.tensor([0]), BUF, 0), ValueError, "6-D"),
@@ -465,3 +465,77 @@ def test_scatter_blocks_rejects_repeats_and_self_overlap_and_leaves_the_layers()
         ops.scatter_blocks(torch.ones(2, 2, 4, 3, 5), [layers[0], expanded], [1])
     ops.gather_blocks([layers[0], expanded], [1], torch.ones(2, 2, 4, 3, 5))  # reading one is fine
     assert not any(t.any() for t in layers)
+
+
+@given(block_copies())
+def test_cpp_block_gather_is_bit_exact(cpp: None, case: dict) -> None:
+    layers, buf = make_blocks(case)
+    expected = buf.clone()
+    ids = torch.tensor(case["ids"], dtype=torch.int64)
+    ops._gather_torch(layers, ids, expected, case["skip"])
+    torch.ops.radixkv.gather_blocks(layers, ids, buf, case["skip"])
+    assert same(buf, expected)
+
+
+@given(block_copies())
+def test_cpp_block_scatter_is_bit_exact(cpp: None, case: dict) -> None:
+    layers, buf = make_blocks(case)
+    expected = [t.clone() for t in layers]
+    ids = torch.tensor(case["ids"], dtype=torch.int64)
+    ops._scatter_torch(buf, expected, ids, case["skip"])
+    torch.ops.radixkv.scatter_blocks(buf, layers, ids, case["skip"])
+    assert all(same(t, e) for t, e in zip(layers, expected))
+
+
+@pytest.mark.parametrize("layout", ["sbthd", "sbhtd", "cross-layer"])
+def test_cpp_multithreaded_block_copy_is_exact(cpp: None, layout: str) -> None:
+    # 2 MiB in rows of 16 KiB: the kernel splits the rows over threads.
+    gen = torch.Generator().manual_seed(3)
+    layers = engine_layers(layout, (8, 2, 24, 16, 4, 64), torch.float16, gen)
+    ids = torch.randperm(24, generator=gen)[:8]
+    out = torch.empty((8, 2, 8 * 16, 4, 64), dtype=torch.float16)
+    ops.gather_blocks(layers, ids, out)
+    for l, layer in enumerate(layers):
+        assert same(out[l].view(2, 8, 16, 4, 64), layer[:, ids])
+    target = engine_layers(layout, (8, 2, 24, 16, 4, 64), torch.float16, gen)
+    ops.scatter_blocks(out, target, ids)
+    assert all(same(t[:, ids], layer[:, ids]) for t, layer in zip(target, layers))
+
+
+LAYERS_2 = [torch.zeros(2, 4, 2, 3, 5).transpose(2, 3).contiguous().transpose(2, 3) for _ in range(2)]
+CPP_BLOCK_BAD = [
+    # arguments straight to the C++ block ops, skipping the Python checks: an exception, never a crash
+    (lambda: torch.ops.radixkv.gather_blocks([], torch.tensor([0]), BUF, 0), ValueError, "layers is empty"),
+    (lambda: torch.ops.radixkv.gather_blocks(LAYERS_2, torch.tensor([4]), BUF, 0), ValueError,
+     r"block_ids\[0\] = 4 is outside the layers"),
+    (lambda: torch.ops.radixkv.gather_blocks(LAYERS_2, torch.tensor([0], dtype=torch.int32), BUF, 0), TypeError,
+     "block_ids must be int64"),
+    (lambda: torch.ops.radixkv.gather_blocks(LAYERS_2, torch.tensor([0]), BUF, 2), ValueError,
+     "too few for skip_blocks=2 plus 1 blocks"),
+    (lambda: torch.ops.radixkv.gather_blocks(LAYERS_2, torch.tensor([0]), BUF, 2**62), ValueError, "holds 4 tokens"),
+    (lambda: torch.ops.radixkv.gather_blocks(LAYERS_2, torch.tensor([0]), BUF, -1), ValueError, "skip_blocks"),
+    (lambda: torch.ops.radixkv.gather_blocks([LAYERS_2[0], LAYERS_2[1][0]], torch.tensor([0]), BUF, 0), ValueError,
+     r"layers\[1\] must be 5-D"),
+    (lambda: torch.ops.radixkv.gather_blocks([LAYERS_2[0], LAYERS_2[1][:, :2]], torch.tensor([0]), BUF, 0),
+     ValueError, r"layers\[1\] has shape"),
+    (lambda: torch.ops.radixkv.gather_blocks([LAYERS_2[0], LAYERS_2[1].double()], torch.tensor([0]), BUF, 0),
+     TypeError, r"layers\[1\] has dtype"),
+    (lambda: torch.ops.radixkv.gather_blocks(LAYERS_2, torch.tensor([0]), BUF.half(), 0), TypeError, "out has dtype"),
+    (lambda: torch.ops.radixkv.gather_blocks(LAYERS_2, torch.tensor([0]), BUF[:1], 0), ValueError,
+     "KV of the layers needs"),
+    (lambda: torch.ops.radixkv.gather_blocks(LAYERS_2, torch.tensor([0]), torch.zeros(2, 2, 4, 5, 3).transpose(3, 4), 0),
+     ValueError, "contiguous"),
+    (lambda: torch.ops.radixkv.gather_blocks([BL[0], BL[1]], torch.tensor([0]), BL[1].view(2, 2, 4, 3, 5), 0),
+     ValueError, "out and the layers share memory"),
+    (lambda: torch.ops.radixkv.scatter_blocks(BUF, LAYERS_2, torch.tensor([2, 2]), 0), ValueError,
+     "block_ids holds block 2 more than once"),
+    (lambda: torch.ops.radixkv.scatter_blocks(BUF, [LAYERS_2[0], LAYERS_2[1][:, :1].expand(2, 4, 2, 3, 5)],
+                                              torch.tensor([0]), 0), ValueError, "overlap"),
+]
+
+
+@pytest.mark.parametrize("call, error, words", CPP_BLOCK_BAD)
+def test_cpp_block_ops_reject_bad_arguments(cpp: None, call, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        call()
+    assert not any(t.any() for t in LAYERS_2)
