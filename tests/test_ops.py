@@ -298,28 +298,27 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 LAYOUTS = ["sbthd", "bsthd", "sbhtd", "cross-layer", "padded", "dim-strided", "mla"]
 
 
-def engine_layers(layout: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
-    """Random per-layer tensors of ``layout``, as 5-D views of logical ``shape`` = (L, sides, nb, bs, H, D)."""
+def engine_layers(layout: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
+                  device: str = "cpu") -> list[torch.Tensor]:
+    """Random per-layer tensors of ``layout`` on ``device``, as 5-D views of logical ``shape`` = (L, sides, nb,
+    bs, H, D)."""
     layers, sides, nb, bs, heads, dim = shape
+
+    def alloc(*dims: int) -> torch.Tensor:
+        return random_bytes(dims, dtype, gen).to(device)
+
     if layout == "cross-layer":
-        whole = random_bytes((nb, layers, sides, bs, heads, dim), dtype, gen)
+        whole = alloc(nb, layers, sides, bs, heads, dim)
         return [whole[:, l].transpose(0, 1) for l in range(layers)]
-    out = []
-    for _ in range(layers):
-        if layout == "sbthd":      # vLLM's FlashAttention / CPU layout [2, num_blocks, block_size, H, D]
-            t = random_bytes((sides, nb, bs, heads, dim), dtype, gen)
-        elif layout == "bsthd":    # [num_blocks, 2, block_size, H, D] (FlashInfer)
-            t = random_bytes((nb, sides, bs, heads, dim), dtype, gen).transpose(0, 1)
-        elif layout == "sbhtd":    # [2, num_blocks, H, block_size, D]
-            t = random_bytes((sides, nb, heads, bs, dim), dtype, gen).transpose(2, 3)
-        elif layout == "padded":   # head_dim padded in memory: rows are not contiguous
-            t = random_bytes((sides, nb, bs, heads, dim + 3), dtype, gen)[..., 1:dim + 1]
-        elif layout == "dim-strided":  # head_dim not the innermost axis: element-wise strides
-            t = random_bytes((sides, nb, bs, dim, heads), dtype, gen).transpose(3, 4)
-        else:                      # MLA: [num_blocks, block_size, D], one side, one head
-            t = random_bytes((nb, bs, dim), dtype, gen).unsqueeze(0).unsqueeze(3)
-        out.append(t)
-    return out
+    views = {
+        "sbthd": lambda: alloc(sides, nb, bs, heads, dim),  # vLLM's FlashAttention / CPU layout [2, nb, bs, H, D]
+        "bsthd": lambda: alloc(nb, sides, bs, heads, dim).transpose(0, 1),  # [nb, 2, bs, H, D] (FlashInfer)
+        "sbhtd": lambda: alloc(sides, nb, heads, bs, dim).transpose(2, 3),  # [2, nb, H, bs, D]
+        "padded": lambda: alloc(sides, nb, bs, heads, dim + 3)[..., 1:dim + 1],  # rows not contiguous
+        "dim-strided": lambda: alloc(sides, nb, bs, dim, heads).transpose(3, 4),  # element-wise strides
+        "mla": lambda: alloc(nb, bs, dim).unsqueeze(0).unsqueeze(3),  # [nb, bs, D]: one side, one head
+    }
+    return [views[layout]() for _ in range(layers)]
 
 
 @st.composite

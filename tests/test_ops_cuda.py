@@ -1,7 +1,12 @@
 """Block copies on a GPU: the CUDA kernel against the torch reference, bit for bit, device to
-device and through pinned host memory.  Skipped where torch sees no GPU."""
+device and through pinned host memory, for the pool and for an engine's own layers in every layout
+the CPU tests use.  Skipped where torch sees no GPU."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -111,3 +116,87 @@ def test_pageable_host_buffer_is_refused(cuda_ext: None) -> None:
         torch.ops.radixkv.gather_pages(kv, torch.tensor([0, 1]), pageable, 0)
     with pytest.raises(ValueError, match="must be on"):
         ops.scatter_pages(torch.zeros(1, 2, 4, 1, 8, device="cuda"), torch.zeros(1, 2, 4, 2, 1, 8), [0])
+
+
+# ------------------------------------------------------- an engine's own layers (gather_blocks)
+
+
+def _cpu_tests() -> ModuleType:
+    """tests/test_ops.py, loaded by path for its layouts and strategies (tests are not a package)."""
+    spec = importlib.util.spec_from_file_location("_radixkv_cpu_op_tests", Path(__file__).with_name("test_ops.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cpu = _cpu_tests()
+
+
+def block_case(case: dict, where: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The case's layers on the GPU and its chunk buffer on the GPU or in pinned host memory."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    layers = cpu.engine_layers(case["layout"], case["shape"], case["dtype"], gen, device="cuda")
+    num_layers, sides, _, _, heads, dim = case["shape"]
+    buf = cpu.random_bytes((num_layers, sides, case["tokens"], heads, dim), case["dtype"], gen)
+    return layers, buf.pin_memory() if where == "pinned" else buf.cuda()
+
+
+@pytest.mark.parametrize("where", ["cuda", "pinned"])
+@given(case=cpu.block_copies())
+def test_cuda_block_gather_is_bit_exact(cuda_ext: None, where: str, case: dict) -> None:
+    layers, out = block_case(case, where)
+    expected = out.cuda()
+    ids = torch.tensor(case["ids"], dtype=torch.int64)
+    ops._gather_torch(layers, ids, expected, case["skip"])
+    torch.ops.radixkv.gather_blocks(layers, ids, out, case["skip"])
+    torch.cuda.synchronize()
+    assert cpu.same(out.cpu(), expected.cpu())
+
+
+@pytest.mark.parametrize("where", ["cuda", "pinned"])
+@given(case=cpu.block_copies())
+def test_cuda_block_scatter_is_bit_exact(cuda_ext: None, where: str, case: dict) -> None:
+    layers, src = block_case(case, where)
+    expected = [t.clone() for t in layers]
+    ids = torch.tensor(case["ids"], dtype=torch.int64)
+    ops._scatter_torch(src.cuda(), expected, ids, case["skip"])
+    torch.ops.radixkv.scatter_blocks(src, layers, ids, case["skip"])
+    torch.cuda.synchronize()
+    assert all(cpu.same(t.cpu(), e.cpu()) for t, e in zip(layers, expected))
+
+
+@pytest.mark.parametrize("layout", cpu.LAYOUTS)
+def test_block_round_trip_through_pinned_memory(cuda_ext: None, layout: str) -> None:
+    # Large rows (32 KiB for the contiguous layouts): many pieces per warp, the 16-byte vector path.
+    gen = torch.Generator().manual_seed(4)
+    shape = (4, 1, 32, 16, 1, 576) if layout == "mla" else (4, 2, 32, 16, 8, 128)
+    layers = cpu.engine_layers(layout, shape, torch.bfloat16, gen, device="cuda")
+    ids = torch.randperm(32, generator=gen)[:8].cuda()  # ids on the device: read back once, for the checks
+    chunk = torch.empty((4, shape[1], 10 * 16, shape[4], shape[5]), dtype=torch.bfloat16).pin_memory()
+    ops.gather_blocks(layers, ids, chunk, skip_blocks=2)
+    torch.cuda.synchronize()
+    for l, layer in enumerate(layers):
+        assert cpu.same(chunk[l, :, 32:].view(shape[1], 8, 16, shape[4], shape[5]), layer[:, ids].cpu())
+    target = torch.randperm(32, generator=gen)[:8]
+    ops.scatter_blocks(chunk, layers, target, skip_blocks=2)
+    del chunk  # the pinned block must not be reused before the kernel is done with it
+    torch.cuda.synchronize()
+    assert all(cpu.same(t[:, target.cuda()].cpu(), t[:, ids].cpu()) for t in layers)
+
+
+def test_block_ops_refuse_mixed_devices_and_pageable_buffers(cuda_ext: None) -> None:
+    layers = [torch.zeros(2, 4, 2, 1, 8, device="cuda") for _ in range(2)]
+    with pytest.raises(ValueError, match=r"layers\[1\] is on cpu"):
+        ops.gather_blocks([layers[0], layers[1].cpu()], [0], torch.zeros(2, 2, 2, 1, 8, device="cuda"))
+    with pytest.raises(ValueError, match=r"layers\[1\] is on cpu"):
+        torch.ops.radixkv.gather_blocks([layers[0], layers[1].cpu()], torch.tensor([0]),
+                                        torch.zeros(2, 2, 2, 1, 8, device="cuda"), 0)
+    with pytest.raises(ValueError, match="pinned"):
+        ops.gather_blocks(layers, [0], torch.zeros(2, 2, 2, 1, 8))
+    with pytest.raises(ValueError, match="pageable"):
+        torch.ops.radixkv.gather_blocks(layers, torch.tensor([0]), torch.zeros(2, 2, 2, 1, 8), 0)
+    with pytest.raises(ValueError, match="outside the layers"):
+        torch.ops.radixkv.scatter_blocks(torch.zeros(2, 2, 2, 1, 8, device="cuda"), layers,
+                                         torch.tensor([4], device="cuda"), 0)
+    assert not any(t.any() for t in layers)
