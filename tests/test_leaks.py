@@ -32,6 +32,15 @@ class Injected(RuntimeError):
     """The failure the tests inject."""
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is much faster than several contending for two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model() -> Any:
     return random_model("llama", seed=5, num_kv_heads=2, vocab_size=VOCAB)

@@ -33,6 +33,15 @@ PAGE, CHUNK = 4, 8
 VOCAB = 256
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is much faster than several contending for two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=["llama", "gpt_neox"])
 def model(request: pytest.FixtureRequest) -> Any:
     kv_heads = None if request.param == "gpt_neox" else 2

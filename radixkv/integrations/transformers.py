@@ -52,8 +52,8 @@ from radixkv.cache import Match, PoolExhausted, PrefixCache
 from radixkv.hashing import Namespace, as_token_bytes
 from radixkv.pool import KVLayout
 
-__all__ = ["FAMILIES", "PrefixCachedLM", "Result", "layer_kv", "layout_for", "namespace_for", "random_model",
-           "weights_fingerprint"]
+__all__ = ["FAMILIES", "PrefixCachedLM", "Result", "check_full_attention", "layer_kv", "layout_for",
+           "namespace_for", "random_model", "weights_fingerprint"]
 
 #: Architectures ``random_model`` builds: two grouped-query families and one multi-head one.
 FAMILIES = ("llama", "qwen2", "gpt_neox")
@@ -175,6 +175,30 @@ def weights_fingerprint(model: Any) -> str:
     return digest.hexdigest()
 
 
+def check_full_attention(model: Any) -> None:
+    """Raise ``ValueError`` unless every layer of ``model`` attends to every earlier token.
+
+    Sliding-window and hybrid models drop tokens from their cache, so a page would no longer hold
+    the KV of the tokens it is filed under.  O(layers).
+    """
+    config = _text_config(model)
+    layers = getattr(_new_dynamic_cache(model.config), "layers", None)
+    sliding = any(getattr(layer, "is_sliding", False) for layer in layers) if layers else (
+        bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True))
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if sliding or kinds != {"full_attention"}:
+        raise ValueError("model: sliding-window or hybrid attention layers drop tokens from their cache; "
+                         "only full-attention models can be served from a prefix cache")
+
+
+def _new_dynamic_cache(config: Any) -> Any:
+    dynamic = _transformers().DynamicCache
+    try:
+        return dynamic(config=config)
+    except TypeError:  # transformers 4.x: no config argument
+        return dynamic()
+
+
 # ------------------------------------------------------------------------------- the adapter
 
 
@@ -234,30 +258,16 @@ class PrefixCachedLM:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self._cache_position = "cache_position" in params
-        self._check_full_attention()
+        check_full_attention(model)
 
     def __repr__(self) -> str:
         return f"PrefixCachedLM({type(self.model).__name__}, {self.cache!r})"
-
-    def _check_full_attention(self) -> None:
-        config = _text_config(self.model)
-        layers = getattr(self.new_model_cache(), "layers", None)
-        sliding = any(getattr(layer, "is_sliding", False) for layer in layers) if layers else (
-            bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True))
-        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-        if sliding or kinds != {"full_attention"}:
-            raise ValueError("model: sliding-window or hybrid attention layers drop tokens from their cache; "
-                             "only full-attention models can be served from a prefix cache")
 
     # -- the model's side ----------------------------------------------------------------------
 
     def new_model_cache(self) -> Any:
         """An empty cache object of the model's kind (``DynamicCache``).  O(layers)."""
-        dynamic = _transformers().DynamicCache
-        try:
-            return dynamic(config=self.config)
-        except TypeError:  # transformers 4.x: no config argument
-            return dynamic()
+        return _new_dynamic_cache(self.config)
 
     def forward(self, input_ids: torch.Tensor, model_cache: Any, *, start: int,
                 logits_to_keep: int = 1) -> torch.Tensor:

@@ -1,0 +1,499 @@
+"""A reference paged engine loop: continuous batching in miniature, with the KV in the pool pages.
+
+This module is the worked example for engine authors.  ``PagedEngine`` serves several requests at
+once from a ``PrefixCache``, the way vLLM and SGLang do, at toy scale: every request's KV lives in
+pool pages that the cache hands out, attention reads them through a per-request *block table*
+(page ids in token order), and the cache is told about each page as soon as it is full.  The
+model is a Hugging Face Llama-family model whose weights ``PagedLlama`` runs with its own forward;
+no KV is kept anywhere but ``cache.pool.kv``.
+
+One engine step, as ``PagedEngine.step`` does it:
+
+1. **Admit** waiting requests (up to ``max_running``): ``req = cache.open(tokens, load="async")``
+   returns at once holding the pool's longest cached prefix, ``req.page_ids`` for
+   ``tokens[:req.num_cached]``.  Chunks the tiers (CPU, LMDB, S3) hold are fetched on a worker.
+2. **Poll** every request with a pending load: ``req.poll()`` lands the load (new pool pages,
+   held for the request) once it has arrived; until then the request sits out and the others
+   keep decoding.  A load past its deadline is a miss: the request computes those tokens.
+3. **Schedule**: each runnable request feeds the tokens whose KV is not computed yet — the
+   uncached part of the prompt on its first step (prefill), one token afterwards (decode) — and
+   needs pages for them: ``cache.alloc(n)``.  Its block table is ``[*held pages, *own pages]``.
+4. **Forward** over all scheduled tokens at once (a varlen batch): each layer writes the new
+   tokens' K/V into their slots (``table[pos // page_size]``, ``pos % page_size``) and each
+   request's queries attend to the K/V read from its pages.  The last token's logits give the
+   next token (greedy).
+5. **Cache full pages**: when a request's computed tokens fill a page,
+   ``table = req.extend(tokens, full_pages)`` caches them and returns the canonical page ids:
+   where another request cached the same tokens first, its pages replace ours (ours are freed),
+   and the block table is rewritten from ``table``.  The partial tail page stays the engine's.
+6. **Finish**: a request that hit ``max_new_tokens`` or EOS calls ``req.release()`` and frees
+   its tail page with ``cache.free``.  Everything it extended stays cached (unlocked), so a
+   conversation's next turn, opened with the whole history, starts from those pages.
+
+**Pool pressure** (``PoolExhausted`` from ``alloc``): requests have priority by admission order.
+An older request that needs a page preempts the newest ones not yet scheduled in the step
+(recompute preemption, as vLLM does): the victim releases its request, frees its own pages and
+goes back to the front of the queue with every token it has, so when it is admitted again its
+extended pages are matched (if the pool kept them) and only the rest is recomputed; its next
+token comes out the same.  A request with nothing newer to preempt waits (it is preempted
+itself).  Only when the oldest request alone cannot get its pages does ``step`` raise
+``PoolExhausted``: the pool is too small for it (``abort`` it, or give the pool more pages).
+
+**Failures leak nothing**: if ``alloc`` (other than ``PoolExhausted``) or the forward raises,
+the pages this step allocated are freed and every request is as it was before the step, so the
+step can be retried; ``abort``/``close`` release everything.  ``check()`` asserts it.
+
+Supported models: Llama, Qwen2 and Mistral without a sliding window (the Llama decoder layout:
+RMSNorm, q/k/v/o projections with rotary embeddings, grouped-query attention, gated MLP).  The
+pool may hold another dtype than the model (K/V are converted on the way in and out).
+
+Example (random weights, nothing downloaded)::
+
+    import radixkv as rk
+    from radixkv.integrations.paged import PagedEngine
+    from radixkv.integrations.transformers import layout_for, namespace_for, random_model
+
+    model = random_model("llama", seed=0)
+    cache = rk.PrefixCache(layout_for(model, page_size=16), num_pages=1024, namespace=namespace_for(model))
+    engine = PagedEngine(model, cache)
+    a = engine.add(system_prompt + question, max_new_tokens=32)
+    b = engine.add(system_prompt + other_question, max_new_tokens=32)
+    engine.run()                               # a.output, b.output: the generated tokens
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from radixkv._checks import check_int
+from radixkv.cache import PoolExhausted, PrefixCache
+from radixkv.hashing import as_token_bytes
+from radixkv.integrations.transformers import check_full_attention, layout_for
+from radixkv.pool import KVPool
+from radixkv.request import LOAD_MODES, Request
+
+__all__ = ["MODEL_TYPES", "Chunk", "EngineRequest", "PagedEngine", "PagedLlama"]
+
+#: ``model_type`` values whose decoder layers ``PagedLlama`` runs (all in the Llama layout).
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_NO_PAGES = np.zeros(0, dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+class Chunk(NamedTuple):
+    """One request's part of a batch: ``tokens`` (int64, 1-D) at positions ``start, start + 1,
+    ...``; ``table`` (int64) holds the page ids of positions ``0 .. start + len(tokens) - 1``
+    in order (the pages of the earlier tokens hold their KV already)."""
+
+    tokens: torch.Tensor
+    start: int
+    table: torch.Tensor
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedLlama:
+    """The forward of a Llama-family model over a paged KV pool: K/V are written into and read
+    from ``pool`` pages through each chunk's block table.
+
+    Uses the model's own modules for the embedding, norms, projections, rotary embedding, MLP and
+    head, and does the attention itself.  Raises ``ValueError`` for a model of another family, a
+    sliding-window model, or a pool whose layout is not the model's (``layout_for``).
+    """
+
+    def __init__(self, model: Any, pool: KVPool) -> None:
+        if not isinstance(pool, KVPool):
+            raise TypeError(f"pool must be a KVPool, got {type(pool).__name__}")
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model: PagedLlama runs {', '.join(MODEL_TYPES)} models, got {model_type!r}")
+        check_full_attention(model)
+        want, got = layout_for(model, pool.layout.page_size), pool.layout
+        if (got.num_layers, got.num_kv_heads, got.head_dim) != (want.num_layers, want.num_kv_heads, want.head_dim):
+            raise ValueError(f"pool: its layout holds {got.num_layers} layers x {got.num_kv_heads} KV heads x "
+                             f"{got.head_dim}, the model's KV is {want.num_layers} x {want.num_kv_heads} x "
+                             f"{want.head_dim} (build it with layout_for(model))")
+        self.model = model
+        self.pool = pool
+        self.inner = model.model
+        self.page_size = pool.layout.page_size
+        self.num_kv_heads, self.head_dim = want.num_kv_heads, want.head_dim
+        self.device = next(model.parameters()).device
+        self.dtype = model.dtype
+
+    @torch.no_grad()
+    def forward(self, batch: Sequence[Chunk]) -> torch.Tensor:
+        """Run ``batch`` (one ``Chunk`` per request) through the model; return the logits of
+        each chunk's last token, ``[len(batch), vocab]``.
+
+        Writes the K/V of every token of the batch into its page slot first, then attends: a query
+        at position ``p`` of a request sees its keys ``0 .. p``, read from its pages.  Cost: one
+        pass of the weights over all the batch's tokens, plus per request and layer one read of
+        its ``start + len(tokens)`` keys and values from the pool.
+        """
+        if not batch:
+            raise ValueError("batch must not be empty")
+        ps, kvh, dim = self.page_size, self.num_kv_heads, self.head_dim
+        lengths = [len(c.tokens) for c in batch]
+        if min(lengths) == 0:
+            raise ValueError("batch: every chunk needs at least one token")
+        ids = torch.cat([c.tokens for c in batch]).to(self.device, torch.long)
+        positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(batch, lengths)])
+        tables = [c.table.to(torch.long).cpu() for c in batch]
+        for c, table, n in zip(batch, tables, lengths):
+            if len(table) < -(-(c.start + n) // ps):
+                raise ValueError(f"batch: a table of {len(table)} pages for {c.start + n} tokens")
+        slots = torch.cat([t[p // ps] * ps + p % ps for t, p in
+                           zip(tables, torch.split(positions, lengths))]).to(self.pool.device)
+        positions = positions.to(self.device)
+        offsets = list(itertools.accumulate(lengths, initial=0))
+
+        hidden = self.inner.embed_tokens(ids)[None]                      # [1, T, hidden]
+        cos, sin = self.inner.rotary_emb(hidden, positions[None])        # [1, T, head_dim]
+        cos, sin = cos[0, :, None], sin[0, :, None]                      # [T, 1, head_dim]
+        total = len(ids)
+        for i, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)[0]
+            q = attn.q_proj(x).view(total, -1, dim)
+            k = attn.k_proj(x).view(total, kvh, dim)
+            v = attn.v_proj(x).view(total, kvh, dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv = self.pool.layer(i)                                      # [2, pages, page_size, kvh, dim]
+            flat = kv.view(2, -1, kvh, dim)                              # [2, pages * page_size, kvh, dim]
+            flat[0, slots] = k.to(flat.dtype)
+            flat[1, slots] = v.to(flat.dtype)
+            out = torch.empty_like(q)
+            for c, table, lo, hi in zip(batch, tables, offsets, offsets[1:]):
+                end = c.start + hi - lo
+                pages = table[:-(-end // ps)].to(self.pool.device)
+                keys = kv[0, pages].reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
+                values = kv[1, pages].reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
+                out[lo:hi] = _attend(q[lo:hi], keys, values, c.start, attn.scaling)
+            hidden = hidden + attn.o_proj(out.reshape(1, total, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        last = torch.tensor([hi - 1 for hi in offsets[1:]], device=self.device)
+        return self.model.lm_head(self.inner.norm(hidden[0, last]))
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal grouped-query attention of queries ``q`` ``[n, heads, dim]`` at positions
+    ``start .. start + n - 1`` over ``keys``/``values`` ``[start + n, kv_heads, dim]``."""
+    n, heads, dim = q.shape
+    kvh = keys.shape[1]
+    grouped = q.view(n, kvh, heads // kvh, dim)                # query head h reads KV head h // group
+    scores = torch.einsum("nhgd,lhd->hgnl", grouped, keys) * scale
+    key_pos = torch.arange(keys.shape[0], device=q.device)
+    visible = key_pos[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]   # [n, keys]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hgnl,lhd->nhgd", probs, values).reshape(n, heads, dim)
+
+
+# ------------------------------------------------------------------------------ the engine
+
+_request_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One prompt to complete, from ``PagedEngine.add`` to its end.
+
+    ``tokens`` is the prompt followed by the generated tokens (``output``).  ``state`` is
+    ``"waiting"`` (queued, or preempted), ``"loading"`` (its tier load is pending), ``"running"``,
+    ``"finished"`` or ``"aborted"``.  While admitted, ``request`` is the cache's ``Request``,
+    ``held`` the canonical pages of ``tokens[:request.num_cached]`` and ``own`` the engine's pages
+    after them; the KV of ``tokens[:kv_len]`` is in those pages.  ``logits`` (with
+    ``keep_logits``) holds the last-token logits of each step: ``logits[i]`` chose ``output[i]``.
+    ``cached_at_start`` records, per admission, how many prompt tokens came from the cache (pool
+    and tiers); ``tier_tokens`` counts those loaded from the tiers; ``preemptions`` counts how
+    often it was sent back to the queue.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    eos_token_id: int | None = None
+    id: int = field(default_factory=lambda: next(_request_ids))
+    state: str = "waiting"
+    request: Request | None = field(default=None, repr=False)
+    held: np.ndarray = field(default_factory=lambda: _NO_PAGES, repr=False)
+    own: list[int] = field(default_factory=list, repr=False)
+    kv_len: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)
+    cached_at_start: list[int] = field(default_factory=list)
+    tier_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def output(self) -> list[int]:
+        """The generated tokens so far."""
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def done(self) -> bool:
+        """Whether it has all its tokens (``max_new_tokens`` of them, or EOS last)."""
+        out = len(self.tokens) - self.prompt_len
+        return out >= self.max_new_tokens or (out > 0 and self.tokens[-1] == self.eos_token_id)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """The page ids of its computed tokens, in order: held pages, then its own (int64)."""
+        return torch.from_numpy(np.concatenate([self.held, np.asarray(self.own, dtype=np.int64)]))
+
+
+class PagedEngine:
+    """Continuous batching over a ``PrefixCache`` with a Llama-family model: see the module docstring.
+
+    ``max_running`` bounds the requests admitted at once (loading or running); ``load`` is how
+    ``cache.open`` treats the tiers (``"async"``: poll each step, ``"wait"``, ``"none"``);
+    ``deadline_s`` the load deadline (default the cache's ``load_timeout``); ``keep_logits``
+    keeps each step's last-token logits on the request (for tests).  The engine assumes it is
+    the cache's only user of ``alloc`` while it runs (``check`` counts engine-held pages).
+    Used from one thread.
+    """
+
+    def __init__(self, model: Any, cache: PrefixCache, *, max_running: int = 8, load: str = "async",
+                 deadline_s: float | None = None, keep_logits: bool = False) -> None:
+        if not isinstance(cache, PrefixCache):
+            raise TypeError(f"cache must be a PrefixCache, got {type(cache).__name__}")
+        if load not in LOAD_MODES:
+            raise ValueError(f"load must be one of {LOAD_MODES}, got {load!r}")
+        self.max_running = check_int(max_running, "max_running", 1)
+        self.model = PagedLlama(model, cache.pool)
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.load = load
+        self.deadline_s = deadline_s
+        self.keep_logits = bool(keep_logits)
+        self.waiting: collections.deque[EngineRequest] = collections.deque()
+        self.running: list[EngineRequest] = []      # admitted (loading or running), oldest first
+        self.finished: list[EngineRequest] = []
+        self.steps = 0
+
+    def __repr__(self) -> str:
+        return (f"PagedEngine({len(self.running)} admitted, {len(self.waiting)} waiting, "
+                f"{len(self.finished)} finished, {self.steps} steps)")
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is waiting or admitted."""
+        return bool(self.waiting or self.running)
+
+    def add(self, tokens: Any, max_new_tokens: int, *, eos_token_id: int | None = None) -> EngineRequest:
+        """Queue a prompt (1-D token ids, not empty) to generate up to ``max_new_tokens`` (>= 1)
+        tokens greedily after; return its ``EngineRequest``.  O(len(tokens))."""
+        check_int(max_new_tokens, "max_new_tokens", 1)
+        data = as_token_bytes(tokens)
+        if not data:
+            raise ValueError("tokens must not be empty")
+        ids = np.frombuffer(data, dtype="<i4").tolist()
+        req = EngineRequest(ids, len(ids), max_new_tokens, eos_token_id)
+        self.waiting.append(req)
+        return req
+
+    def run(self, max_steps: int = 100_000) -> list[EngineRequest]:
+        """Step until every request is finished (at most ``max_steps`` steps); return those that
+        finished, in order.  Cost: ``step``'s, per step."""
+        check_int(max_steps, "max_steps", 1)
+        done: list[EngineRequest] = []
+        for _ in range(max_steps):
+            if not self.busy:
+                break
+            done += self.step()
+        return done
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineRequest]:
+        """One engine iteration (admit, poll, schedule, forward, cache full pages, finish); return
+        the requests that finished in it.  When nothing could run because every admitted request
+        is loading, waits for the oldest load (bounded by its deadline) instead of spinning.
+        Raises ``PoolExhausted`` when the oldest request alone cannot get its pages.
+        Cost: one forward over the batch's tokens plus the cache calls above."""
+        self.steps += 1
+        finished = [r for r in self.running if r.done]     # done but not finished: an earlier step raised
+        for r in finished:
+            self._finish(r)
+        self._admit()
+        ready = [r for r in self.running if self._ready(r)]
+        batch = self._schedule(ready)
+        if not batch:
+            loading = [r for r in self.running if r.state == "loading"]
+            if loading and loading[0].request is not None:
+                loading[0].request.wait(timeout=1.0)
+            return finished
+        try:
+            logits = self.model.forward([Chunk(torch.tensor(r.tokens[r.kv_len:]), r.kv_len, r.block_table)
+                                         for r, _ in batch])
+        except BaseException:
+            self._undo(batch)
+            raise
+        for (r, _), row in zip(batch, logits):            # nothing here can fail: bookkeeping only
+            r.kv_len = len(r.tokens)
+            if self.keep_logits:
+                r.logits.append(row.detach().clone())
+            r.tokens.append(int(row.argmax()))
+        for r, _ in batch:
+            self._cache_full_pages(r)
+            if r.done:
+                self._finish(r)
+                finished.append(r)
+        return finished
+
+    def _admit(self) -> None:
+        """Open waiting requests while there is room; ``open`` returns at once with ``async``."""
+        while self.waiting and len(self.running) < self.max_running:
+            r = self.waiting[0]
+            req = self.cache.open(r.tokens, load=self.load, deadline_s=self.deadline_s)
+            self.waiting.popleft()
+            r.request = req
+            self.running.append(r)
+            if req.pending:
+                r.state = "loading"
+            else:
+                self._start(r)
+
+    def _ready(self, r: EngineRequest) -> bool:
+        """Poll a loading request (non-blocking); whether it can be scheduled now."""
+        if r.state == "loading":
+            assert r.request is not None
+            if not r.request.poll():
+                return False
+            self._start(r)
+        return r.state == "running"
+
+    def _start(self, r: EngineRequest) -> None:
+        assert r.request is not None
+        r.state = "running"
+        r.held = r.request.page_ids.copy()
+        r.kv_len = r.request.num_cached
+        r.cached_at_start.append(r.request.num_cached)
+        r.tier_tokens += r.request.tier_tokens
+
+    def _schedule(self, ready: list[EngineRequest]) -> list[tuple[EngineRequest, list[int]]]:
+        """Pages for each ready request's tokens this step, oldest first, preempting the newest
+        requests when the pool is short; the scheduled requests and the pages each got."""
+        batch: list[tuple[EngineRequest, list[int]]] = []
+        try:
+            for r in ready:
+                if r.state != "running":                     # preempted for an older one meanwhile
+                    continue
+                need = -(-len(r.tokens) // self.page_size) - len(r.held) - len(r.own)
+                fresh = self._alloc(r, need, {id(s) for s, _ in batch}) if need > 0 else []
+                if fresh is None:
+                    continue
+                r.own += fresh
+                batch.append((r, fresh))
+        except BaseException:
+            self._undo(batch)
+            raise
+        return batch
+
+    def _alloc(self, r: EngineRequest, n: int, scheduled: set[int]) -> list[int] | None:
+        """``n`` pages for ``r``, preempting newer unscheduled requests while the pool is short;
+        ``None`` when ``r`` had to wait (it was preempted itself)."""
+        while True:
+            try:
+                return self.cache.alloc(n).tolist()
+            except PoolExhausted:
+                newer = self.running[self.running.index(r) + 1:]
+                victims = [s for s in newer if id(s) not in scheduled]
+                if victims:
+                    self._preempt(victims[-1])
+                elif len(self.running) > 1:
+                    self._preempt(r)
+                    return None
+                else:
+                    raise
+
+    def _undo(self, batch: list[tuple[EngineRequest, list[int]]]) -> None:
+        """Give back the pages a failed step allocated: every request is as before the step."""
+        for r, fresh in batch:
+            if fresh:
+                del r.own[-len(fresh):]
+                self.cache.free(fresh)
+
+    def _cache_full_pages(self, r: EngineRequest) -> None:
+        """Cache the pages ``r``'s computed tokens have filled; adopt the canonical page table."""
+        assert r.request is not None
+        new = r.kv_len // self.page_size - len(r.held)
+        if new <= 0:
+            return
+        table = r.request.extend(r.tokens[:r.kv_len], r.own[:new])
+        r.held = table.numpy()
+        del r.own[:new]
+
+    def _finish(self, r: EngineRequest) -> None:
+        self._drop(r)
+        r.state = "finished"
+        self.finished.append(r)
+
+    def _preempt(self, r: EngineRequest) -> None:
+        """Send ``r`` back to the front of the queue, holding nothing (recompute preemption)."""
+        self._drop(r)
+        r.state = "waiting"
+        r.preemptions += 1
+        self.waiting.appendleft(r)
+
+    def _drop(self, r: EngineRequest) -> None:
+        """Release ``r``'s request and free its own pages (the tail page: never cached)."""
+        if r.request is not None:
+            r.request.release()
+            r.request = None
+        if r.own:
+            self.cache.free(r.own)
+        r.own, r.held, r.kv_len = [], _NO_PAGES, 0
+        if r in self.running:
+            self.running.remove(r)
+
+    def abort(self, r: EngineRequest) -> None:
+        """Stop ``r`` wherever it is: release its request and free its pages.  O(pages)."""
+        if r.state in ("finished", "aborted"):
+            raise ValueError(f"r: request {r.id} is {r.state} already")
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._drop(r)
+        r.state = "aborted"
+
+    def close(self) -> None:
+        """Abort every request still waiting or admitted.  Idempotent."""
+        for r in [*self.running, *self.waiting]:
+            self.abort(r)
+
+    def check(self) -> None:
+        """Assert the engine's invariants and the cache's (``cache.check``).  O(pages + requests).
+
+        Every admitted running request holds exactly its ``Request``'s pages and owns the pages
+        of its computed tokens past them; the engine-held pages of the cache are exactly the
+        requests' own pages; waiting requests hold nothing.
+        """
+        self.cache.check()
+        ps = self.page_size
+        owned: list[int] = []
+        for r in self.running:
+            assert r.request is not None and not r.request.released, f"{r}: admitted without a request"
+            owned += r.own
+            if r.state == "loading":
+                assert not r.own, f"{r}: owns pages while loading"
+                continue
+            assert r.state == "running", f"{r}: state {r.state} among the admitted"
+            assert np.array_equal(r.held, r.request.page_ids), f"{r}: block table differs from the held pages"
+            assert len(r.held) * ps == r.request.num_cached <= r.kv_len < len(r.tokens), f"{r}: token counts"
+            assert len(r.held) + len(r.own) == -(-r.kv_len // ps), f"{r}: pages for {r.kv_len} tokens"
+        for r in self.waiting:
+            assert r.request is None and not r.own and r.state == "waiting", f"{r}: waiting but holding"
+        assert len(set(owned)) == len(owned), "a page is owned by two requests"
+        assert self.cache.stats()["pages_engine"] == len(owned), "engine-held pages != the requests' own pages"

@@ -1,0 +1,356 @@
+"""The reference paged engine loop: every logit it produces equals a full recompute's.
+
+``PagedEngine`` keeps the KV of several requests in pool pages and decodes from them.  Each test
+runs it on a tiny random-weight model (two layers, hidden 64, page size 4, chunk size 8) and
+compares the last-token logits of every step — prefill and each decode step — with one plain
+Hugging Face forward over the same tokens (fp32, max abs difference <= 1e-4): for requests in
+flight that share a system prompt, a request whose prefix is loaded from a tier (CPU, LMDB) while
+the others decode, a second turn that reuses generated tokens, and a pool too small for all
+requests at once (preemption).  ``engine.check()`` runs after every step; injected failures
+leave every page where it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from radixkv import PoolExhausted, PrefixCache  # noqa: E402
+from radixkv.integrations.paged import Chunk, EngineRequest, PagedEngine, PagedLlama  # noqa: E402
+from radixkv.integrations.transformers import layout_for, namespace_for, random_model  # noqa: E402
+
+TOL = 1e-4
+PAGE, CHUNK, VOCAB = 4, 8, 128
+COUNTS = ("pages_free", "pages_cached", "pages_engine", "live_matches", "locked_tokens", "cached_tokens")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is much faster than several contending for two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    return random_model("llama", seed=0, num_kv_heads=2, vocab_size=VOCAB)
+
+
+def make_cache(model: Any, tiers: Any = (), num_pages: int = 128) -> PrefixCache:
+    return PrefixCache(layout_for(model, page_size=PAGE), num_pages=num_pages, chunk_size=CHUNK,
+                       namespace=namespace_for(model), tiers=tiers)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
+
+
+def full_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor(ids)[None]).logits[0]
+
+
+def assert_exact(model: Any, r: EngineRequest) -> None:
+    """Every step's logits of ``r`` equal a full forward's at the same position."""
+    assert r.state == "finished" and len(r.logits) == len(r.output) == r.max_new_tokens
+    reference = full_logits(model, r.tokens[:-1])[r.prompt_len - 1:]     # the one that chose output[i]
+    diff = (torch.stack(r.logits) - reference).abs().max().item()
+    assert diff <= TOL, f"request {r.id}: max |logits - full recompute| = {diff}"
+    assert r.output == reference.argmax(-1).tolist()
+
+
+def run(engine: PagedEngine, max_steps: int = 500) -> None:
+    for _ in range(max_steps):
+        if not engine.busy:
+            return
+        engine.step()
+        engine.check()
+    raise AssertionError("the engine did not finish")
+
+
+def counts(cache: PrefixCache) -> dict[str, int]:
+    stats = cache.stats()
+    return {k: stats[k] for k in COUNTS}
+
+
+# -- the model's forward over pages ---------------------------------------------------------------
+
+def mistral() -> Any:
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config).train(False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_attention_through_a_scrambled_block_table_is_the_full_forward(family: str) -> None:
+    model = mistral() if family == "mistral" else random_model(family, seed=1, num_kv_heads=2, vocab_size=VOCAB)
+    cache = PrefixCache(layout_for(model, page_size=PAGE), num_pages=16, namespace=namespace_for(model, name="t"))
+    paged = PagedLlama(model, cache.pool)
+    ids = torch.tensor(tokens(23, seed=1))
+    table = cache.alloc(6)[torch.randperm(6, generator=torch.Generator().manual_seed(0))]
+    other = cache.alloc(1)
+    first = paged.forward([Chunk(ids[:10], 0, table)])
+    rest = paged.forward([Chunk(ids[10:], 10, table), Chunk(ids[:3], 0, other)])   # a varlen batch of two
+    full = full_logits(model, ids.tolist())
+    assert (first[0] - full[9]).abs().max().item() <= TOL
+    assert (rest[0] - full[22]).abs().max().item() <= TOL
+    assert (rest[1] - full_logits(model, ids[:3].tolist())[2]).abs().max().item() <= TOL
+    kv = cache.pool.kv[:, :, table].reshape(2, 2, -1, 2, 16)[:, :, :23]             # the K/V are in the pages
+    with torch.no_grad():
+        hf = model(ids[None], use_cache=True).past_key_values
+    assert (kv[1, 0] - hf.layers[1].keys[0].transpose(0, 1)).abs().max().item() <= TOL
+
+
+# -- requests in flight ---------------------------------------------------------------------------
+
+def test_one_request_prefill_and_decode_are_exact(llama: Any) -> None:
+    engine = PagedEngine(llama, make_cache(llama), keep_logits=True)
+    r = engine.add(tokens(13, seed=2), max_new_tokens=9)
+    run(engine)
+    assert_exact(llama, r)
+    assert r.cached_at_start == [0] and engine.steps == 9
+    assert engine.cache.stats()["cached_tokens"] == 20       # every full page of the 21 computed tokens
+
+
+def test_requests_in_flight_sharing_a_system_prompt_read_its_pages(llama: Any) -> None:
+    engine = PagedEngine(llama, make_cache(llama), keep_logits=True)
+    system = tokens(21, seed=3)                              # 5 full pages and one token
+    first = engine.add(system + tokens(3, seed=4), max_new_tokens=8)
+    engine.step()                                            # its prefill caches the system prompt
+    others = [engine.add(system + tokens(2 + i, seed=5 + i), max_new_tokens=6 + i) for i in range(3)]
+    shared: set[tuple[int, ...]] = set()
+    while engine.busy:
+        engine.step()
+        engine.check()
+        shared |= {tuple(r.held[:5].tolist()) for r in engine.running if len(r.held) >= 5}
+    assert len(shared) == 1                                  # one set of pages backs the system prompt
+    for r in (first, *others):
+        assert_exact(llama, r)
+    assert [r.cached_at_start for r in others] == [[20]] * 3
+
+
+def test_two_requests_that_prefill_the_same_prompt_at_once_end_on_the_same_pages(llama: Any) -> None:
+    engine = PagedEngine(llama, make_cache(llama), keep_logits=True)
+    prompt = tokens(18, seed=9)
+    a, b = engine.add(prompt, max_new_tokens=5), engine.add(prompt, max_new_tokens=7)
+    engine.step()                                            # both computed the prompt: b's pages were duplicates
+    engine.check()
+    assert np.array_equal(a.held, b.held) and len(a.held) == 4
+    assert engine.cache.stats()["duplicate_pages"] == 4
+    run(engine)
+    assert_exact(llama, a)
+    assert_exact(llama, b)
+    assert a.output == b.output[:5]
+
+
+def test_a_second_turn_reuses_the_generated_tokens(llama: Any) -> None:
+    engine = PagedEngine(llama, make_cache(llama), keep_logits=True)
+    turn1 = engine.add(tokens(13, seed=10), max_new_tokens=10)
+    run(engine)
+    assert_exact(llama, turn1)
+    turn2 = engine.add(turn1.tokens + tokens(5, seed=11), max_new_tokens=6)
+    run(engine)
+    assert_exact(llama, turn2)
+    assert turn2.cached_at_start == [20]                     # past the 13 prompt tokens: generated ones too
+
+
+# -- a tier load while the others decode ------------------------------------------------------------
+
+def gated(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """A tier of class ``cls`` whose reads wait for ``tier.gate`` (set: open)."""
+
+    class Gated(cls):  # type: ignore[misc, valid-type]
+        gate = threading.Event()
+
+        def get(self, key: bytes) -> Any:
+            assert self.gate.wait(30)
+            return super().get(key)
+
+        def read(self, key: bytes, consume: Any) -> Any:
+            assert self.gate.wait(30)
+            return super().read(key, consume)
+
+    tier = Gated(*args, **kwargs)
+    tier.gate.set()
+    return tier
+
+
+@pytest.mark.parametrize("backend", ["cpu", "lmdb"])
+def test_a_request_loads_its_prefix_from_a_tier_while_others_decode(llama: Any, backend: str, tmp_path: Any) -> None:
+    from radixkv.backends import CpuTier
+
+    if backend == "lmdb":
+        pytest.importorskip("lmdb")
+        from radixkv.backends import LmdbTier
+        tier = gated(LmdbTier, tmp_path / "kv", max_bytes=1 << 22)
+    else:
+        tier = gated(CpuTier, max_bytes=1 << 20)
+    with make_cache(llama, tiers=[tier]) as cache:
+        engine = PagedEngine(llama, cache, keep_logits=True, deadline_s=30.0)
+        document = tokens(41, seed=12)                       # 5 chunks, written through
+        warm = engine.add(document + tokens(2, seed=13), max_new_tokens=3)
+        run(engine)
+        assert cache.flush(30)
+        cache.evict(cache.pool.num_pages)                    # the pool forgets it; the tier keeps it
+        assert cache.stats()["cached_tokens"] == 0
+        busy = [engine.add(tokens(9 + i, seed=14 + i), max_new_tokens=12) for i in range(2)]
+        engine.step()
+        tier.gate.clear()                                    # the load will wait in the tier
+        late = engine.add(document + tokens(3, seed=16), max_new_tokens=5)
+        for _ in range(4):
+            before = [len(r.output) for r in busy]
+            engine.step()
+            engine.check()
+            assert late.state == "loading" and late.request is not None and late.request.pending
+            assert [len(r.output) for r in busy] == [n + 1 for n in before]    # the others kept decoding
+        tier.gate.set()
+        run(engine)
+        assert late.tier_tokens == 40 and late.cached_at_start == [40]
+        for r in (warm, *busy, late):
+            assert_exact(llama, r)
+
+
+# -- pool pressure ----------------------------------------------------------------------------------
+
+def test_a_short_pool_preempts_the_newest_and_every_answer_stays_exact(llama: Any) -> None:
+    prompts = [tokens(10 + 3 * i, seed=20 + i) for i in range(3)]
+    alone = []
+    for p in prompts:                                        # each request served alone, with room
+        engine = PagedEngine(llama, make_cache(llama))
+        alone.append(engine.add(p, max_new_tokens=10))
+        run(engine)
+    engine = PagedEngine(llama, make_cache(llama, num_pages=12), keep_logits=True)   # 6 pages each at the end
+    rs = [engine.add(p, max_new_tokens=10) for p in prompts]
+    run(engine)
+    assert sum(r.preemptions for r in rs) > 0 and rs[0].preemptions == 0
+    for r, ref in zip(rs, alone):
+        assert_exact(llama, r)
+        assert r.output == ref.output
+    stats = engine.cache.stats()
+    assert (stats["pages_engine"], stats["live_matches"], stats["locked_tokens"]) == (0, 0, 0)
+
+
+def test_a_request_the_pool_cannot_hold_raises_pool_exhausted_and_holds_nothing(llama: Any) -> None:
+    engine = PagedEngine(llama, make_cache(llama, num_pages=4))
+    before = counts(engine.cache)
+    r = engine.add(tokens(20, seed=30), max_new_tokens=2)
+    with pytest.raises(PoolExhausted):
+        engine.step()
+    engine.check()
+    engine.abort(r)
+    assert r.state == "aborted" and counts(engine.cache) == before
+
+
+# -- failures leak nothing ----------------------------------------------------------------------------
+
+class Injected(RuntimeError):
+    pass
+
+
+def in_flight(model: Any) -> tuple[PagedEngine, list[EngineRequest]]:
+    """An engine with three requests decoding, two of them sharing pages with the first."""
+    engine = PagedEngine(model, make_cache(model), keep_logits=True)
+    system = tokens(11, seed=31)
+    rs = [engine.add(system + tokens(3, seed=32), max_new_tokens=8)]
+    engine.step()
+    rs += [engine.add(system + tokens(4 + i, seed=33 + i), max_new_tokens=6) for i in range(2)]
+    engine.step()
+    return engine, rs
+
+
+@pytest.mark.parametrize("where", ["forward", "alloc", "open"])
+def test_a_failure_inside_a_step_leaves_every_page_where_it_was(llama: Any, where: str) -> None:
+    engine, rs = in_flight(llama)
+    if where == "open":                                     # a newcomer whose open fails
+        rs.append(engine.add(tokens(6, seed=40), max_new_tokens=4))
+    before, outputs = counts(engine.cache), [r.output for r in rs]
+
+    def fail(*_: Any, **__: Any) -> None:
+        raise Injected(where)
+    with pytest.MonkeyPatch.context() as mp:
+        handle = None
+        if where == "forward":                              # a raising hook: the model fails mid-forward
+            handle = llama.model.layers[1].mlp.register_forward_hook(fail)
+        else:
+            mp.setattr(engine.cache, where, fail)
+        try:
+            for _ in range(3):
+                with pytest.raises(Injected):
+                    engine.step()
+                engine.check()
+                assert counts(engine.cache) == before and [r.output for r in rs] == outputs
+        finally:
+            if handle is not None:
+                handle.remove()
+    run(engine)                                             # retried: every answer is still exact
+    for r in rs:
+        assert_exact(llama, r)
+
+
+def test_a_failing_extend_is_retried_at_the_next_step(llama: Any) -> None:
+    from radixkv.request import Request
+
+    engine, rs = in_flight(llama)
+    filled = 0
+    with pytest.MonkeyPatch.context() as mp:
+        def fail(*_: Any, **__: Any) -> None:
+            raise Injected("extend")
+        mp.setattr(Request, "extend", fail)
+        while not filled:                                   # step until some request fills a page
+            try:
+                engine.step()
+            except Injected:
+                filled += 1
+            engine.check()                                  # the page stays the engine's, counted as such
+    run(engine)
+    for r in rs:
+        assert_exact(llama, r)
+    assert engine.cache.stats()["pages_engine"] == 0
+
+
+def test_close_releases_everything(llama: Any) -> None:
+    engine = PagedEngine(llama, make_cache(llama))
+    before = counts(engine.cache)
+    for i in range(3):
+        engine.add(tokens(9, seed=50 + i), max_new_tokens=20)
+    engine.step()
+    engine.step()
+    engine.close()
+    engine.check()
+    stats = engine.cache.stats()
+    assert (stats["pages_engine"], stats["live_matches"], stats["locked_tokens"]) == (0, 0, 0)
+    assert stats["pages_free"] + stats["pages_cached"] == before["pages_free"]
+    assert not engine.busy
+
+
+def test_bad_inputs_are_refused(llama: Any) -> None:
+    engine = PagedEngine(llama, make_cache(llama))
+    with pytest.raises(ValueError, match="must not be empty"):
+        engine.add([], 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add([1, 2], 0)
+    with pytest.raises(TypeError, match="integer token ids"):
+        engine.add([1.5], 2)
+    with pytest.raises(ValueError, match="load"):
+        PagedEngine(llama, make_cache(llama), load="later")
+    neox = random_model("gpt_neox", seed=0, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="PagedLlama runs"):
+        PagedEngine(neox, make_cache(neox))
+    other = random_model("llama", seed=0, num_layers=3, num_kv_heads=2, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="3 x 2 x 16"):
+        PagedEngine(other, make_cache(llama))
+    with pytest.raises(TypeError, match="cache"):
+        PagedEngine(llama, object())  # type: ignore[arg-type]
+    assert not engine.busy and engine.cache.stats()["pages_engine"] == 0
