@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from hypothesis import settings
 import torch
 import xxhash
 
@@ -21,7 +22,7 @@ from radixkv import backends
 from radixkv.backends import MemoryTier, Tier
 from radixkv.backends.cpu import CpuTier
 from radixkv.backends.lmdb import LmdbTier
-from radixkv.testing.tiers import TierContract
+from radixkv.testing.tiers import PersistentTierContract, TierContract
 
 pytest.importorskip("lmdb")
 
@@ -34,35 +35,64 @@ def key(i: int, ns: int = 0) -> bytes:
 
 class MemoryContract(TierContract):
     exact = True
+    used_bytes_exact = True
+
+    def make_tier(self) -> Tier:
+        return MemoryTier()
 
 
 class CpuContract(TierContract):
+    """4 slots of 256 bytes; blobs up to 300 bytes, so some are refused."""
+
+    lru = True
+    used_bytes_exact = True
+    reentrant_consume = True
+
     def make_tier(self) -> Tier:
-        return CpuTier(max_bytes=1024, slot_bytes=256)  # 4 slots; blobs up to 300 bytes
+        return CpuTier(max_bytes=1024, slot_bytes=256)
+
+    def entry_bytes(self, size: int) -> int:
+        return self.tier.slot_bytes  # type: ignore[attr-defined, no-any-return]
+
+    def should_store(self, size: int) -> bool | None:
+        slot = self.tier.slot_bytes  # type: ignore[attr-defined]
+        return True if not slot else size <= slot   # the first put sets the slot size when not given
 
 
-class CpuInferredSlotsContract(TierContract):
+class CpuInferredSlotsContract(CpuContract):
     def make_tier(self) -> Tier:
         return CpuTier(max_bytes=1200)  # slot size set by the first put
 
 
-class LmdbContract(TierContract):
-    persistent = True
+class LmdbContract(PersistentTierContract):
+    lru = True
+    used_bytes_exact = True
 
     def make_tier(self) -> Tier:
-        if not hasattr(self, "path"):
-            self.path = tempfile.mkdtemp(prefix="radixkv-lmdb-")
-        return LmdbTier(self.path, max_bytes=1000, map_size=1 << 20, sync=False, touch_every=4)
+        return LmdbTier(self.path, max_bytes=1000, map_size=1 << 20, sync=False, touch_every=4, clock=self.clock)
 
-    def teardown(self) -> None:
-        super().teardown()
-        shutil.rmtree(self.path, ignore_errors=True)
+
+class LmdbTtlContract(LmdbContract):
+    ttl = 5.0
+
+    def make_tier(self) -> Tier:
+        return LmdbTier(self.path, max_bytes=1000, map_size=1 << 20, sync=False, touch_every=4, clock=self.clock,
+                        ttl=self.ttl)
 
 
 TestMemoryContract = MemoryContract.TestCase
 TestCpuContract = CpuContract.TestCase
 TestCpuInferredSlotsContract = CpuInferredSlotsContract.TestCase
 TestLmdbContract = LmdbContract.TestCase
+TestLmdbTtlContract = LmdbTtlContract.TestCase
+
+
+def test_the_contract_runs_from_a_factory_in_tmp_path(tmp_path: Path) -> None:
+    """The function form: a factory taking the example's directory and the machine's clock."""
+    TierContract.check(lambda path, clock: LmdbTier(path, max_bytes=1000, sync=False, clock=clock),
+                       tmp_path=tmp_path, persistent=True, lru=True, used_bytes_exact=True,
+                       settings=settings(max_examples=5, stateful_step_count=20))
+    assert not any(tmp_path.iterdir()), "every example's directory is removed at teardown"
 
 
 # -- the protocol and the registry ------------------------------------------------------------
