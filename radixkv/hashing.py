@@ -13,6 +13,8 @@ partial tail chunk gets no key.  The golden vectors in ``tests/test_hashing.py``
 
 from __future__ import annotations
 
+import array
+import sys
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +56,9 @@ def as_token_bytes(tokens: Any, name: str = "tokens") -> bytes:
             raise ValueError(f"{name} must be token ids in [0, 2**31), got min {tokens.min()}, max {tokens.max()}")
         return tokens.astype("<i4", copy=False).tobytes()
     if isinstance(tokens, (list, tuple)):
+        fast = _list_token_bytes(tokens)
+        if fast is not None:
+            return fast
         if not set(map(type, tokens)) <= {int}:
             bad = next(t for t in tokens if type(t) is not int)
             if isinstance(bad, (bool, np.bool_)) or not isinstance(bad, (int, np.integer)):
@@ -65,6 +70,39 @@ def as_token_bytes(tokens: Any, name: str = "tokens") -> bytes:
         return as_token_bytes(arr, name)
     raise TypeError(f"{name} must be a list, tuple, numpy array or torch tensor of ints, "
                     f"got {type(tokens).__name__}")
+
+
+_ARRAY_OK = array.array("I").itemsize == 4
+
+
+def _list_token_bytes(tokens: list[Any] | tuple[Any, ...]) -> bytes | None:
+    """The fast path of ``as_token_bytes`` for a list or tuple: one C loop (``array.array``) and
+    a few vectorised checks, about 10 ns a token; ``None`` sends anything unusual (floats,
+    negative or huge ids, bools) to the exact checks of the slow path.
+
+    ``array('I')`` accepts every int in [0, 2**32), bools included; ids of 2**31 and more show up
+    as negative int32, and a bool can only hide where the value is 0 or 1: those few positions
+    have their type checked one by one.
+    """
+    if not _ARRAY_OK:
+        return None
+    try:
+        arr = array.array("I", tokens)
+    except (TypeError, OverflowError, ValueError):
+        return None
+    if sys.byteorder == "big":
+        arr.byteswap()
+    view = np.frombuffer(arr, dtype="<i4")
+    if view.size:
+        if view.min() < 0:
+            return None
+        small = np.flatnonzero(view <= 1)
+        if small.size > 64:
+            if not set(map(type, tokens)) <= {int}:
+                return None
+        elif any(type(tokens[i]) is not int for i in small.tolist()):
+            return None
+    return arr.tobytes()
 
 
 @dataclass(frozen=True)

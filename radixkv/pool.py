@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from radixkv._checks import check_int
 
-__all__ = ["KVLayout", "KVPool", "as_page_ids", "has_duplicates"]
+__all__ = ["KVLayout", "KVPool", "as_page_ids", "check_device", "has_duplicates"]
 
 # dtypes a pool may hold; fp8 and int8 pools are moved as raw bytes by the block-copy ops.
 _POOL_DTYPES = {
@@ -71,6 +71,32 @@ class KVLayout:
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
         """Shape of a contiguous buffer holding ``num_tokens`` tokens of KV (the tiers' chunk layout)."""
         return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim)
+
+
+def check_device(device: Any, name: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` that this process can allocate on: ``ValueError`` naming
+    ``name`` for a malformed string or a device type without a usable accelerator ("cuda" on a
+    machine without a GPU), ``TypeError`` for a non-device.  O(1).
+
+    >>> check_device("cpu")
+    device(type='cpu')
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{name} must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"{name}: {device!r} is not a device ({exc})") from None
+    if dev.type == "cpu" or dev.type == "meta":
+        return dev
+    module = getattr(torch, dev.type, None)
+    available = getattr(module, "is_available", None)
+    if available is None or not available():
+        raise ValueError(f"{name}: {device!r} needs a {dev.type} accelerator, and none is available here")
+    count = getattr(module, "device_count", lambda: 1)()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"{name}: {device!r}, but only {count} {dev.type} device(s) exist")
+    return dev
 
 
 def as_page_ids(pages: Any, num_pages: int, name: str = "pages") -> np.ndarray:
@@ -128,7 +154,7 @@ class KVPool:
         check_int(num_pages, "num_pages", 1)
         self.layout = layout
         self.num_pages = num_pages
-        self.device = torch.device(device)
+        self.device = check_device(device)
         shape = (layout.num_layers, 2, num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
         self.kv = torch.zeros(shape, dtype=layout.dtype, device=self.device)
         # Free list as a stack; pages are handed out from the top.  The first alloc gets page 0.

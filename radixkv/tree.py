@@ -176,16 +176,17 @@ class RadixTree:
             if child is None:
                 break
             klen = len(child.key)
-            if data[pos:pos + klen] == child.key:
+            if klen <= end - pos and data.startswith(child.key, pos):     # memcmp in place, no copy
                 node, pos = child, pos + klen
                 path.append(node)
                 continue
             # The match ends inside child: find how many whole pages agree (binary search of
-            # memcmp'd prefixes; the first page agrees, the whole run does not).
+            # memcmp'd prefixes, views not copies; the first page agrees, the whole run does not).
+            key = memoryview(child.key)
             lo, hi = 1, min(klen, end - pos) // pb
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if data[pos:pos + mid * pb] == child.key[:mid * pb]:
+                if data.startswith(key[:mid * pb], pos):
                     lo = mid
                 else:
                     hi = mid - 1
