@@ -12,6 +12,7 @@ from typing import Any
 
 from radixkv._version import __version__
 from radixkv.cache import Match, PoolExhausted, PrefixCache
+from radixkv.request import Request
 from radixkv.hashing import Namespace, chunk_keys
 from radixkv.pool import KVLayout, KVPool
 from radixkv.tree import RadixTree
@@ -31,6 +32,7 @@ __all__ = sorted([
     "PoolExhausted",
     "PrefixCache",
     "RadixTree",
+    "Request",
     "TierStack",
     "__version__",
     "backends",
