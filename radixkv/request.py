@@ -31,8 +31,6 @@ of the same name, which holds the logic.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import time
 from concurrent.futures import Future
@@ -75,17 +73,11 @@ def fetch_chunks(stack: TierStack, refs: Sequence[ChunkRef], limit: int,
     """The worker's half of a load: look up ``refs`` in the tiers and fetch and verify at most
     ``limit`` leading chunks, all by ``deadline``.  Touches neither the pool nor the tree; a tier
     fault is a miss (the stack never raises for one).  Cost: the stack's ``lookup`` and ``load``."""
-    bound: dict[str, Any] = {"deadline": deadline} if _takes_deadline(type(stack)) else {}  # type: ignore[arg-type]
-    where = stack.lookup([ref.key for ref in refs], **bound)[:limit]
+    where = stack.lookup([ref.key for ref in refs], deadline=deadline)[:limit]
     if not where or time.monotonic() >= deadline:
         return [], []
-    chunks = stack.load(refs[:len(where)], where=where, **bound)
+    chunks = stack.load(refs[:len(where)], where=where, deadline=deadline)
     return list(where[:len(chunks)]), chunks
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_deadline(cls: type) -> bool:
-    return "deadline" in inspect.signature(cls.load).parameters  # type: ignore[attr-defined]
 
 
 class Request:
