@@ -1,9 +1,9 @@
 """No leaks: a failure anywhere in the Hugging Face adapter leaves every page where it was.
 
-An exception is injected at each step of ``PrefixCachedLM.prefill`` (the match, the gather of the
+An exception is injected at each step of ``PrefixCachedLM.prefill`` (the open, the gather of the
 cached prefix, the model's forward through a raising forward hook, the alloc, the copy out of the
-model's cache object, the scatter into the pool, the insert), of ``generate`` (a decode step) and
-of ``cache_sequence``.  After each: ``cache.check()`` holds, no page is engine-held or locked, and
+model's cache object, the scatter into the pool, the extend), of ``generate`` (a decode step, the
+caching of a page it filled) and of ``cache_sequence``.  After each: ``cache.check()`` holds, no page is engine-held or locked, and
 the page counts are those before the call (or, for ``generate``, those a plain ``prefill`` of the
 prompt leaves: what happened before the failure stays cached).  Then the same call succeeds with
 exact logits, so nothing the failure left behind is wrong either.
@@ -95,7 +95,7 @@ class Inject:
                 if seen[0] == nth:
                     raise exc
             self.hook = lm.model.model.layers[-1].register_forward_hook(hook)
-        elif step in ("match", "alloc", "insert"):
+        elif step in ("open", "alloc", "extend"):
             mp.setattr(lm.cache, step, failing(getattr(lm.cache, step), nth, exc))
         elif step in ("gather_pages", "scatter_pages"):
             mp.setattr(ops, step, failing(getattr(ops, step), nth, exc))
@@ -117,7 +117,7 @@ def mp() -> Iterator[pytest.MonkeyPatch]:
         yield patch
 
 
-PREFILL_STEPS = ["match", "gather_pages", "forward", "alloc", "layer_kv", "scatter_pages", "insert"]
+PREFILL_STEPS = ["open", "gather_pages", "forward", "alloc", "layer_kv", "scatter_pages", "extend"]
 
 
 @pytest.mark.parametrize("step", PREFILL_STEPS)
@@ -138,7 +138,7 @@ def test_a_failing_prefill_leaves_every_page_where_it_was(model: Any, mp: pytest
     assert lm.cache.stats()["cached_tokens"] == 32
 
 
-@pytest.mark.parametrize("step", ["forward", "alloc", "insert"])
+@pytest.mark.parametrize("step", ["forward", "alloc", "extend"])
 def test_a_failing_cold_prefill_or_an_interrupt_leaves_nothing(model: Any, mp: pytest.MonkeyPatch, step: str) -> None:
     lm = PrefixCachedLM(model, make_cache(model))
     before = counts(lm.cache)
@@ -171,8 +171,9 @@ def test_a_failing_prefill_after_a_tier_load_keeps_the_loaded_pages_cached_and_u
         exact(lm, np.concatenate([prompt, tokens(3, seed=5)]))
 
 
-# forward: the prompt's forward is call 1, the decode steps 2, 3, ...; the rest fail inside cache_sequence.
-GENERATE_STEPS = [("forward", 3), ("match", 2), ("alloc", 2), ("layer_kv", 3), ("scatter_pages", 2), ("insert", 2)]
+# forward: the prompt's forward is call 1, the decode steps 2, 3, ...; the others fail when the
+# generated tokens fill the prompt's tail page (the second alloc, extend, scatter; layer_kv per layer).
+GENERATE_STEPS = [("forward", 3), ("alloc", 2), ("layer_kv", 3), ("scatter_pages", 2), ("extend", 2)]
 
 
 @pytest.mark.parametrize("step,nth", GENERATE_STEPS)
@@ -195,7 +196,7 @@ def test_a_failing_generate_keeps_only_what_the_prompt_cached(model: Any, mp: py
     exact(lm, np.concatenate([prompt, out, tokens(2, seed=7)]))
 
 
-@pytest.mark.parametrize("step", ["match", "alloc", "layer_kv", "scatter_pages", "insert"])
+@pytest.mark.parametrize("step", ["open", "alloc", "layer_kv", "scatter_pages", "extend"])
 def test_a_failing_cache_sequence_leaves_every_page_where_it_was(model: Any, mp: pytest.MonkeyPatch, step: str) -> None:
     lm = PrefixCachedLM(model, make_cache(model))
     ids = tokens(21, seed=8)

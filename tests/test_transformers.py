@@ -235,6 +235,27 @@ def test_greedy_generation_gives_the_same_tokens_with_and_without_the_cache(mode
     assert lm.generate(prompt, 0) == []
 
 
+def test_generate_holds_its_pages_while_decoding_and_caches_each_filled_page(llama: Any) -> None:
+    """An eviction in the middle of every forward (a hook) frees nothing the request holds."""
+    lm = PrefixCachedLM(llama, make_cache(llama))
+    prompt = tokens(19, seed=25)
+    locked: list[int] = []
+
+    def evict_everything(*_: Any) -> None:
+        lm.cache.evict(lm.cache.pool.num_pages)
+        locked.append(lm.cache.stats()["locked_tokens"])
+    handle = llama.model.layers[0].register_forward_hook(evict_everything)
+    try:
+        out = lm.generate(prompt, 9)
+    finally:
+        handle.remove()
+    assert out == greedy_without_cache(llama, prompt, 9)
+    assert locked == [0, 16, 20, 20, 20, 20, 24, 24, 24]      # the prompt's pages, then each filled one
+    stats = lm.cache.stats()
+    assert (stats["locked_tokens"], stats["live_matches"], stats["cached_tokens"]) == (0, 0, 24)
+    assert prefill_exact(lm, np.concatenate([prompt, out, tokens(3, seed=26)])).match_tokens == 24
+
+
 # -- limits and errors --------------------------------------------------------------------------
 
 def test_a_full_pool_still_answers_exactly_and_caches_nothing(llama: Any) -> None:

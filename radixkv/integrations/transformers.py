@@ -1,18 +1,23 @@
 """Serve a Hugging Face causal LM through a ``PrefixCache``: prefill only what is not cached.
 
-This module is also the worked example of an engine built on radixkv.  ``PrefixCachedLM.prefill``
-uses only the public engine API, in this order, for one prompt:
+This module is also a worked example of an engine built on radixkv that keeps KV in the model's
+own cache object (see ``radixkv.integrations.paged`` for one that decodes from the pool pages).
+``PrefixCachedLM.prefill`` uses only the public engine API, in this order, for one prompt:
 
-1. ``m = cache.match(tokens)``: the longest cached page-aligned prefix, locked against eviction.
+1. ``req = cache.open(tokens)``: the longest cached page-aligned prefix, held for the request.
    Chunks that only the tiers hold (CPU, LMDB, S3) are loaded into pool pages by this call.
-2. ``ops.gather_pages(cache.pool, m.pages)``: the prefix's KV, ``[layers, 2, m.num_tokens,
+2. ``ops.gather_pages(cache.pool, req.pages)``: the prefix's KV, ``[layers, 2, req.num_cached,
    kv_heads, head_dim]``, handed to the model's own cache object (``DynamicCache``) layer by layer.
-3. The model runs on ``tokens[m.num_tokens:]`` only, at positions ``m.num_tokens, ...``.  Cached
-   keys are post-RoPE; they are right because every cached prefix starts at token 0, so a token's
-   position is the same whenever its KV is computed.
+3. The model runs on ``tokens[req.num_cached:]`` only, at positions ``req.num_cached, ...``.
+   Cached keys are post-RoPE; they are right because every cached prefix starts at token 0, so
+   a token's position is the same whenever its KV is computed.
 4. ``new = cache.alloc(n)``; ``ops.scatter_pages`` copies the new KV of the full pages past the
-   match into ``new``; ``cache.insert(tokens, torch.cat([m.pages, new]))``; ``cache.release(m)``.
+   held ones into ``new``; ``req.extend(tokens, new)`` caches them; ``req.release()``.
 
+``generate`` keeps the request open while it decodes and calls ``req.extend`` whenever the
+generated tokens fill a page.  Any failure (the model's forward, a copy, the cache) leaves every
+page where it was: pages from ``alloc`` are freed unless ``extend`` took them, and the request is
+released.
 The first token is known after step 3; step 4 is bookkeeping an engine can do after sending it.
 ``Result.timings`` times each step.
 
@@ -48,9 +53,10 @@ import torch
 
 from radixkv._checks import check_int
 from radixkv import ops
-from radixkv.cache import Match, PoolExhausted, PrefixCache
+from radixkv.cache import PoolExhausted, PrefixCache
 from radixkv.hashing import Namespace, as_token_bytes
 from radixkv.pool import KVLayout
+from radixkv.request import Request
 
 __all__ = ["FAMILIES", "PrefixCachedLM", "Result", "check_full_attention", "layer_kv", "layout_for",
            "namespace_for", "random_model", "weights_fingerprint"]
@@ -303,94 +309,100 @@ class PrefixCachedLM:
 
         ``logits_to_keep`` as in ``forward``.  The new KV is cached only when the pool has room
         (``PoolExhausted`` from ``alloc`` is not an error: nothing is cached then).  Raises
-        ``ValueError``/``TypeError`` for empty or invalid token ids.  Cost: ``cache.match`` (with
-        tier loads), one copy of the prefix's KV into the model's cache object, a forward over the
+        ``ValueError``/``TypeError`` for empty or invalid token ids.  A failure anywhere (the
+        model's forward included) leaves every page as it was.  Cost: ``cache.open`` (with tier
+        loads), one copy of the prefix's KV into the model's cache object, a forward over the
         uncached tokens, and one copy of their KV into the pool.
         """
         ids = _token_array(tokens)
-        timings: dict[str, float] = {}
         self._sync()
         t0 = time.perf_counter()
-        m = self.cache.match(ids)
-        try:
-            t1 = time.perf_counter()
-            model_cache = self._model_cache_from(m)
-            self._sync()
-            t2 = time.perf_counter()
-            logits = self.forward(torch.from_numpy(ids[m.num_tokens:]).long(), model_cache,
-                                  start=m.num_tokens, logits_to_keep=logits_to_keep)
-            self._sync()
-            t3 = time.perf_counter()
-            inserted = self._store(ids, model_cache, m)
-        finally:
-            self.cache.release(m)
+        with self.cache.open(ids) as req:
+            return self._prefill(req, ids, logits_to_keep, t0)
+
+    def _prefill(self, req: Request, ids: np.ndarray, logits_to_keep: int, t0: float) -> Result:
+        """``prefill``'s steps after ``open`` (``req`` stays held: the caller releases it)."""
+        t1 = time.perf_counter()
+        matched = req.num_cached
+        model_cache = self._model_cache_from(req)
+        self._sync()
+        t2 = time.perf_counter()
+        logits = self.forward(torch.from_numpy(ids[matched:]).long(), model_cache, start=matched,
+                              logits_to_keep=logits_to_keep)
+        self._sync()
+        t3 = time.perf_counter()
+        inserted = self._extend(req, ids, model_cache)
         self._sync()
         t4 = time.perf_counter()
-        timings.update(match=t1 - t0, gather=t2 - t1, forward=t3 - t2, ttft=t3 - t0, store=t4 - t3)
-        levels = {"pool": m.num_tokens - m.tier_tokens}
-        if m.tier_tokens:
+        timings = dict(match=t1 - t0, gather=t2 - t1, forward=t3 - t2, ttft=t3 - t0, store=t4 - t3)
+        levels = {"pool": matched - req.tier_tokens}
+        if req.tier_tokens:
             names = [tier.name for tier in self.cache.stack.tiers] if self.cache.stack else []
-            for i, (name, served) in enumerate(zip(names, m.tier_tokens_by_tier)):
+            for i, (name, served) in enumerate(zip(names, req.tier_tokens_by_tier)):
                 levels[name if names.count(name) == 1 else f"{name}#{i}"] = served
-        return Result(logits, len(ids), m.num_tokens, m.tier_tokens, {k: v for k, v in levels.items() if v},
+        return Result(logits, len(ids), matched, req.tier_tokens, {k: v for k, v in levels.items() if v},
                       inserted, timings, model_cache)
 
     def generate(self, tokens: Any, max_new_tokens: int, *, eos_token_id: int | None = None) -> list[int]:
         """Greedily generate up to ``max_new_tokens`` tokens after ``tokens`` (stopping after
         ``eos_token_id``); return them.
 
-        The prompt goes through ``prefill``; decoding continues on the model's cache object.  At the
-        end the KV of the prompt and the generated tokens (all but the last, whose KV was never
-        computed) is cached, so that a conversation's next turn starts from it.  Cost: ``prefill``,
-        one single-token forward per generated token, then one ``match`` (with tiers: a lookup for
-        new full chunks) and one copy of the new KV into the pool.
+        The prompt goes through ``prefill``'s steps and decoding continues on the model's cache
+        object, while the request holds its pages.  Each page the generated tokens fill is cached
+        at once (``Request.extend``), so a conversation's next turn starts from the prompt and
+        the answer (all but its last token, whose KV was never computed).  A failure leaves what
+        was cached before it cached and nothing held.  Cost: ``prefill``, one single-token
+        forward per generated token, and one page copy into the pool per filled page.
         """
         check_int(max_new_tokens, "max_new_tokens")
         ids = _token_array(tokens)
-        result = self.prefill(ids)
-        if max_new_tokens == 0:
-            return []
-        model_cache, token = result.model_cache, result.next_token
-        out = [token]
-        while len(out) < max_new_tokens and token != eos_token_id:
-            logits = self.forward(torch.tensor([token]), model_cache, start=len(ids) + len(out) - 1)
-            token = int(logits[-1].argmax())
-            out.append(token)
-        self.cache_sequence(np.concatenate([ids, np.asarray(out[:-1], dtype=ids.dtype)]), model_cache)
+        self._sync()
+        t0 = time.perf_counter()
+        with self.cache.open(ids) as req:
+            result = self._prefill(req, ids, 1, t0)
+            if max_new_tokens == 0:
+                return []
+            model_cache, token = result.model_cache, result.next_token
+            seq, out = ids.tolist(), [token]
+            while len(out) < max_new_tokens and token != eos_token_id:
+                logits = self.forward(torch.tensor([token]), model_cache, start=len(seq))
+                seq.append(token)                         # its KV is in model_cache now
+                if len(seq) % self.cache.page_size == 0:
+                    self._extend(req, seq, model_cache)
+                token = int(logits[-1].argmax())
+                out.append(token)
         return out
 
     def cache_sequence(self, tokens: Any, model_cache: Any) -> int:
         """Cache the KV of ``tokens`` that ``model_cache`` holds (it must hold at least their
         full pages, computed at positions 0, 1, ...); return how many tokens were newly cached.
 
-        For an engine that computed KV outside ``prefill`` (decoding).  Cost: one ``match`` with
-        ``leave_last=False`` (with tiers, a lookup when new full chunks exist) and one copy of the
-        KV past the match into the pool.
+        For an engine that computed KV outside ``prefill`` (decoding).  The tiers are not asked
+        (the KV is at hand).  Cost: one ``open`` of the pool only and one copy of the KV past it
+        into the pool.
         """
         ids = _token_array(tokens)
-        m = self.cache.match(ids, leave_last=False)
-        try:
-            return self._store(ids, model_cache, m)
-        finally:
-            self.cache.release(m)
+        with self.cache.open(ids, leave_last=False, load="none") as req:
+            return self._extend(req, ids, model_cache)
 
     # -- pages <-> the model's cache object ----------------------------------------------------
 
-    def _model_cache_from(self, m: Match) -> Any:
-        """A model cache object holding the KV of ``m``'s pages (one gather, one copy per layer)."""
+    def _model_cache_from(self, req: Request) -> Any:
+        """A model cache object holding the KV of ``req``'s pages (one gather, one copy per layer)."""
         model_cache = self.new_model_cache()
-        if m.num_tokens:
-            kv = ops.gather_pages(self.cache.pool, m.pages).to(self.device, self.dtype)
+        if req.num_cached:
+            kv = ops.gather_pages(self.cache.pool, req.pages).to(self.device, self.dtype)
             for layer in range(kv.shape[0]):   # [2, tokens, heads, dim] -> [1, heads, tokens, dim]
                 model_cache.update(kv[layer, 0].transpose(0, 1).unsqueeze(0),
                                    kv[layer, 1].transpose(0, 1).unsqueeze(0), layer)
         return model_cache
 
-    def _store(self, ids: np.ndarray, model_cache: Any, m: Match) -> int:
-        """Copy the KV of the full pages of ``ids`` past ``m`` from ``model_cache`` into new pool
-        pages and insert ``ids`` (full pages only); the number of tokens newly cached."""
+    def _extend(self, req: Request, ids: Any, model_cache: Any) -> int:
+        """Copy the KV of the full pages of ``ids`` (the request's sequence so far) past what
+        ``req`` holds from ``model_cache`` into new pool pages and cache them with
+        ``req.extend``; the number of tokens newly cached (not cached by another request first)."""
         ps = self.cache.page_size
-        have, full = len(m.pages), len(ids) // ps
+        have, full = len(req.page_ids), len(ids) // ps
         if full <= have:
             return 0
         try:
@@ -399,18 +411,18 @@ class PrefixCachedLM:
             return 0
         start, end = have * ps, full * ps
         pool = self.cache.pool
-        try:                                # from alloc to insert the pages are ours: free them on any error
+        try:                                # from alloc to extend the pages are ours: free them on any error
             buf = torch.empty(self.cache.layout.chunk_shape(end - start), dtype=pool.kv.dtype, device=pool.device)
             for layer in range(buf.shape[0]):
                 keys, values = layer_kv(model_cache, layer)   # [1, heads, tokens, dim]
                 buf[layer, 0].copy_(keys[0, :, start:end].transpose(0, 1))
                 buf[layer, 1].copy_(values[0, :, start:end].transpose(0, 1))
             ops.scatter_pages(buf, pool, new)
-            cached = self.cache.insert(ids[:end], torch.cat([m.pages, new]))
+            table = req.extend(ids, new)
         except BaseException:
-            self.cache.free(new)            # insert changes nothing when it raises
+            self.cache.free(new)            # extend changes nothing when it raises
             raise
-        return end - max(cached, start)
+        return int((table[have:] == new).sum()) * ps    # pages another request cached first were swapped
 
 
 def layer_kv(model_cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
