@@ -1,7 +1,11 @@
 """Hypothesis strategies and state machines, for radixkv's tests and for yours.
 
-    from radixkv.testing import PrefixCacheMachine, TierContract
-    TestMyCache = PrefixCacheMachine.TestCase          # collected by pytest / unittest
+    from radixkv.testing import PrefixCacheMachine, TierContract, settings
+    settings.load_profile()                              # in conftest.py: HYPOTHESIS_PROFILE=ci|dev|...
+    TestMyCache = PrefixCacheMachine.TestCase            # collected by pytest / unittest
+
+    def test_my_tier(tmp_path):                          # a backend against the tier contract
+        TierContract.check(lambda path: MyTier(path, max_bytes=1200), tmp_path=tmp_path, lru=True)
 
 The machines need ``hypothesis`` (the ``test`` extra) and load on first use, so that
 ``radixkv.testing.s3server`` (a local S3 server for tests and benchmarks) does not need it.
@@ -13,18 +17,23 @@ import importlib
 from typing import Any
 
 _NAMES = {
-    "PrefixCacheMachine": "index", "RadixTreeMachine": "index", "TieredPrefixCacheMachine": "index",
-    "token_lists": "index", "token_sequences": "index",
-    "FaultyTier": "tiers", "TierContract": "tiers", "TierFault": "tiers", "blobs": "tiers",
-    "namespace_ids": "tiers", "tier_keys": "tiers",
+    "FaultyPrefixCacheMachine": "index", "PrefixCacheMachine": "index", "RadixTreeMachine": "index",
+    "TieredPrefixCacheMachine": "index", "token_lists": "index", "token_sequences": "index",
+    "Clock": "tiers", "FaultyTier": "tiers", "PersistentTierContract": "tiers", "RecordingTier": "tiers",
+    "TierContract": "tiers", "TierFault": "tiers", "blobs": "tiers", "key_universe": "tiers",
+    "make_blob": "tiers", "namespace_ids": "tiers", "tier_keys": "tiers",
 }
+_MODULES = {"settings"}
 
-__all__ = sorted(_NAMES)
+__all__ = sorted([*_NAMES, *_MODULES])
 
 
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
         value = getattr(importlib.import_module(f"radixkv.testing.{_NAMES[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'radixkv.testing' has no attribute {name!r}")
+    elif name in _MODULES:
+        value = importlib.import_module(f"radixkv.testing.{name}")
+    else:
+        raise AttributeError(f"module 'radixkv.testing' has no attribute {name!r}")
+    globals()[name] = value
+    return value
