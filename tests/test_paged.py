@@ -354,3 +354,80 @@ def test_bad_inputs_are_refused(llama: Any) -> None:
     with pytest.raises(TypeError, match="cache"):
         PagedEngine(llama, object())  # type: ignore[arg-type]
     assert not engine.busy and engine.cache.stats()["pages_engine"] == 0
+
+
+# -- more edges ---------------------------------------------------------------------------------------
+
+def test_a_load_past_its_deadline_is_a_miss_and_the_request_computes_its_prefix(llama: Any) -> None:
+    from radixkv.backends import CpuTier
+
+    tier = gated(CpuTier, max_bytes=1 << 20)
+    with make_cache(llama, tiers=[tier]) as cache:
+        engine = PagedEngine(llama, cache, keep_logits=True, deadline_s=0.2)
+        document = tokens(33, seed=60)
+        engine.add(document, max_new_tokens=2)
+        run(engine)
+        assert cache.flush(30)
+        cache.evict(cache.pool.num_pages)
+        tier.gate.clear()
+        try:
+            late = engine.add(document + tokens(2, seed=61), max_new_tokens=4)
+            engine.step()
+            assert late.state == "loading"
+            run(engine)                      # an idle step waits for the load, at most to its deadline
+        finally:
+            tier.gate.set()
+        assert late.tier_tokens == 0 and late.cached_at_start == [0]
+        assert_exact(llama, late)
+        assert cache.stats()["late_loads"] == 1
+
+
+def test_generation_stops_after_the_eos_token(llama: Any) -> None:
+    engine = PagedEngine(llama, make_cache(llama))
+    prompt = tokens(10, seed=62)
+    free_run = engine.add(prompt, max_new_tokens=6)
+    run(engine)
+    eos = free_run.output[2]
+    stopped = engine.add(prompt, max_new_tokens=6, eos_token_id=eos)
+    run(engine)
+    assert stopped.output == free_run.output[:free_run.output.index(eos) + 1]
+
+
+def test_random_arrivals_aborts_and_a_short_pool(llama: Any) -> None:
+    """Continuous batching under churn: arrivals each step, aborts, a pool of a few requests'
+    pages; after every step ``check()``; at the end every finished answer is exact."""
+    from hypothesis import given, settings, strategies as st
+
+    systems = [tokens(9, seed=70), tokens(14, seed=71)]
+    request = st.tuples(st.integers(0, 2), st.integers(1, 6), st.integers(4, 10), st.integers(0, 4),
+                        st.integers(0, 2**16), st.booleans())
+
+    @settings(max_examples=12, deadline=None, database=None)
+    @given(st.lists(request, min_size=3, max_size=6), st.integers(8, 12), st.integers(2, 4))
+    def churn(requests: list[tuple[int, int, int, int, int, bool]], num_pages: int, max_running: int) -> None:
+        engine = PagedEngine(llama, make_cache(llama, num_pages=num_pages), max_running=max_running,
+                             keep_logits=True)
+        added: list[tuple[EngineRequest, bool]] = []
+        for step in range(200):
+            for system, n, new, arrival, seed, abort in requests:
+                if arrival == step:
+                    prompt = (systems[system] if system < 2 else []) + tokens(n, seed)
+                    added.append((engine.add(prompt, max_new_tokens=new), abort))
+            for r, abort in added:
+                if abort and r.state in ("waiting", "loading", "running") and r.kv_len and step % 2:
+                    engine.abort(r)
+            if not engine.busy and step > 6:
+                break
+            engine.step()
+            engine.check()
+        stats = engine.cache.stats()
+        assert (stats["pages_engine"], stats["live_matches"], stats["locked_tokens"]) == (0, 0, 0)
+        for r, _ in added:
+            assert r.state in ("finished", "aborted")
+            if r.state == "finished":
+                assert_exact(llama, r)
+        preempted.append(sum(r.preemptions for r, _ in added))
+
+    preempted: list[int] = []
+    churn()
+    assert sum(preempted) > 0                                # the short pools did bite
