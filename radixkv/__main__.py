@@ -2,7 +2,7 @@
 
     python -m radixkv demo        # a random-weight model served through the cache: TTFT and hit sources
     python -m radixkv replay      # replay a chat workload through a PrefixCache's index, print what it saved
-    python -m radixkv build-ext   # build the block-copy extension now instead of on first use
+    python -m radixkv build-ext   # build the block-copy extension (an install step: run time only loads it)
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def build_ext(args: argparse.Namespace) -> int:
-    """Build (or load from the build cache) the block-copy extension; print the active backend."""
+    """Build the block-copy extension into its directory (or find it built); print the backend and where."""
     from radixkv import ops
 
-    print(f"radixkv.ops backend: {ops.build(verbose=args.verbose)}")
+    print(f"radixkv.ops backend: {ops.build(verbose=args.verbose, lock_timeout=args.lock_timeout)}")
+    print(f"built in: {ops.extension_dir()}")
     return 0
 
 
@@ -78,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--page-size", type=int, default=16)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=replay)
-    b = sub.add_parser("build-ext", help="build the block-copy extension now (it is otherwise built on first use)")
-    b.add_argument("--verbose", action="store_true")
+    b = sub.add_parser("build-ext", help="build the block-copy extension (run time only loads it; without a build "
+                       "the ops use the torch kernels)")
+    b.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    b.add_argument("--lock-timeout", type=float, default=600.0,
+                   help="seconds to wait for another process's build of the same sources (default 600)")
     b.set_defaults(func=build_ext)
     args = ap.parse_args(argv)
     return int(args.func(args))

@@ -1,56 +1,61 @@
-"""Block copies between the paged KV pool and contiguous chunk buffers.
+"""Block copies between KV blocks (the paged pool, or an engine's own per-layer KV) and chunk buffers.
 
-Every tier hit and every store moves a chunk of KV between the pool, where its pages are scattered,
-and a contiguous chunk buffer (the tiers' layout).  Two ops do it in one call for all layers:
+Every tier hit and every store moves a chunk of KV between blocks scattered in a KV cache and a
+contiguous chunk buffer ``[num_layers, sides, num_tokens, heads, head_dim]`` (the tiers' layout).
+Two pairs of ops do it in one call for all layers:
 
-    gather_pages(pool, page_ids, out)   out[l, s, (k+i)*ps:(k+i+1)*ps] = pool.kv[l, s, page_ids[i]]
-    scatter_pages(src, pool, page_ids)  pool.kv[l, s, page_ids[i]] = src[l, s, (k+i)*ps:(k+i+1)*ps]
+    gather_blocks(layers, ids, out)    out[l, s, (k+i)*bs + t] = layers[l][s, ids[i], t]
+    scatter_blocks(src, layers, ids)   layers[l][s, ids[i], t] = src[l, s, (k+i)*bs + t]
 
-for every layer ``l``, K/V side ``s``, ``i < len(page_ids)``, page size ``ps`` and ``k =
-skip_pages``: the first ``skip_pages`` pages of the buffer are left alone, which is how an
+for every layer ``l``, side ``s`` (K and V, or one for MLA), ``i < len(ids)``, token ``t`` of a
+block of ``bs`` tokens and ``k = skip_blocks``, where each ``layers[l]`` is a 5-D view
+``[sides, num_blocks, block_size, heads, head_dim]`` of an engine's own tensor, with any strides;
+and ``gather_pages`` / ``scatter_pages``, their special case for radixkv's own pool
+(``layers[l] = pool.kv[l]``).  The first ``k`` blocks of the buffer are left alone, which is how an
 unaligned match loads a whole chunk but scatters only the pages past what the tree already holds.
 
 Three implementations give the same bytes:
 
-* ``"cpp"``: a C++ kernel (``cuda_ext/block_copy.cpp``), one parallel loop over all (layer, K/V,
-  page) rows, a ``memcpy`` each.  Built on first use with ``torch.utils.cpp_extension.load`` and
-  cached by torch (in ``$RADIXKV_BUILD_DIR`` when set, else torch's extension directory).
-* ``"cuda+cpp"``: the same plus a CUDA kernel (``cuda_ext/block_copy_cuda.cu``), built where torch
-  has CUDA and ``nvcc`` is found.  A buffer in pinned host memory is read or written by the kernel
-  directly, with no staging copy on the GPU; the copy is asynchronous on the current stream.
-* ``"torch"``: ``index_select`` on byte views for a gather, one ``copy_`` per page for a scatter:
-  the reference, and the fallback where there is no compiler (or for a device the extension does
-  not cover, such as a GPU pool when only the C++ part could be built).
+* ``"cpp"``: a C++ kernel (``cuda_ext/block_copy.cpp``), one parallel loop over all (layer, side,
+  block) rows: a ``memcpy`` each for a contiguous block, one per contiguous run of a strided one.
+* ``"cuda+cpp"``: the same plus a CUDA kernel (``cuda_ext/block_copy_cuda.cu``), one thread block
+  per row.  A buffer in pinned host memory is read or written by the kernel directly, with no
+  staging copy on the GPU; the copy is asynchronous on the current stream.
+* ``"torch"``: ``index_select`` on integer views for a gather, ``copy_`` / ``index_copy_`` for a
+  scatter: the reference, and the fallback where the extension is not built (or for a device it
+  does not cover, such as GPU layers when only the C++ part was built).
 
-``RADIXKV_EXT`` chooses: ``auto`` (default: build, and fall back to torch with one warning if the
-build fails), ``off`` (always torch), ``require`` (a failed build raises).  ``backend()`` says which
-implementation is active; ``build()`` (``python -m radixkv build-ext``) builds ahead of time.
+The extension is built ahead of time, never on a request's path: ``python -m radixkv build-ext``
+(or ``build()``) compiles it into a directory keyed by the torch version and a hash of the sources
+(``extension_dir()``: under ``$RADIXKV_EXT_DIR``, else ``~/.cache/radixkv/ext``); at run time it is
+only loaded.  ``RADIXKV_EXT`` chooses: ``auto`` (default: load the build, and use the torch kernels
+with one warning when there is none, it is being built, or it does not load), ``off`` (always
+torch), ``require`` (no loadable build is an error).  ``backend()`` says which is active.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import threading
 import warnings
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from radixkv import _ext
 from radixkv.pool import KVPool, as_page_ids, has_duplicates
 
-__all__ = ["backend", "build", "gather_blocks", "gather_pages", "scatter_blocks", "scatter_pages"]
+__all__ = ["backend", "build", "extension_dir", "gather_blocks", "gather_pages", "scatter_blocks",
+           "scatter_pages"]
 
 ENV_MODE = "RADIXKV_EXT"
-ENV_BUILD_DIR = "RADIXKV_BUILD_DIR"
 _MODES = ("auto", "off", "require")
 
 _lock = threading.Lock()
-# Outcome of the one build attempt of this process: a backend name, or the exception it raised.
+# Outcome of this process's one attempt to load the extension: a backend name, or why it failed.
 _outcome: str | BaseException | None = None
 
 
@@ -204,35 +209,43 @@ def _ids_tensor(ids: np.ndarray) -> torch.Tensor:
 def backend() -> str:
     """The active implementation: ``"cuda+cpp"``, ``"cpp"`` or ``"torch"``.
 
-    The first call under ``RADIXKV_EXT=auto`` or ``require`` builds the extension (seconds; cached
-    on disk by torch, so later processes only load it); later calls are O(1).  Under ``require``
-    a failed build raises ``RuntimeError``; under ``auto`` it warns once and gives ``"torch"``.
+    The first call under ``RADIXKV_EXT=auto`` or ``require`` loads the built extension (a
+    ``dlopen``; it never builds nor waits on a build); later calls are O(1).  With no loadable
+    build, ``require`` raises ``RuntimeError`` saying why and how to build, and ``auto`` warns once
+    and gives ``"torch"``.
     """
     mode = _mode()
     if mode == "off":
         return "torch"
-    outcome = _build_once(verbose=False, retry=False)
+    outcome = _load_once()
     if isinstance(outcome, str):
         return outcome
     if mode == "require":
-        raise RuntimeError(f"radixkv.ops: building the C++ extension failed and {ENV_MODE}=require: "
-                           f"{_first_line(outcome)}") from outcome
+        raise RuntimeError(f"radixkv.ops: {ENV_MODE}=require, but {outcome}") from outcome
     return "torch"
 
 
-def build(verbose: bool = False) -> str:
-    """Build (or load the cached build of) the extension now, and return ``backend()``.
+def build(verbose: bool = False, lock_timeout: float = 600.0) -> str:
+    """Build the extension into ``extension_dir()`` (unless built already), load it, return ``backend()``.
 
-    Unlike first use under ``auto``, a failure raises ``RuntimeError`` (with the compiler's output
-    when ``verbose``), and an earlier failure is retried.  Under ``RADIXKV_EXT=off`` it still builds,
-    so that the cache is warm, but ``backend()`` stays ``"torch"``.  Cost: a compile (~5 s for the
-    C++ part, more with CUDA) the first time for a given torch and source, a load after that.
+    For install steps and tools, not a request's path.  A failed compile raises ``RuntimeError``
+    (with the compiler's output when ``verbose``); a build held by another live process longer than
+    ``lock_timeout`` seconds raises ``TimeoutError``.  Under ``RADIXKV_EXT=off`` it still builds, but
+    ``backend()`` stays ``"torch"``; under ``require`` a failed CUDA part is an error too.
+    Cost: a compile (~10-20 s for the C++ part, more with CUDA) once per torch version and source,
+    a load after that.
     """
-    outcome = _build_once(verbose=verbose, retry=True)
-    if not isinstance(outcome, str):
-        raise RuntimeError(f"radixkv.ops: building the C++ extension failed: {_first_line(outcome)}") \
-            from outcome
+    global _outcome
+    outcome = _ext.build(verbose=verbose, lock_timeout=lock_timeout, require_cuda=_mode() == "require")
+    with _lock:
+        _outcome = outcome
     return backend()
+
+
+def extension_dir() -> Path:
+    """The directory the extension is built into and loaded from, for this torch and these sources.
+    O(size of the sources): they are hashed."""
+    return _ext.ext_dir()
 
 
 def _mode() -> str:
@@ -242,75 +255,24 @@ def _mode() -> str:
     return mode
 
 
-def _build_once(verbose: bool, retry: bool) -> str | BaseException:
+def _load_once() -> str | BaseException:
     global _outcome
     with _lock:
-        if _outcome is None or (retry and not isinstance(_outcome, str)):
+        if _outcome is None:
             try:
-                _outcome = _load_extension(verbose)
-            except Exception as exc:  # a missing compiler, nvcc or ninja: all mean "no extension"
+                _outcome = _ext.load()
+            except _ext.BuildMissing as exc:
                 _outcome = exc
-                if _mode() == "auto" and not retry:
-                    warnings.warn(f"radixkv.ops: could not build the C++ extension "
-                                  f"({_first_line(exc)}); using the slower torch fallback. "
-                                  f"Set {ENV_MODE}=off to silence this, or run "
-                                  f"`python -m radixkv build-ext` to see the compiler's output.",
-                                  RuntimeWarning, stacklevel=4)
+                if _mode() == "auto":
+                    warnings.warn(f"radixkv.ops: {exc} Using the slower torch kernels meanwhile; set "
+                                  f"{ENV_MODE}=off to silence this.", RuntimeWarning, stacklevel=5)
         return _outcome
-
-
-def _load_extension(verbose: bool) -> str:
-    """Compile (or load from torch's cache) the extension; return the backend it provides."""
-    from torch.utils import cpp_extension
-
-    src = _sources_dir()
-    cpp = [str(src / "block_copy.cpp")]
-    cu = sorted(str(p) for p in src.glob("*.cu"))
-    build_dir = os.environ.get(ENV_BUILD_DIR) or None
-    if build_dir:
-        os.makedirs(build_dir, exist_ok=True)
-    # ATen's parallel_for is an OpenMP pragma in a header: without -fopenmp it runs on one thread.
-    cflags = ["-O3"] + (["-fopenmp"] if sys.platform.startswith("linux") else [])
-
-    def load(name: str, sources: list[str]) -> None:
-        cpp_extension.load(name=name, sources=sources, extra_cflags=cflags, extra_cuda_cflags=["-O3"],
-                           extra_include_paths=[str(src)], build_directory=build_dir, verbose=verbose,
-                           is_python_module=False)
-
-    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and cu:
-        try:
-            load("radixkv_block_copy_cuda", cpp + cu)
-            return "cuda+cpp"
-        except Exception as exc:
-            if _mode() == "require":
-                raise
-            warnings.warn(f"radixkv.ops: could not build the CUDA kernel ({_first_line(exc)}); GPU pools "
-                          "use the torch fallback, CPU pools the C++ kernel", RuntimeWarning, stacklevel=2)
-    load("radixkv_block_copy", cpp)
-    return "cpp"
-
-
-def _sources_dir() -> Path:
-    """``cuda_ext/``: the installed package ``radixkv.cuda_ext``, or the source tree's folder."""
-    spec = importlib.util.find_spec("radixkv.cuda_ext")
-    if spec is not None and spec.submodule_search_locations:
-        path = Path(next(iter(spec.submodule_search_locations)))
-    else:
-        path = Path(__file__).resolve().parent.parent / "cuda_ext"
-    if not (path / "block_copy.cpp").is_file():
-        raise FileNotFoundError(f"the extension's sources are not in {path}")
-    return path
 
 
 def _use_extension(device: torch.device) -> bool:
     if device.type == "cpu":
         return backend() != "torch"
     return device.type == "cuda" and backend() == "cuda+cpp"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # ------------------------------------------------------------------------- argument checks

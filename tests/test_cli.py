@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run(*args):
@@ -49,6 +50,8 @@ def test_demo_end_to_end_with_restart_and_cross_instance():
     assert sources == ["-", "pool", "pool", "cpu", "lmdb", "pool", "-", "s3"], out
 
 
-def test_build_ext_reports_the_backend():
-    out = run("radixkv", "build-ext")
-    assert out.startswith("radixkv.ops backend: ") and out.split(": ")[1].strip() in ("cpp", "cuda+cpp", "torch")
+def test_build_ext_reports_the_backend_and_its_directory():
+    out = run("radixkv", "build-ext").splitlines()
+    assert out[0].startswith("radixkv.ops backend: ") and out[0].split(": ")[1] in ("cpp", "cuda+cpp")
+    where = Path(out[1].removeprefix("built in: "))
+    assert (where / "manifest.json").is_file()

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from radixkv import ops
+from radixkv import _ext
 
-CUDA_SOURCES = sorted(ops._sources_dir().glob("*.cu"))
+CUDA_SOURCES = sorted(_ext.sources_dir().glob("*.cu"))
 
 
 def find_nvcc() -> str | None:

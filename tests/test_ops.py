@@ -22,7 +22,7 @@ HAVE_CXX = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 
 @pytest.fixture(scope="module")
 def cpp() -> None:
-    """The C++ extension, built (or loaded from torch's cache) once for this module."""
+    """The C++ extension, built into its directory (or found built there) once for this module."""
     if not HAVE_CXX:
         pytest.skip("no C++ compiler on PATH: only the torch fallback can run here")
     assert ops.build() in ("cpp", "cuda+cpp")
@@ -248,32 +248,35 @@ def test_backend_rejects_an_unknown_mode(monkeypatch: pytest.MonkeyPatch) -> Non
         ops.backend()
 
 
-def _failing_build(verbose: bool) -> str:
-    raise OSError("no compiler here\nmore compiler output")
+def _no_build() -> str:
+    raise ops._ext.BuildMissing("the block-copy extension is not built (no build in /nowhere)")
 
 
-def test_failed_build_warns_once_under_auto_and_raises_under_require(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_build_warns_once_under_auto_and_raises_under_require(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "_outcome", None)
-    monkeypatch.setattr(ops, "_load_extension", _failing_build)
+    monkeypatch.setattr(ops._ext, "load", _no_build)
     monkeypatch.setenv(ops.ENV_MODE, "auto")
-    with pytest.warns(RuntimeWarning, match="no compiler here"):
+    with pytest.warns(RuntimeWarning, match="not built .* torch kernels"):
         assert ops.backend() == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ops.backend() == "torch"  # the outcome is kept: no second build, no second warning
+        assert ops.backend() == "torch"  # the outcome is kept: no second look, no second warning
         out = ops.gather_pages(torch.ones(1, 2, 2, 1, 1, 1), [1], torch.zeros(1, 2, 1, 1, 1))
         assert out.sum() == 2
     monkeypatch.setenv(ops.ENV_MODE, "require")
-    with pytest.raises(RuntimeError, match="RADIXKV_EXT=require: OSError: no compiler here"):
+    with pytest.raises(RuntimeError, match="RADIXKV_EXT=require, but the block-copy extension is not built"):
         ops.backend()
-    with pytest.raises(RuntimeError, match="no compiler here"):
-        ops.build()
+
+
+def test_cpp_kernels_are_loaded_from_the_keyed_directory(cpp: None) -> None:
+    assert (ops.extension_dir() / ops._ext.MANIFEST).is_file()
+    assert ops.extension_dir().name == ops._ext.build_key()
 
 
 def test_sources_are_all_shipped_as_package_data() -> None:
     # setup.cfg ships radixkv.cuda_ext's *.cpp, *.cu, *.h, *.cuh: a source of another kind would be
     # missing from a wheel, and the build from an installed package would fail.
-    src = ops._sources_dir()
+    src = ops._ext.sources_dir()
     assert (src / "block_copy.cpp").is_file()
     shipped = {".cpp", ".cu", ".h", ".cuh"}
     assert all(p.suffix in shipped or p.name == "__init__.py" for p in src.iterdir() if p.is_file()), \

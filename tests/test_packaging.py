@@ -1,5 +1,6 @@
 """The built wheel carries everything: backends, the extension's sources, py.typed, the integrations;
-and the extension builds and runs from the installed copy, not only from the source tree."""
+and the extension builds from the installed copy into its keyed directory, then a later process
+with no compiler at all only loads it."""
 
 import subprocess
 import sys
@@ -8,13 +9,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SCRIPT = """
-import torch, radixkv, radixkv.ops as ops
+BUILD = """
+import radixkv, radixkv.ops as ops
 assert radixkv.__file__.startswith(sys.argv[1]), radixkv.__file__
 print(ops.build())
+"""
+
+# Under RADIXKV_EXT=require, with no compiler on PATH: the C++ kernel runs only if it was loaded.
+USE = """
+import torch, radixkv, radixkv.ops as ops
+assert radixkv.__file__.startswith(sys.argv[1]), radixkv.__file__
 kv = torch.arange(2 * 2 * 4 * 2 * 1 * 3, dtype=torch.float16).reshape(2, 2, 4, 2, 1, 3)
 out = ops.gather_pages(kv, [3, 1])
 assert torch.equal(out, torch.cat([kv[:, :, 3], kv[:, :, 1]], dim=2))
+blocks = ops.gather_blocks([kv[l].transpose(2, 3) for l in range(2)], [2], torch.empty(2, 2, 1, 2, 3, dtype=kv.dtype))
+assert torch.equal(blocks[:, :, 0], kv[:, :, 2, :, 0])  # heads and block_size swapped
+print(ops.backend(), ops.extension_dir())
 """
 
 
@@ -31,9 +41,18 @@ def test_wheel_contents_and_extension_from_the_installed_copy(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=600)
-    env = {"PYTHONPATH": str(target), "RADIXKV_EXT": "require", "RADIXKV_BUILD_DIR": str(tmp_path / "build"),
+    env = {"PYTHONPATH": str(target), "RADIXKV_EXT": "require", "RADIXKV_EXT_DIR": str(tmp_path / "ext"),
            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", "import sys\n" + SCRIPT, str(target)], env=env,
+    out = subprocess.run([sys.executable, "-c", "import sys\n" + BUILD, str(target)], env=env,
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] in ("cpp", "cuda+cpp")
+    backend = out.stdout.strip().splitlines()[-1]
+    assert backend in ("cpp", "cuda+cpp")
+    built = sorted(p.name for p in (tmp_path / "ext").iterdir())
+    assert len(built) == 1 and (tmp_path / "ext" / built[0] / "manifest.json").is_file(), built
+
+    no_compiler = {**env, "PATH": str(tmp_path / "empty"), "CXX": "/bin/false"}
+    out = subprocess.run([sys.executable, "-c", "import sys\n" + USE, str(target)], env=no_compiler,
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [backend, str(tmp_path / "ext" / built[0])]

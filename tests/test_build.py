@@ -1,0 +1,181 @@
+"""The block-copy extension is built ahead of time and only loaded at run time.
+
+A missing build, a build in progress or a stale lock left by a killed build mean the torch kernels
+with one warning, promptly (each case in a fresh process, under a timeout); ``require`` makes a
+missing build a clear error; the build directory is keyed by torch and a hash of the sources and
+flags; the build lock is bounded and a dead builder's lock is taken over.  The build-and-load round
+trip from an installed copy is in tests/test_packaging.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from radixkv import _ext
+
+RUN_TIMEOUT = 120  # seconds for one fresh process: importing torch is most of it
+
+
+def run_python(script: str, ext_dir: Path, mode: str = "auto") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RADIXKV_EXT_DIR": str(ext_dir), "RADIXKV_EXT": mode}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT)
+
+
+# Copies through the ops and through a cache with a tier (a store and a load), recording warnings.
+USE_THE_OPS = """
+import time, warnings
+warnings.simplefilter("always")
+import torch
+import radixkv as rk
+from radixkv import ops
+with warnings.catch_warnings(record=True) as caught:
+    t0 = time.monotonic()
+    kv = torch.arange(2 * 2 * 4 * 2 * 1 * 3, dtype=torch.float32).reshape(2, 2, 4, 2, 1, 3)
+    out = ops.gather_pages(kv, [3, 1])
+    assert torch.equal(out, torch.cat([kv[:, :, 3], kv[:, :, 1]], dim=2))
+    layers = [kv[l].transpose(2, 3) for l in range(2)]  # [2, 4, 1, 2, 3]: strided views
+    ops.gather_blocks(layers, [2], torch.empty(2, 2, 1, 2, 3))
+    layout = rk.KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=2)
+    cache = rk.PrefixCache(layout, num_pages=8, tiers=[rk.backends.CpuTier(max_bytes=1 << 20)], chunk_size=4)
+    tokens = list(range(9))
+    m = cache.match(tokens)
+    cache.insert(tokens, torch.cat([m.pages, cache.alloc(4 - len(m.pages))]))
+    cache.release(m)
+    cache.flush()
+    cache.evict(8)
+    cache.release(cache.match(tokens))
+    cache.close()
+    seconds = time.monotonic() - t0
+ours = [str(w.message) for w in caught if "radixkv.ops" in str(w.message)]
+print(ops.backend(), f"{seconds:.2f}", len(ours))
+for message in ours:
+    print(message)
+"""
+
+
+def parse(out: subprocess.CompletedProcess[str]) -> tuple[str, float, list[str]]:
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, *messages = out.stdout.strip().splitlines()
+    backend, seconds, count = first.split()
+    assert int(count) == len(messages)
+    return backend, float(seconds), messages
+
+
+def test_a_missing_build_means_the_torch_kernels_and_one_warning(tmp_path: Path) -> None:
+    backend, _, messages = parse(run_python(USE_THE_OPS, tmp_path / "ext"))
+    assert backend == "torch"
+    assert len(messages) == 1, messages
+    assert "not built" in messages[0] and "python -m radixkv build-ext" in messages[0]
+    assert not (tmp_path / "ext").exists()  # nothing was built, not even a directory made
+
+
+def test_stale_locks_do_not_make_a_request_wait(tmp_path: Path) -> None:
+    """A build killed while compiling leaves its lock (and torch's own) behind: no call waits on them."""
+    root = tmp_path / "ext"
+    key_dir = root / _ext.build_key()
+    (key_dir / "build-killed").mkdir(parents=True)
+    (key_dir / "build-killed" / "lock").touch()        # torch's FileBaton of the killed compile
+    (key_dir / "lock").touch()                         # and one where torch would put it by default
+    # Our lock, held by a process that is alive (pid 1) on this host: a build that never finishes.
+    _ext._lock_path(key_dir).write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "time": time.time()}))
+    t0 = time.monotonic()
+    backend, seconds, messages = parse(run_python(USE_THE_OPS, root))
+    assert backend == "torch"
+    assert len(messages) == 1 and "a build holds" in messages[0], messages
+    assert seconds < 60 and time.monotonic() - t0 < RUN_TIMEOUT  # generous: the copies wait on nothing
+
+    # An explicit build waits for that lock only as long as it is told to, then says which file it is.
+    script = ("from radixkv import ops\ntry:\n    ops.build(lock_timeout=0.5)\nexcept TimeoutError as exc:\n"
+              "    print('locked:', exc)\n")
+    out = run_python(script, root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("locked:") and str(_ext._lock_path(key_dir)) in out.stdout
+
+
+def test_require_makes_a_missing_build_a_clear_error(tmp_path: Path) -> None:
+    script = ("import torch\nfrom radixkv import ops\ntry:\n    ops.gather_pages(torch.zeros(1, 2, 2, 1, 1, 1), [0])\n"
+              "except RuntimeError as exc:\n    print(exc)\n")
+    out = run_python(script, tmp_path / "ext", mode="require")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RADIXKV_EXT=require" in out.stdout and "not built" in out.stdout
+    assert "python -m radixkv build-ext" in out.stdout
+
+
+def test_an_unloadable_build_is_a_miss_not_a_crash(tmp_path: Path) -> None:
+    key_dir = tmp_path / "ext" / _ext.build_key()
+    key_dir.mkdir(parents=True)
+    (key_dir / "radixkv_block_copy.so").write_bytes(b"not a shared library")
+    (key_dir / _ext.MANIFEST).write_text(json.dumps({"backend": "cpp", "library": "radixkv_block_copy.so"}))
+    backend, _, messages = parse(run_python(USE_THE_OPS, tmp_path / "ext"))
+    assert backend == "torch" and len(messages) == 1 and "does not load" in messages[0], messages
+
+
+def test_the_directory_is_keyed_by_torch_sources_and_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    src = tmp_path / "src"
+    shutil.copytree(_ext.sources_dir(), src)
+    key = _ext.build_key(src)
+    assert key == _ext.build_key(_ext.sources_dir())      # the same sources anywhere: the same build
+    assert key.startswith(torch.__version__.replace("+", "_") + "-")
+    (src / "block_copy.h").write_text((src / "block_copy.h").read_text() + "\n// changed\n")
+    changed = _ext.build_key(src)
+    assert changed != key
+    monkeypatch.setattr(_ext, "CFLAGS", ("-O2",))
+    assert _ext.build_key(src) not in (key, changed)
+
+    monkeypatch.setenv(_ext.ENV_DIR, str(tmp_path / "mine"))
+    assert _ext.ext_dir(src) == tmp_path / "mine" / _ext.build_key(src)
+    monkeypatch.delenv(_ext.ENV_DIR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert _ext.ext_dir(src).parent == tmp_path / "cache" / "radixkv" / "ext"
+
+
+def test_the_build_lock_is_bounded_and_a_dead_builders_lock_is_taken_over(tmp_path: Path) -> None:
+    lock = tmp_path / "k.lock"
+    with _ext._BuildLock(lock, timeout=5):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        t0 = time.monotonic()
+        with pytest.raises(_ext.BuildLocked, match="remove that file"):
+            with _ext._BuildLock(lock, timeout=0.3):
+                pass
+        assert time.monotonic() - t0 < 5
+    assert not lock.exists()
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "time": time.time()}))
+    with _ext._BuildLock(lock, timeout=0.3):  # taken over at once, no wait
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+
+    lock.write_text("")  # half-written by a builder killed long ago
+    old = time.time() - 2 * _ext.UNREADABLE_LOCK_S
+    os.utime(lock, (old, old))
+    with _ext._BuildLock(lock, timeout=0.3):
+        pass
+
+
+def test_a_failed_build_raises_and_is_reported_by_later_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(_ext.sources_dir(), src)
+    (src / "block_copy.cpp").write_text("#include \"deliberately_missing.h\"\n" + (src / "block_copy.cpp").read_text())
+    monkeypatch.setattr(_ext, "sources_dir", lambda: src)
+    monkeypatch.setattr(_ext, "_loaded", None)
+    monkeypatch.setenv(_ext.ENV_DIR, str(tmp_path / "ext"))
+    with pytest.raises(RuntimeError, match="building the C\\+\\+ extension failed"):
+        _ext.build()
+    where = _ext.ext_dir()
+    assert (where / "failed.txt").is_file() and not (where / _ext.MANIFEST).exists()
+    assert not _ext._lock_path(where).exists() and not list(where.glob("build-*"))
+    with pytest.raises(_ext.BuildMissing, match="the last build failed"):
+        _ext.load()
