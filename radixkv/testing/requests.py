@@ -219,6 +219,21 @@ class RequestMachine(RuleBasedStateMachine):
         if live.prefilled:
             self.seen.append(list(live.tokens))
 
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=10))
+    def one_call(self, tokens: list[int]) -> None:
+        """A request through the one-call path (``match``, ``insert``, ``release``) in between."""
+        self.gated.gate.set()
+        m = self.cache.match(tokens)
+        try:
+            new = self.cache.alloc(-(-len(tokens) // self.ps) - len(m.pages))
+        except PoolExhausted:
+            self.cache.release(m)
+            return
+        self._fill(tokens, m.num_tokens, new.tolist())
+        self.cache.insert(tokens, torch.cat([m.pages, new]))
+        self.cache.release(m)
+        self.seen.append(tokens)
+
     @rule(num_pages=st.integers(1, 8))
     def pressure(self, num_pages: int) -> None:
         """Another request wants pages: evict what may be evicted, then give them back."""
