@@ -3,9 +3,10 @@
 An exception is injected at each step of ``PrefixCachedLM.prefill`` (the open, the gather of the
 cached prefix, the model's forward through a raising forward hook, the alloc, the copy out of the
 model's cache object, the scatter into the pool, the extend), of ``generate`` (a decode step, the
-caching of a page it filled) and of ``cache_sequence``.  After each: ``cache.check()`` holds, no page is engine-held or locked, and
-the page counts are those before the call (or, for ``generate``, those a plain ``prefill`` of the
-prompt leaves: what happened before the failure stays cached).  Then the same call succeeds with
+caching of a page it filled) and of ``cache_sequence``.  After each: ``cache.check()`` holds, no
+page is engine-held or locked, and the page counts are those before the call (or, for
+``generate``, those a plain ``prefill`` of the prompt leaves: what happened before the failure
+stays cached).  Then the same call succeeds with
 exact logits, so nothing the failure left behind is wrong either.
 """
 

@@ -74,7 +74,7 @@ import torch
 from radixkv._checks import check_int
 from radixkv.cache import PoolExhausted, PrefixCache
 from radixkv.hashing import as_token_bytes
-from radixkv.integrations.transformers import check_full_attention, layout_for
+from radixkv.integrations.transformers import check_full_attention, check_layout
 from radixkv.pool import KVPool
 from radixkv.request import LOAD_MODES, Request
 
@@ -120,16 +120,12 @@ class PagedLlama:
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model: PagedLlama runs {', '.join(MODEL_TYPES)} models, got {model_type!r}")
         check_full_attention(model)
-        want, got = layout_for(model, pool.layout.page_size), pool.layout
-        if (got.num_layers, got.num_kv_heads, got.head_dim) != (want.num_layers, want.num_kv_heads, want.head_dim):
-            raise ValueError(f"pool: its layout holds {got.num_layers} layers x {got.num_kv_heads} KV heads x "
-                             f"{got.head_dim}, the model's KV is {want.num_layers} x {want.num_kv_heads} x "
-                             f"{want.head_dim} (build it with layout_for(model))")
+        check_layout(model, pool.layout, "pool")
         self.model = model
         self.pool = pool
         self.inner = model.model
         self.page_size = pool.layout.page_size
-        self.num_kv_heads, self.head_dim = want.num_kv_heads, want.head_dim
+        self.num_kv_heads, self.head_dim = pool.layout.num_kv_heads, pool.layout.head_dim
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
 

@@ -58,8 +58,8 @@ from radixkv.hashing import Namespace, as_token_bytes
 from radixkv.pool import KVLayout
 from radixkv.request import Request
 
-__all__ = ["FAMILIES", "PrefixCachedLM", "Result", "check_full_attention", "layer_kv", "layout_for",
-           "namespace_for", "random_model", "weights_fingerprint"]
+__all__ = ["FAMILIES", "PrefixCachedLM", "Result", "check_full_attention", "check_layout", "layer_kv",
+           "layout_for", "namespace_for", "random_model", "weights_fingerprint"]
 
 #: Architectures ``random_model`` builds: two grouped-query families and one multi-head one.
 FAMILIES = ("llama", "qwen2", "gpt_neox")
@@ -181,6 +181,17 @@ def weights_fingerprint(model: Any) -> str:
     return digest.hexdigest()
 
 
+def check_layout(model: Any, layout: KVLayout, name: str) -> None:
+    """Raise ``ValueError`` (naming the argument ``name``) unless ``layout`` holds ``model``'s KV:
+    the same layers, KV heads and head size (``layout_for``; dtype and page size are free).  O(1)."""
+    want = layout_for(model, layout.page_size)
+    if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (want.num_layers, want.num_kv_heads,
+                                                                     want.head_dim):
+        raise ValueError(f"{name}: its layout holds {layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
+                         f"{layout.head_dim}, the model's KV is {want.num_layers} x {want.num_kv_heads} x "
+                         f"{want.head_dim} (build it with layout_for(model))")
+
+
 def check_full_attention(model: Any) -> None:
     """Raise ``ValueError`` unless every layer of ``model`` attends to every earlier token.
 
@@ -249,12 +260,7 @@ class PrefixCachedLM:
     def __init__(self, model: Any, cache: PrefixCache) -> None:
         if not isinstance(cache, PrefixCache):
             raise TypeError(f"cache must be a PrefixCache, got {type(cache).__name__}")
-        want = layout_for(model, cache.page_size)
-        got = cache.layout
-        if (got.num_layers, got.num_kv_heads, got.head_dim) != (want.num_layers, want.num_kv_heads, want.head_dim):
-            raise ValueError(f"cache: its layout holds {got.num_layers} layers x {got.num_kv_heads} KV heads x "
-                             f"{got.head_dim}, the model's KV is {want.num_layers} x {want.num_kv_heads} x "
-                             f"{want.head_dim} (build it with layout_for(model))")
+        check_layout(model, cache.layout, "cache")
         self.model = model
         self.cache = cache
         self.config = model.config
