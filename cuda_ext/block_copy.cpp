@@ -209,15 +209,20 @@ void copy_rows_cpu(const BlockPlan& p, char* buf, const int64_t* ids, bool to_bu
       const LayerGeom* g = nullptr;
       char* block = block_of(p, ids, r, &g);
       char* row = buf + (r / p.num_ids) * p.buf_ls_stride + p.buf_offset + (r % p.num_ids) * p.row_bytes;
+      const int64_t n0 = p.row_bytes / g->run_bytes / (g->n1 * g->n2);
+      if (r + 1 < end) {
+        // The next block, where its bytes are close together (a contiguous or a permuted block).
+        const LayerGeom* next = nullptr;
+        const char* next_block = block_of(p, ids, r + 1, &next);
+        const int64_t next_n0 = p.row_bytes / next->run_bytes / (next->n1 * next->n2);
+        const int64_t span = (next_n0 - 1) * next->s0 + (next->n1 - 1) * next->s1 + (next->n2 - 1) * next->s2 +
+                             next->run_bytes;
+        if (span <= 2 * p.row_bytes) prefetch_row(next_block, span, /*for_write=*/!to_buf);
+      }
       if (g->run_bytes == p.row_bytes) {  // a contiguous block: one memcpy
-        if (r + 1 < end) {
-          const LayerGeom* next = nullptr;
-          prefetch_row(block_of(p, ids, r + 1, &next), p.row_bytes, /*for_write=*/!to_buf);
-        }
         std::memcpy(to_buf ? row : block, to_buf ? block : row, p.row_bytes);
         continue;
       }
-      const int64_t n0 = p.row_bytes / g->run_bytes / (g->n1 * g->n2);
       for (int64_t a = 0; a < n0; ++a) {
         for (int64_t b = 0; b < g->n1; ++b) {
           for (int64_t c = 0; c < g->n2; ++c, row += g->run_bytes) {

@@ -1,4 +1,5 @@
-"""Block-copy bandwidth: ``gather_pages`` / ``scatter_pages`` beside memcpy and torch idioms.
+"""Block-copy bandwidth: ``gather_pages`` / ``scatter_pages`` and ``gather_blocks`` / ``scatter_blocks``
+beside memcpy and torch idioms.
 
 Command that produced ``benchmarks/results/copy_cpu.txt``::
 
@@ -16,6 +17,11 @@ on the same threads:
 * ``index_select`` per layer, advanced indexing ``pool[:, :, ids]``, and a Python loop of
   per-page copies (one ``copy_`` per layer, K/V side and page: what an engine without a block-copy
   kernel writes).
+* ``gather_blocks`` / ``scatter_blocks`` on an engine's own per-layer tensors, in the same memory
+  as the pool: vLLM's FlashAttention layout ``[2, num_blocks, block_size, H, D]`` per layer
+  (contiguous blocks), and the non-contiguous ``[2, num_blocks, H, block_size, D]`` per layer
+  (a block is ``block_size * H`` runs of ``D`` elements in the buffer's token order), each beside
+  the torch fallback on the same layout.
 
 Variants are timed in interleaved rounds, in a new random order each round; a timing is a burst
 of calls in a row (each on fresh pages and offsets) after a read of a buffer four times the size
@@ -23,7 +29,8 @@ of the last-level cache, which lets the previous variant's writes drain and leav
 the same caches.  The ratios are medians of per-round ratios.  The machine must be otherwise idle:
 a busy core stalls every parallel variant alike, and the ratios drift towards 1.
 
-Targets on CPU: gather and scatter at >= 80% of the limit and >= 3x the per-page loop.  On a GPU
+Targets on CPU: gather and scatter at >= 80% of the limit and >= 3x the per-page loop; the block
+ops on the non-contiguous layout at least as fast as the torch fallback on it.  On a GPU
 (``--device cuda``): >= 80% of a ``cudaMemcpy`` (``copy_``) of the same bytes, device to device,
 and for the pinned-host path device to host and back.
 """
@@ -47,6 +54,7 @@ from radixkv.bench import Report
 
 TARGET_OF_LIMIT = 0.80
 TARGET_OVER_LOOP = 3.0
+TARGET_OVER_FALLBACK = 1.0  # the block ops against the torch fallback on the same layout
 FLUSH_BYTES = 128 << 20  # read between timings: four times the last-level cache of the machine here
 T = TypeVar("T")
 
@@ -155,10 +163,13 @@ def _header(kv: torch.Tensor, buf: torch.Tensor, args: argparse.Namespace) -> li
             f"medians of {args.repeat} interleaved rounds of {args.burst} calls", ""]
 
 
-def _report(times: dict[str, list[float]], nbytes: int, checks: list[tuple[str, float, float]]) -> list[str]:
-    lines = [f"{name:<40} {nbytes / statistics.median(t) / 1e9:7.2f} GB/s" for name, t in times.items()]
+def _report(times: dict[str, list[float]], nbytes: int, checks: list[tuple[str, float, float | None]]) -> list[str]:
+    """Bandwidth of every variant, then the ratios; a ratio without a target is shown for information."""
+    width = max(40, *(len(name) + 1 for name in times), *(len(c[0]) + 1 for c in checks))
+    lines = [f"{name:<{width}} {nbytes / statistics.median(t) / 1e9:7.2f} GB/s" for name, t in times.items()]
     lines += ["", "ratios: medians of per-round ratios"]
-    return lines + [f"{name:<40} {ratio:7.2f}  (target >= {target:.2f})  {'PASS' if ratio >= target else 'FAIL'}"
+    return lines + [f"{name:<{width}} {ratio:7.2f}" + ("" if target is None else
+                    f"  (target >= {target:.2f})  {'PASS' if ratio >= target else 'FAIL'}")
                     for name, ratio, target in checks]
 
 
@@ -210,6 +221,8 @@ def _run_cpu(args: argparse.Namespace) -> list[str]:
 
     gather = f"gather_pages ({ops.backend()})"
     scatter = f"scatter_pages ({ops.backend()})"
+    block_variants = [*_block_variants("[2,nb,bs,H,D]", list(kv.unbind(0)), buf, next_ids),
+                      *_block_variants("[2,nb,H,bs,D]", _vllm_strided(kv), buf, next_ids)]
     variants = [
         Variant("memcpy hot (same buffers again)", lambda: hot_dst.copy_(hot_src), hot=True),
         Variant("memcpy cold read, ATen copy_", lambda: flat_buf.copy_(next_span())),
@@ -226,6 +239,7 @@ def _run_cpu(args: argparse.Namespace) -> list[str]:
         Variant("pool[:, :, ids] = ... (scatter)", fancy_scatter),
         Variant("per-page copy_ loop, gather", loop_gather),
         Variant("per-page copy_ loop, scatter", loop_scatter),
+        *block_variants,
     ]
     times = _interleaved(variants, args.repeat, args.burst, flush=flush_buf.sum, sync=lambda: None)
     threads.shutdown()
@@ -236,7 +250,37 @@ def _run_cpu(args: argparse.Namespace) -> list[str]:
                                                "memcpy cold write, libc memmove"), TARGET_OF_LIMIT),
         ("gather / per-page loop", _ratio(times, gather, "per-page copy_ loop, gather"), TARGET_OVER_LOOP),
         ("scatter / per-page loop", _ratio(times, scatter, "per-page copy_ loop, scatter"), TARGET_OVER_LOOP),
+        *_block_ratios(times, ("[2,nb,bs,H,D]", "[2,nb,H,bs,D]")),
+        *((f"{op}_blocks [2,nb,H,bs,D] / cold memcpy", _ratio(times, f"{op}_blocks [2,nb,H,bs,D] ({ops.backend()})",
+                                                               *limits), None)
+          for op, limits in (("gather", ("memcpy cold read, ATen copy_", "memcpy cold read, libc memmove")),
+                             ("scatter", ("memcpy cold write, ATen copy_", "memcpy cold write, libc memmove")))),
     ])
+
+
+def _vllm_strided(kv: torch.Tensor) -> list[torch.Tensor]:
+    """The pool's memory seen as an engine's per-layer ``[2, nb, H, bs, D]`` tensors, as 5-D
+    ``[2, nb, bs, H, D]`` views (non-contiguous blocks)."""
+    _, _, num_blocks, block_size, heads, dim = kv.shape
+    return [layer.view(2, num_blocks, heads, block_size, dim).transpose(2, 3) for layer in kv.unbind(0)]
+
+
+def _block_ratios(times: dict[str, list[float]], tags: tuple[str, ...]) -> list[tuple[str, float, float | None]]:
+    """Each block op against the torch fallback on the same layout."""
+    return [(f"{op}_blocks {tag} / torch fallback",
+             _ratio(times, f"{op}_blocks {tag} ({ops.backend()})", f"torch fallback {op} {tag}"), TARGET_OVER_FALLBACK)
+            for tag in tags for op in ("gather", "scatter")]
+
+
+def _block_variants(tag: str, layers: list[torch.Tensor], buf: torch.Tensor,
+                    next_ids: Callable[[], torch.Tensor]) -> list[Variant]:
+    """The block ops and their torch fallback on ``layers`` (one layout, named ``tag``)."""
+    return [
+        Variant(f"gather_blocks {tag} ({ops.backend()})", lambda: ops.gather_blocks(layers, next_ids(), buf)),
+        Variant(f"scatter_blocks {tag} ({ops.backend()})", lambda: ops.scatter_blocks(buf, layers, next_ids())),
+        Variant(f"torch fallback gather {tag}", lambda: ops._gather_torch(layers, next_ids(), buf, 0)),
+        Variant(f"torch fallback scatter {tag}", lambda: ops._scatter_torch(buf, layers, next_ids(), 0)),
+    ]
 
 
 def _run_cuda(args: argparse.Namespace) -> list[str]:
@@ -253,6 +297,7 @@ def _run_cuda(args: argparse.Namespace) -> list[str]:
         Variant("scatter_pages from device", lambda: ops.scatter_pages(buf, kv, next_ids())),
         Variant("gather_pages to pinned host", lambda: ops.gather_pages(kv, next_ids(), pinned)),
         Variant("scatter_pages from pinned host", lambda: ops.scatter_pages(pinned, kv, next_ids())),
+        *_block_variants("[2,nb,H,bs,D]", _vllm_strided(kv), buf, next_ids),
     ]
     times = _interleaved(variants, args.repeat, args.burst, flush=flush_buf.sum, sync=torch.cuda.synchronize)
     return _header(kv, buf, args) + _report(times, nbytes, [
@@ -264,4 +309,7 @@ def _run_cuda(args: argparse.Namespace) -> list[str]:
          _ratio(times, "gather_pages to pinned host", "cudaMemcpy device->pinned host"), TARGET_OF_LIMIT),
         ("scatter from pinned / cudaMemcpy h2d",
          _ratio(times, "scatter_pages from pinned host", "cudaMemcpy pinned host->device"), TARGET_OF_LIMIT),
+        *_block_ratios(times, ("[2,nb,H,bs,D]",)),
+        ("gather_blocks [2,nb,H,bs,D] / cudaMemcpy d2d",
+         _ratio(times, f"gather_blocks [2,nb,H,bs,D] ({ops.backend()})", "cudaMemcpy device->device"), None),
     ])
