@@ -3,7 +3,10 @@
 Storage contract:
 
 * **One environment** at ``path`` (a directory), shared by every process and thread that opens it
-  with the same ``max_bytes``.  Writers are serialised by LMDB (one write transaction at a time,
+  with the same ``max_bytes``.  Within a process, every ``LmdbTier`` of one path shares one open
+  environment (LMDB forbids opening a path twice in a process): the first one's ``map_size``,
+  ``max_readers`` and ``sync`` hold until the last of them closes.  The directory is created
+  ``0700`` and the files ``0600`` (``dir_mode``/``file_mode``), since cached KV reveals prompts.  Writers are serialised by LMDB (one write transaction at a time,
   across processes); readers never block and never see a half-written chunk.  Entries survive a
   restart of the process (and, with ``sync=True``, of the machine).
 * **Four named databases**: ``chunks`` (key → blob), ``meta`` (key → size, last access, expiry),
@@ -18,9 +21,15 @@ Storage contract:
   is read; an expired entry is a miss at once and is deleted by the next write.  The expiry is
   stored with the entry, so it holds for every process, whatever ``ttl`` they opened with.  ``clock``
   (seconds, wall time shared by the processes) is injectable for tests.
-* **map_size is a ceiling** on the file (default ``2 * max_bytes + 8 MiB``, sparse).  If LMDB's
-  map fills before ``max_bytes`` of blobs (page overhead, pages still held by old readers), the
-  write is retried after evicting, and this process lowers its byte budget to what the map holds.
+* **map_size is a ceiling** on the file (default ``2 * max_bytes + 8 MiB``, sparse), and the tier
+  never stops caching when the map fills before ``max_bytes`` of blobs does (page overhead: a
+  2 KiB blob takes a 4 KiB page; pages still held by old readers).  Every write keeps a quarter
+  of the map free — it evicts least recently used entries while the pages in use would pass 3/4
+  of it — so that a transaction that deletes (copy-on-write needs free pages too) can always
+  commit.  A write that still hits ``MDB_MAP_FULL`` (a map filled by another process or an older
+  version) evicts in small transactions that each commit, down to one entry at a time, then
+  retries; a map so full that not even that commits is emptied (``map_resets``), which loses the
+  cache, never its integrity.
 * **Durability, chosen deliberately**: ``sync=True`` (the default) fsyncs the data of every commit
   and ``metasync=False`` leaves the meta page to the next commit's sync, so a power cut loses at
   most the last committed write, and LMDB's copy-on-write B-tree comes back at a consistent
@@ -62,6 +71,21 @@ _PURGE_PER_WRITE = 256  # expired entries deleted per write transaction, at most
 _WRITE_ATTEMPTS = 4
 
 _OPEN_TIERS: weakref.WeakSet[LmdbTier] = weakref.WeakSet()
+_HEADROOM = 0.75  # fraction of the map's pages that entries may take; the rest is for copy-on-write
+_EVICT_BATCH = 16  # entries per transaction when recovering from a full map
+
+
+class _SharedEnv:
+    """One open environment and its databases, shared by every tier of its path in this process."""
+
+    def __init__(self, env: Any, dbs: tuple[Any, ...]) -> None:
+        self.env = env
+        self.dbs = dbs
+        self.users = 0
+
+
+_ENVS: dict[str, _SharedEnv] = {}
+_ENVS_LOCK = threading.Lock()
 
 
 def _import_lmdb() -> Any:
@@ -108,8 +132,16 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _gate, _live
+    global _gate, _live, _ENVS_LOCK
     _gate, _live = threading.Condition(), 0
+    _ENVS_LOCK = threading.Lock()
+    inherited = list(_ENVS.values())
+    _ENVS.clear()
+    for shared in inherited:  # closing it in the child does not touch the parent's locks or readers
+        try:
+            shared.env.close()
+        except Exception:  # noqa: BLE001 - the parent's handle is unusable here anyway
+            pass
     for tier in list(_OPEN_TIERS):
         tier._forget_parent_environment()
 
@@ -156,15 +188,34 @@ class _Writer:
             txn.put(_STAMP.pack(expiry) + key, b"", db=tier._expiry)
         self.total += len(view)
 
-    def make_room(self, need: int, limit: int) -> bool:
-        """Evict least recently accessed entries until ``need`` more bytes fit in ``limit``."""
-        if need > limit:
+    def make_room(self, need: int, limit: int, need_pages: int = 0) -> bool:
+        """Evict least recently accessed entries until ``need`` more bytes fit in ``limit`` and
+        ``need_pages`` more pages in the map's headroom limit."""
+        if need > limit or need_pages > self.tier._page_limit:
             return False
         cursor = self.txn.cursor(db=self.tier._lru)
-        while self.total + need > limit and cursor.first():
+        while (self.total + need > limit or self.pages() + need_pages > self.tier._page_limit) and cursor.first():
             self.remove(bytes(cursor.key()[_STAMP.size:]))
             self.counts["evictions"] += 1
-        return self.total + need <= limit
+        return self.total + need <= limit and self.pages() + need_pages <= self.tier._page_limit
+
+    def pages(self) -> int:
+        """Pages the databases take now (B-tree and overflow pages).  O(databases)."""
+        total = 0
+        for db in self.tier._dbs:
+            st = self.txn.stat(db)
+            total += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return total
+
+    def evict_some(self, count: int) -> int:
+        """Evict up to ``count`` least recently accessed entries; how many."""
+        cursor = self.txn.cursor(db=self.tier._lru)
+        done = 0
+        while done < count and cursor.first():
+            self.remove(bytes(cursor.key()[_STAMP.size:]))
+            done += 1
+        self.counts["evictions"] += done
+        return done
 
     def purge_expired(self, limit: int | None = _PURGE_PER_WRITE) -> int:
         """Delete up to ``limit`` expired entries (all with ``None``), oldest expiry first."""
@@ -196,6 +247,12 @@ class _Writer:
         self.txn.put(_TOTAL, self.total.to_bytes(8, "little"), db=self.tier._info)
 
 
+def _pages_of(size: int) -> int:
+    """Map pages a blob of ``size`` bytes takes, about: its overflow pages (or its share of a leaf)
+    and the share of its index records."""
+    return -(-(size + 64) // 4096) + 1
+
+
 class LmdbTier(Tier):
     """Local-disk tier in one LMDB environment; see the module docstring for the storage contract.
 
@@ -204,6 +261,7 @@ class LmdbTier(Tier):
     ``max_readers``: concurrent read transactions over all processes.  ``sync``: fsync at every
     commit (durable across power loss; ``False`` keeps integrity across process crashes only).
     ``clock``: wall-clock seconds.  ``touch_every``/``touch_seconds``: access-time batching.
+    ``file_mode``/``dir_mode``: permissions of the files and of the directory when this creates it.
     """
 
     name = "lmdb"
@@ -211,7 +269,7 @@ class LmdbTier(Tier):
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, ttl: float | None = None,
                  map_size: int | None = None, max_readers: int = 512, sync: bool = True,
                  clock: Callable[[], float] = time.time, touch_every: int = 64,
-                 touch_seconds: float = 1.0) -> None:
+                 touch_seconds: float = 1.0, file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
         self._lmdb = _import_lmdb()
         check_int(max_bytes, "max_bytes")
         if ttl is not None and not ttl > 0:
@@ -221,12 +279,19 @@ class LmdbTier(Tier):
         check_int(map_size, "map_size", 64 << 10)
         if not isinstance(touch_every, int) or touch_every < 1:
             raise ValueError(f"touch_every must be a positive int, got {touch_every!r}")
+        for name, mode in (("file_mode", file_mode), ("dir_mode", dir_mode)):
+            if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+                raise ValueError(f"{name} must be permission bits like 0o600, got {mode!r}")
         self.path = os.fspath(path)
-        os.makedirs(self.path, exist_ok=True)
+        if not os.path.isdir(self.path):
+            os.makedirs(self.path, mode=dir_mode, exist_ok=True)
+            os.chmod(self.path, dir_mode)  # makedirs' mode is filtered by the umask
+        self._file_mode = file_mode
+        self._dir_mode = dir_mode
         self._max_bytes = max_bytes
-        self._limit = max_bytes  # lowered when the map fills before the budget does
         self._ttl_us = None if ttl is None else int(ttl * 1e6)
         self._map_size = -(-map_size // 4096) * 4096
+        self._page_limit = int(self._map_size // 4096 * _HEADROOM)  # refined from the page size at open
         self._max_readers = max_readers
         self._sync = sync
         self._clock = clock
@@ -244,41 +309,66 @@ class LmdbTier(Tier):
     # -- environment --------------------------------------------------------------------------
 
     def _forget_parent_environment(self) -> None:
-        """Fresh per-process state; in a forked child, close the environment inherited from the
-        parent (closing it in the child does not touch the parent's locks or readers)."""
+        """Fresh per-process state; in a forked child the inherited environment was closed by the
+        at-fork hook (or is dropped here), and the tier opens its own on first use."""
         self._lock = threading.Lock()
         self._pending: dict[bytes, int] = {}
         self._last_flush = time.monotonic()
-        if self._env is not None:
-            try:
-                self._env.close()
-            except Exception:  # noqa: BLE001 - the parent's handle is unusable here anyway
-                pass
-            self._env = None
+        self._env = None
         self._pid = os.getpid()
 
     def _environment(self) -> Any:
         if self._closed:
             raise RuntimeError(f"LmdbTier({self.path!r}) is closed")
         if self._pid != os.getpid():  # forked without the at-fork hook (e.g. from C)
+            with _ENVS_LOCK:
+                _ENVS.clear()
             self._forget_parent_environment()
         env = self._env
         if env is not None:
             return env
         with self._lock:
             if self._env is None:
-                env = self._lmdb.open(self.path, map_size=self._map_size, max_readers=self._max_readers,
-                                      max_dbs=5, subdir=True, lock=True, readahead=False, meminit=False,
-                                      sync=self._sync, metasync=False)
+                shared = self._acquire()
+                self._data, self._meta, self._lru, self._expiry, self._info = shared.dbs
+                self._dbs = shared.dbs
+                psize = shared.env.stat()["psize"]
+                self._page_limit = int(shared.env.info()["map_size"] // psize * _HEADROOM)
+                self._env = shared.env
+            return self._env
+
+    def _acquire(self) -> _SharedEnv:
+        """This process's environment of ``path`` (opened by the first tier that asks), with one
+        more user."""
+        real = os.path.realpath(self.path)
+        with _ENVS_LOCK:
+            shared = _ENVS.get(real)
+            if shared is None:
+                old_umask = os.umask(0o777 & ~self._file_mode)  # LMDB creates its files with this mask
+                try:
+                    env = self._lmdb.open(self.path, map_size=self._map_size, max_readers=self._max_readers,
+                                          max_dbs=5, subdir=True, lock=True, readahead=False, meminit=False,
+                                          sync=self._sync, metasync=False, mode=self._file_mode)
+                finally:
+                    os.umask(old_umask)
                 self._counts["stale_readers_cleared"] += env.reader_check()
                 with env.begin(write=True) as txn:
-                    self._data = env.open_db(b"chunks", txn=txn)
-                    self._meta = env.open_db(b"meta", txn=txn)
-                    self._lru = env.open_db(b"lru", txn=txn)
-                    self._expiry = env.open_db(b"expiry", txn=txn)
-                    self._info = env.open_db(b"info", txn=txn)
-                self._env = env
-            return self._env
+                    dbs = tuple(env.open_db(name, txn=txn) for name in (b"chunks", b"meta", b"lru", b"expiry", b"info"))
+                shared = _ENVS[real] = _SharedEnv(env, dbs)
+            shared.users += 1
+            return shared
+
+    def _release(self) -> None:
+        """One user less of the shared environment; the last one closes it."""
+        real = os.path.realpath(self.path)
+        with _ENVS_LOCK:
+            shared = _ENVS.get(real)
+            if shared is None or shared.env is not self._env:
+                return
+            shared.users -= 1
+            if shared.users <= 0:
+                del _ENVS[real]
+                shared.env.close()
 
     @contextmanager
     def _begin(self, write: bool = False, buffers: bool = False) -> Iterator[Any]:
@@ -309,7 +399,7 @@ class LmdbTier(Tier):
 
     def _write(self, body: Callable[[_Writer], T], need: int = 0) -> T:
         """Run ``body`` in one write transaction, with pending touches and expiry purging.  On a
-        full map: clear stale readers, evict, lower the budget and retry."""
+        full map: clear stale readers, evict in small committed transactions, and retry."""
         for attempt in range(_WRITE_ATTEMPTS):
             with self._lock:
                 touches, self._pending = self._pending, {}
@@ -324,6 +414,8 @@ class LmdbTier(Tier):
             except self._lmdb.MapFullError:
                 with self._lock:
                     self._counts["map_full"] += 1
+                    for key, stamp in touches.items():  # not applied: keep them for the retry
+                        self._pending.setdefault(key, stamp)
                 if attempt == _WRITE_ATTEMPTS - 1:
                     raise
                 self._make_map_room(need)
@@ -334,17 +426,40 @@ class LmdbTier(Tier):
         raise AssertionError("unreachable")
 
     def _make_map_room(self, need: int) -> None:
+        """Free map pages after ``MDB_MAP_FULL``: evict LRU entries (about a quarter of them, and at
+        least ``need`` bytes) in transactions small enough to commit in a full map — halving the
+        batch down to one entry when even that is too much — and empty the map as a last resort."""
         env = self._environment()
         with self._lock:
             self._counts["stale_readers_cleared"] += env.reader_check()
+        with self._begin() as txn:
+            entries = txn.stat(self._meta)["entries"]
+        goal, freed, batch = max(1, entries // 4), 0, _EVICT_BATCH
+        while freed < goal:
+            try:
+                with self._begin(write=True) as txn:
+                    writer = _Writer(self, txn)
+                    done = writer.evict_some(min(batch, goal - freed))
+                    writer.finish()
+            except self._lmdb.MapFullError:
+                if batch > 1:
+                    batch //= 2
+                    continue
+                self._reset_map()
+                return
+            with self._lock:
+                self._counts.update(writer.counts)
+            if not done:
+                break
+            freed += done
+
+    def _reset_map(self) -> None:
+        """Empty every database in one transaction (dropping a database needs almost no pages)."""
         with self._begin(write=True) as txn:
-            writer = _Writer(self, txn)
-            target = max(0, writer.total - max(2 * need, writer.total // 4))
-            writer.make_room(0, target)
-            writer.finish()
+            for db in self._dbs:
+                txn.drop(db, delete=False)
         with self._lock:
-            self._counts.update(writer.counts)
-            self._limit = max(min(self._limit, target + need), self._map_size // 8)
+            self._counts["map_resets"] += 1
 
     def put(self, key: bytes, blob: Blob) -> bool:
         """Store ``blob`` (one write transaction; evicts LRU entries to fit).  A blob over the
@@ -363,7 +478,7 @@ class LmdbTier(Tier):
             stored = 0
             for key, view in prepared:
                 writer.remove(key)
-                if len(view) * 2 > self._map_size or not writer.make_room(len(view), min(self._limit, self._max_bytes)):
+                if not writer.make_room(len(view), self._max_bytes, _pages_of(len(view))):
                     writer.counts["rejected"] += 1
                     continue
                 writer.insert(key, view)
@@ -447,12 +562,16 @@ class LmdbTier(Tier):
         back into the tier."""
         check_key(key)
         now = self._now_us()
-        with self._begin(buffers=True) as txn:
-            blob = txn.get(key, db=self._data) if self._live(txn.get(key, db=self._meta), now) else None
-            result = None if blob is None else consume(blob)
-        self._count(blob is not None, blob is None)
-        if blob is not None:
-            self._touched([key])
+        found = False
+        try:
+            with self._begin(buffers=True) as txn:
+                blob = txn.get(key, db=self._data) if self._live(txn.get(key, db=self._meta), now) else None
+                found = blob is not None
+                result = None if blob is None else consume(blob)
+        finally:  # an access even when ``consume`` raises: the blob was read
+            self._count(found, not found)
+            if found:
+                self._touched([key])
         return result
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
@@ -483,10 +602,12 @@ class LmdbTier(Tier):
             entries = txn.stat(self._meta)["entries"]
         with self._lock:
             return {**self._counts, "entries": entries, "used_bytes": used, "capacity_bytes": self._max_bytes,
-                    "limit_bytes": self._limit, "map_size": self._map_size, "pending_touches": len(self._pending)}
+                    "page_limit": self._page_limit,
+                    "limit_bytes": min(self._max_bytes, self._page_limit * 4096), "map_size": self._map_size, "pending_touches": len(self._pending)}
 
     def close(self) -> None:
-        """Apply pending access times and close the environment.  Idempotent."""
+        """Apply pending access times and let go of the environment (closed with its last tier
+        in this process).  Idempotent."""
         if self._closed:
             return
         try:
@@ -496,7 +617,7 @@ class LmdbTier(Tier):
             self._closed = True
             _OPEN_TIERS.discard(self)
             if self._env is not None and self._pid == os.getpid():
-                self._env.close()
+                self._release()
             self._env = None
 
     def check(self) -> None:
