@@ -13,6 +13,7 @@ leave every page where it was.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -299,6 +300,45 @@ def test_a_failure_inside_a_step_leaves_every_page_where_it_was(llama: Any, wher
         assert_exact(llama, r)
 
 
+def test_a_load_that_fails_to_land_leaves_every_page_where_it_was(llama: Any) -> None:
+    from radixkv import ops
+    from radixkv.backends import CpuTier
+
+    with make_cache(llama, tiers=[gated(CpuTier, max_bytes=1 << 20)]) as cache:
+        tier = cache.stack.tiers[0]                          # type: ignore[union-attr]
+        engine = PagedEngine(llama, cache, keep_logits=True, deadline_s=30.0)
+        document = tokens(33, seed=41)
+        engine.add(document, max_new_tokens=2)
+        run(engine)
+        assert cache.flush(30)
+        cache.evict(cache.pool.num_pages)
+        busy = engine.add(tokens(7, seed=42), max_new_tokens=40)
+        engine.step()
+        tier.gate.clear()
+        late = engine.add(document + tokens(2, seed=43), max_new_tokens=3)
+        engine.step()
+        with pytest.MonkeyPatch.context() as mp:
+            def fail(*_: Any, **__: Any) -> None:
+                raise Injected("scatter")
+            mp.setattr(ops, "scatter_pages", fail)           # landing the chunks in the pool fails
+            tier.gate.set()
+            for _ in range(400):                             # step until the load arrives and fails to land
+                before = counts(cache)
+                try:
+                    engine.step()
+                except Injected:
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError("the load never landed")
+            engine.check()
+            assert counts(cache) == before and late.state == "loading"
+        run(engine)                                          # the load is a miss: computed instead, exactly
+        assert late.tier_tokens == 0
+        for r in (busy, late):
+            assert_exact(llama, r)
+
+
 def test_a_failing_extend_is_retried_at_the_next_step(llama: Any) -> None:
     from radixkv.request import Request
 
@@ -393,41 +433,53 @@ def test_generation_stops_after_the_eos_token(llama: Any) -> None:
     assert stopped.output == free_run.output[:free_run.output.index(eos) + 1]
 
 
-def test_random_arrivals_aborts_and_a_short_pool(llama: Any) -> None:
+@pytest.mark.parametrize("tiered", [False, True])
+def test_random_arrivals_aborts_and_a_short_pool(llama: Any, tiered: bool) -> None:
     """Continuous batching under churn: arrivals each step, aborts, a pool of a few requests'
-    pages; after every step ``check()``; at the end every finished answer is exact."""
+    pages and (``tiered``) a CPU tier under it that the pool is emptied into now and then, so that
+    loads land while others decode; after every step ``check()``; every finished answer is exact."""
     from hypothesis import given, settings, strategies as st
+
+    from radixkv.backends import CpuTier
 
     systems = [tokens(9, seed=70), tokens(14, seed=71)]
     request = st.tuples(st.integers(0, 2), st.integers(1, 6), st.integers(4, 10), st.integers(0, 4),
                         st.integers(0, 2**16), st.booleans())
 
     @settings(max_examples=12, deadline=None, database=None)
-    @given(st.lists(request, min_size=3, max_size=6), st.integers(8, 12), st.integers(2, 4))
-    def churn(requests: list[tuple[int, int, int, int, int, bool]], num_pages: int, max_running: int) -> None:
-        engine = PagedEngine(llama, make_cache(llama, num_pages=num_pages), max_running=max_running,
-                             keep_logits=True)
-        added: list[tuple[EngineRequest, bool]] = []
-        for step in range(200):
-            for system, n, new, arrival, seed, abort in requests:
-                if arrival == step:
-                    prompt = (systems[system] if system < 2 else []) + tokens(n, seed)
-                    added.append((engine.add(prompt, max_new_tokens=new), abort))
-            for r, abort in added:
-                if abort and r.state in ("waiting", "loading", "running") and r.kv_len and step % 2:
-                    engine.abort(r)
-            if not engine.busy and step > 6:
-                break
-            engine.step()
-            engine.check()
-        stats = engine.cache.stats()
-        assert (stats["pages_engine"], stats["live_matches"], stats["locked_tokens"]) == (0, 0, 0)
-        for r, _ in added:
-            assert r.state in ("finished", "aborted")
-            if r.state == "finished":
-                assert_exact(llama, r)
-        preempted.append(sum(r.preemptions for r, _ in added))
+    @given(st.lists(request, min_size=3, max_size=6), st.integers(8, 12), st.integers(2, 4),
+           st.sets(st.integers(1, 12), max_size=4))
+    def churn(requests: list[tuple[int, int, int, int, int, bool]], num_pages: int, max_running: int,
+              evictions: set[int]) -> None:
+        tiers = [CpuTier(max_bytes=1 << 20)] if tiered else []
+        with make_cache(llama, tiers=tiers, num_pages=num_pages) as cache:
+            engine = PagedEngine(llama, cache, max_running=max_running, keep_logits=True, deadline_s=30.0)
+            added: list[tuple[EngineRequest, bool]] = []
+            for step in range(200):
+                for system, n, new, arrival, seed, abort in requests:
+                    if arrival == step:
+                        prompt = (systems[system] if system < 2 else []) + tokens(n, seed)
+                        added.append((engine.add(prompt, max_new_tokens=new), abort))
+                for r, abort in added:
+                    if abort and r.state in ("waiting", "loading", "running") and r.kv_len and step % 2:
+                        engine.abort(r)
+                if tiered and step in evictions:
+                    cache.evict(num_pages)                   # what no request holds goes to the tier only
+                if not engine.busy and step > 6:
+                    break
+                engine.step()
+                engine.check()
+            stats = cache.stats()
+            assert (stats["pages_engine"], stats["live_matches"], stats["locked_tokens"]) == (0, 0, 0)
+            for r, _ in added:
+                assert r.state in ("finished", "aborted")
+                if r.state == "finished":
+                    assert_exact(llama, r)
+            preempted.append(sum(r.preemptions for r, _ in added))
+            loaded.append(sum(r.tier_tokens for r, _ in added))
 
     preempted: list[int] = []
+    loaded: list[int] = []
     churn()
     assert sum(preempted) > 0                                # the short pools did bite
+    assert sum(loaded) > 0 or not tiered                     # and tier loads landed
