@@ -112,8 +112,8 @@ void launch(char* buf, const int64_t* ids, const LayerGeom* geoms, const BlockPl
 // pinned host memory.  Anything else (pageable host memory, another GPU) is refused.
 char* device_address(const OpNames& nm, const at::Tensor& buf, const at::Device& device) {
   if (buf.is_cuda()) {
-    TORCH_CHECK_VALUE(buf.device() == device, nm.op, ": ", nm.buf, " is on ", buf.device(), " but ", nm.owner,
-                      " are on ", device);
+    TORCH_CHECK_VALUE(buf.device() == device, nm.op, ": ", nm.buf, " is on ", buf.device(), " but the KV of ",
+                      nm.owner, " is on ", device);
     return static_cast<char*>(buf.data_ptr());
   }
   TORCH_CHECK_VALUE(buf.is_cpu(), nm.op, ": ", nm.buf, " must be on ", device, " or in pinned CPU memory, got ",

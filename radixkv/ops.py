@@ -85,15 +85,7 @@ def gather_pages(pool: KVPool | torch.Tensor, page_ids: Any, out: torch.Tensor |
     >>> gather_pages(pool, [3, 1])[0, 0, :, 0, 0].tolist()    # K of pages 3 and 1, in that order
     [6.0, 7.0, 2.0, 3.0]
     """
-    geo = _pool_geometry(pool)
-    skip = _check_skip(skip_pages, "skip_pages")
-    ids = as_page_ids(page_ids, geo.num_blocks, "page_ids")
-    if out is None:
-        out = torch.empty(geo.buffer_shape((skip + ids.size) * geo.block_size), dtype=geo.dtype, device=geo.device)
-    _check_buffer("out", out, geo, skip, ids.size)
-    if ids.size:
-        _copy(geo, _ids_tensor(ids), out, skip, to_buf=True)
-    return out
+    return _checked_copy(_pool_geometry(pool), page_ids, out, skip_pages, to_buf=True)
 
 
 def scatter_pages(src: torch.Tensor, pool: KVPool | torch.Tensor, page_ids: Any, *,
@@ -110,13 +102,7 @@ def scatter_pages(src: torch.Tensor, pool: KVPool | torch.Tensor, page_ids: Any,
     Raises ``TypeError``/``ValueError`` naming the argument for a bad one; the pool is then untouched.
     Cost: O(len(page_ids) * page_bytes) bytes moved in one call, plus O(n log n) to check the ids.
     """
-    geo = _pool_geometry(pool)
-    skip = _check_skip(skip_pages, "skip_pages")
-    ids = as_page_ids(page_ids, geo.num_blocks, "page_ids")
-    _check_distinct(ids, "page_ids", "page")
-    _check_buffer("src", src, geo, skip, ids.size)
-    if ids.size:
-        _copy(geo, _ids_tensor(ids), src, skip, to_buf=False)
+    _checked_copy(_pool_geometry(pool), page_ids, src, skip_pages, to_buf=False)
 
 
 def gather_blocks(layers: Sequence[torch.Tensor], block_ids: Any, out: torch.Tensor, *,
@@ -147,13 +133,7 @@ def gather_blocks(layers: Sequence[torch.Tensor], block_ids: Any, out: torch.Ten
     >>> gather_blocks([kv.transpose(2, 3)], [2, 0], out)[0, 0, :, 0, 0].tolist()   # K of blocks 2, 0
     [4.0, 5.0, 0.0, 1.0]
     """
-    geo = _layers_geometry(layers, writable=False)
-    skip = _check_skip(skip_blocks, "skip_blocks")
-    ids = as_page_ids(block_ids, geo.num_blocks, "block_ids")
-    _check_buffer("out", out, geo, skip, ids.size)
-    if ids.size:
-        _copy(geo, _ids_tensor(ids), out, skip, to_buf=True)
-    return out
+    return _checked_copy(_layers_geometry(layers, writable=False), block_ids, out, skip_blocks, to_buf=True)
 
 
 def scatter_blocks(src: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Any, *,
@@ -172,13 +152,23 @@ def scatter_blocks(src: torch.Tensor, layers: Sequence[torch.Tensor], block_ids:
     untouched.  Cost: O(len(block_ids) * num_layers * sides * block_bytes) bytes moved in one call,
     plus O(num_layers + n log n) checks for ``n = len(block_ids)``.
     """
-    geo = _layers_geometry(layers, writable=True)
-    skip = _check_skip(skip_blocks, "skip_blocks")
-    ids = as_page_ids(block_ids, geo.num_blocks, "block_ids")
-    _check_distinct(ids, "block_ids", "block")
-    _check_buffer("src", src, geo, skip, ids.size)
+    _checked_copy(_layers_geometry(layers, writable=True), block_ids, src, skip_blocks, to_buf=False)
+
+
+def _checked_copy(geo: _Geometry, ids_arg: Any, buf: Any, skip_arg: Any, to_buf: bool) -> torch.Tensor:
+    """Check the ids, the skip and the buffer against ``geo`` (naming them as the caller does), then
+    copy; ``buf=None`` for a gather allocates a buffer of exactly the tokens copied.  Return ``buf``."""
+    unit = geo.unit
+    skip = _check_skip(skip_arg, f"skip_{unit}s")
+    ids = as_page_ids(ids_arg, geo.num_blocks, f"{unit}_ids")
+    if not to_buf:
+        _check_distinct(ids, f"{unit}_ids", unit)
+    if buf is None and to_buf:
+        buf = torch.empty(geo.buffer_shape((skip + ids.size) * geo.block_size), dtype=geo.dtype, device=geo.device)
+    _check_buffer("out" if to_buf else "src", buf, geo, skip, ids.size)
     if ids.size:
-        _copy(geo, _ids_tensor(ids), src, skip, to_buf=False)
+        _copy(geo, torch.from_numpy(np.ascontiguousarray(ids)), buf, skip, to_buf)
+    return buf
 
 
 def _copy(geo: _Geometry, ids: torch.Tensor, buf: torch.Tensor, skip: int, to_buf: bool) -> None:
@@ -197,10 +187,6 @@ def _copy(geo: _Geometry, ids: torch.Tensor, buf: torch.Tensor, skip: int, to_bu
         _gather_geo(geo, ids, buf, skip)
     else:
         _scatter_geo(geo, ids, buf, skip)
-
-
-def _ids_tensor(ids: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(ids))
 
 
 # ------------------------------------------------------------------------ backend selection

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -185,14 +186,19 @@ BAD_GATHER = [
 ]
 
 
-@pytest.mark.parametrize("args, error, words", BAD_GATHER)
-def test_gather_rejects_bad_arguments(args: tuple, error: type, words: str) -> None:
-    pool, ids, out, skip = args
+def check_rejected(gather: Any, args: tuple, error: type, words: str) -> None:
+    """``gather(source, ids, out, skip)`` raises ``error`` with ``words`` (a regex) and leaves ``out``."""
+    source, ids, out, skip = args
     before = out.clone() if isinstance(out, torch.Tensor) else None
-    with pytest.raises(error, match=words.replace("[", r"\[")):
-        ops.gather_pages(pool, ids, out, skip_pages=skip)
+    with pytest.raises(error, match=words):
+        gather(source, ids, out, skip)
     if before is not None:
         assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize("args, error, words", BAD_GATHER)
+def test_gather_rejects_bad_arguments(args: tuple, error: type, words: str) -> None:
+    check_rejected(lambda *a: ops.gather_pages(*a[:3], skip_pages=a[3]), args, error, words.replace("[", r"\["))
 
 
 def test_scatter_rejects_repeated_pages_and_leaves_the_pool() -> None:
@@ -438,12 +444,8 @@ BAD_BLOCK_GATHER = [
 
 @pytest.mark.parametrize("args, error, words", BAD_BLOCK_GATHER)
 def test_gather_blocks_rejects_bad_arguments(args: tuple, error: type, words: str) -> None:
-    layers, ids, out, skip = args
-    before = out.clone() if isinstance(out, torch.Tensor) else None
-    with pytest.raises(error, match=words.replace("[2,", r"\[2,").replace("[1,", r"\[1,")):
-        ops.gather_blocks(layers, ids, out, skip_blocks=skip)
-    if before is not None:
-        assert torch.equal(out, before)
+    check_rejected(lambda *a: ops.gather_blocks(*a[:3], skip_blocks=a[3]), args, error,
+                   words.replace("[2,", r"\[2,").replace("[1,", r"\[1,"))
 
 
 def test_block_buffer_sharing_memory_with_a_layer_is_refused() -> None:
