@@ -120,6 +120,10 @@ class Tier(abc.ABC):
     #: Local: a read costs no network round trip, so the stack may read it for bookkeeping (e.g.
     #: ``TierStack.touch`` reads a chunk to refresh its LRU position).  A remote tier sets ``False``.
     local: bool = True
+    #: Persistent: entries survive the process (a file, a server).  A volatile local tier
+    #: (``persistent = False``: host memory) can be exclusive of the pool (``TierStack(exclusive=True)``):
+    #: it then holds only what the pool evicted, and nothing is lost by a crash that was not lost anyway.
+    persistent: bool = True
 
     @abc.abstractmethod
     def get(self, key: bytes) -> Blob | None:
@@ -232,6 +236,7 @@ class MemoryTier(Tier):
     """
 
     name = "memory"
+    persistent = False
 
     def __init__(self) -> None:
         self._data: dict[bytes, bytes] = {}

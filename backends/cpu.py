@@ -52,6 +52,7 @@ class CpuTier(Tier):
     """
 
     name = "cpu"
+    persistent = False
 
     def __init__(self, max_bytes: int, *, slot_bytes: int | None = None, pinned: bool | None = None) -> None:
         check_int(max_bytes, "max_bytes")

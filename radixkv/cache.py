@@ -1,26 +1,40 @@
 """``PrefixCache``: the engine-facing cache that keeps the radix tree and the page pool consistent.
 
-The protocol for one request (every call validates its arguments and leaves the cache as it was
-when it raises):
+The protocol of a paged engine (every call validates its arguments and leaves the cache as it was
+when it raises; ``radixkv.request`` has the per-request state and the load behaviours):
 
-    m = cache.match(tokens)            # cached prefix: m.num_tokens tokens in pages m.pages, locked
-    new = cache.alloc(n)               # pages for the rest (evicts LRU prefixes when short)
-    ...                                # the engine writes KV for tokens[m.num_tokens:] into `new`
+    req = cache.open(tokens)           # holds the cached prefix: req.num_cached tokens in req.pages
+    new = cache.alloc(n)               # pages for the rest (evicts LRU unheld prefixes when short)
+    ...                                # the engine writes KV for tokens[req.num_cached:] into `new`
+    table = req.extend(tokens, new[:full])   # cached and still held; the canonical page table
+    req.release()                      # and cache.free() the pages never cached (a partial tail)
+
+and the one-call path, for engines that copy KV out of the pool:
+
+    m = cache.match(tokens)            # cached prefix: m.num_tokens tokens in pages m.pages, held
     cache.insert(tokens, torch.cat([m.pages, new]))   # the cache takes ownership of these pages
     cache.release(m)
 
 Every page is in exactly one place at any moment: free in the pool, held by the tree, or held by
-the engine (allocated and not yet inserted).  ``check()`` verifies it.
+the engine (allocated and not yet cached).  ``check()`` verifies it, and that every live request's
+pages are in the tree, locked, and hold its tokens' prefix.
 
-With ``tiers``, the cache is the waterfall of DESIGN.md: ``match`` continues from the first chunk
-the tree does not fully cover, asks the ``TierStack`` which of the following chunks the tiers hold,
-loads and verifies them, scatters them into new pool pages (only the pages past the tree's match
-when that match ends inside a chunk), inserts them into the tree and returns one match covering
-both.  Writes go down asynchronously: ``write_through`` stores every new full chunk when it is
-inserted, and refreshes its recency in the tiers (``TierStack.touch``) when the tree evicts the
-node it ends in, so a tier below the pool keeps what the pool lets go; ``write_back`` stores a
-chunk when the tree evicts the node it ends in (its ancestors are still resident then, so the
-whole chunk is at hand).  Either way the chunk's pages are copied out
+With ``tiers``, lookups are a waterfall: ``open``/``match`` continue from the first chunk the tree
+does not fully cover, ask the ``TierStack`` which of the following chunks the tiers hold, load and
+verify them on a worker by a deadline, scatter them into new pool pages (only the pages past the
+tree's match when that match ends inside a chunk) and insert them into the tree.  Writes go down
+asynchronously.  ``write_through`` stores every new full chunk when it is inserted, in every tier
+that keeps copies of the pool; ``write_back`` stores nothing then.  When the tree evicts the node a
+chunk ends in, the chunk is stored below where it is not kept already (``write_back``: every tier;
+``write_through``: the victim tiers) and refreshed in the other local tiers' LRU order, so the tiers
+keep what the pool lets go.
+
+``exclusive`` makes the local volatile tiers (a ``CpuTier``; ``Tier.persistent`` false)
+exclusive of the pool: they hold only what the pool evicted, a chunk loaded from them moves up (it
+is deleted below), and nothing is promoted into them — so the pool and such a tier together hold
+as much as their sizes add up to, instead of the tier holding copies of what the pool has.
+Persistent tiers (LMDB, S3, Redis) stay inclusive: under ``write_through`` they get every chunk at
+insert, so a crash loses nothing that was cached.  Either way the chunk's pages are copied out
 synchronously and the copy is queued, so a write takes no lock on the tree: nothing can be left
 locked by a write that fails or is dropped.
 
@@ -120,7 +134,8 @@ class PrefixCache:
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu",
                  namespace: Namespace | None = None, tiers: Sequence[Tier] | TierStack = (),
                  chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True,
-                 write_queue: int = 64, load_timeout: float = 5.0, load_workers: int = 4) -> None:
+                 write_queue: int = 64, load_timeout: float = 5.0, load_workers: int = 4,
+                 exclusive: bool = False) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if check_int(chunk_size, "chunk_size", 1) % layout.page_size:
@@ -150,8 +165,12 @@ class PrefixCache:
             ("matches", "query_tokens", "hit_tokens", "pool_hit_tokens", "tier_hit_tokens", "inserts",
              "inserted_tokens", "duplicate_pages", "allocs", "allocated_pages", "evicted_pages", "evictions",
              "chunks_stored", "chunks_not_queued", "late_loads", "load_errors"), 0)
-        self.stack = self._make_stack(tiers, promote, write_queue)
+        self.stack = self._make_stack(tiers, promote, write_queue, exclusive)
+        #: The tiers that keep copies of what the pool holds (written at insert under
+        #: ``write_through``): all but the stack's victim tiers.
+        self._kept_tiers: frozenset[int] = frozenset()
         if self.stack is not None:
+            self._kept_tiers = frozenset(range(len(self.stack.tiers))) - self.stack.victims
             _flush_at_exit(self.stack)
         self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
 
@@ -165,7 +184,7 @@ class PrefixCache:
 
         return load_config(config).build(layout)
 
-    def _make_stack(self, tiers: Any, promote: bool, write_queue: int) -> TierStack | None:
+    def _make_stack(self, tiers: Any, promote: bool, write_queue: int, exclusive: bool) -> TierStack | None:
         from radixkv.tiers import TierStack   # here, so that a cache without tiers needs no backend
 
         if isinstance(tiers, TierStack):
@@ -176,7 +195,7 @@ class PrefixCache:
         if not tiers:
             return None
         return TierStack(tiers, namespace=self.namespace, layout=self.layout, chunk_size=self.chunk_size,
-                         promote=promote, queue_size=write_queue)
+                         promote=promote, queue_size=write_queue, exclusive=exclusive)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued tier write is done (``False`` if ``timeout`` seconds passed
@@ -296,7 +315,7 @@ class PrefixCache:
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=self.load_workers, thread_name_prefix="radixkv-load")
         req._pending = PendingLoad(self._loader.submit(fetch_chunks, self.stack, refs, limit, deadline),
-                                   first, deadline)
+                                   first, deadline, [ref.key for ref in refs])
 
     def poll(self, req: Request) -> bool:
         """Land ``req``'s pending load if it has arrived: its chunks go into new pool pages and the
@@ -316,7 +335,9 @@ class PrefixCache:
                 _log_load_error(exc)
                 return True
             if chunks:
-                self._land(req, pending.first, where, chunks)
+                landed = self._land(req, pending.first, where, chunks)
+                if self.stack is not None and self.stack.victims:     # exclusive: moved up, not copied
+                    self.stack.release(pending.keys[:landed])
             return True
         if time.monotonic() < pending.deadline:
             return False
@@ -336,10 +357,11 @@ class PrefixCache:
             futures_wait([pending.future], timeout=limit)
         return self.poll(req)
 
-    def _land(self, req: Request, first: int, where: list[int], chunks: list[torch.Tensor]) -> None:
+    def _land(self, req: Request, first: int, where: list[int], chunks: list[torch.Tensor]) -> int:
         """Put loaded chunks ``first, first + 1, ...`` of ``req`` into pool pages and the tree and
-        move ``req``'s hold to the end of them.  The tree may have grown meanwhile (another request
-        cached some of these tokens): only what it still lacks is copied in."""
+        move ``req``'s hold to the end of them; return how many of them the pool now holds whole.
+        The tree may have grown meanwhile (another request cached some of these tokens): only what
+        it still lacks is copied in; what the pool has no room for is left out."""
         cs, ps, per_chunk = self.chunk_size, self.page_size, self.chunk_size // self.page_size
         end = (first + len(chunks)) * cs
         result = self.tree._match(req._data[:end * 4])
@@ -385,6 +407,7 @@ class PrefixCache:
         c["tier_hit_tokens"] += tier_tokens
         req.tier_tokens += tier_tokens
         req.tier_tokens_by_tier = tuple(by_tier)
+        return done + len(chunks)
 
     def extend(self, req: Request, tokens: Any, pages: Any) -> torch.Tensor:
         """Cache the KV the engine computed for ``req`` and keep holding it (SGLang's
@@ -538,16 +561,17 @@ class PrefixCache:
         c["inserts"] += 1
         c["inserted_tokens"] += (len(ids) - known) * self.page_size
         c["duplicate_pages"] += int(duplicates.size)
-        if self.stack is not None and self.write_policy == "write_through":
+        if self.stack is not None and self.write_policy == "write_through" and self._kept_tiers:
             first = result.prefix_len // self.chunk_size             # chunks not complete before
             last = len(ids) * self.page_size // self.chunk_size
             if first < last:
-                self._store_chunks(data, np.concatenate([*cached, ids[known:]]), first, last)
+                self._store_chunks(data, np.concatenate([*cached, ids[known:]]), first, last, self._kept_tiers)
         return result.node, result.prefix_len
 
-    def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int) -> None:
+    def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int,
+                      tiers: frozenset[int] | None = None) -> None:
         """Copy chunks ``first..last-1`` of a cached sequence out of the pool and queue them for
-        the tiers (the copy is synchronous: the pages may be reused right after)."""
+        the tiers (all, or ``tiers``; the copy is synchronous: the pages may be reused right after)."""
         assert self.stack is not None
         per_chunk = self.chunk_size // self.page_size
         refs = self.stack.refs_from_bytes(data[:last * self.chunk_size * 4])[first:]
@@ -555,7 +579,7 @@ class PrefixCache:
         for i, ref in enumerate(refs, start=first):
             buf = torch.empty(self.layout.chunk_shape(self.chunk_size), dtype=self.layout.dtype)
             items.append((ref, ops.gather_pages(self.pool, pages[i * per_chunk:(i + 1) * per_chunk], buf)))
-        queued = self.stack.store(items)
+        queued = self.stack.store(items, tiers=tiers)
         self._counters["chunks_stored"] += queued
         self._counters["chunks_not_queued"] += len(items) - queued
 
@@ -567,19 +591,20 @@ class PrefixCache:
         return tokens.tobytes(), start // self.chunk_size, len(tokens) // self.chunk_size
 
     def _spill(self, node: RadixNode) -> None:
-        """write_back: store the chunks that end inside ``node``, which is about to be evicted."""
-        data, first, last = self._chunks_ending_in(node)
-        if first < last:
-            self._store_chunks(data, self.tree.prefix_pages(node), first, last)
-
-    def _refresh(self, node: RadixNode) -> None:
-        """write_through: mark the chunks that end inside ``node``, which is about to be evicted, as
-        just used in the tiers, so that a tier below the pool keeps what the pool lets go."""
+        """The tiers keep what the pool lets go: the chunks that end inside ``node``, about to be
+        evicted, are stored where they are not kept already (``write_back``: every tier; with
+        victim tiers, those) — a tier that holds one counts it as just used — and, under
+        ``write_through``, refreshed in the other local tiers' LRU order (``TierStack.touch``)."""
         assert self.stack is not None
         data, first, last = self._chunks_ending_in(node)
-        if first < last:
+        if first >= last:
+            return
+        into = None if self.write_policy == "write_back" else self.stack.victims
+        if into is None or into:
+            self._store_chunks(data, self.tree.prefix_pages(node), first, last, into)
+        if into is not None and len(into) < len(self.stack.tiers):
             keys = keys_from_token_bytes(data[:last * self.chunk_size * 4], self.chunk_size, self.namespace.root)
-            self.stack.touch(keys[first:])
+            self.stack.touch(keys[first:], tiers=self._kept_tiers)
 
     def evict(self, num_pages: int) -> int:
         """Evict least-recently-used unlocked prefixes until ``num_pages`` pages are freed (or
@@ -587,10 +612,7 @@ class PrefixCache:
         stored (``write_back``) or refreshed in the tiers' LRU order (``write_through``): the tiers
         keep what the pool lets go.  O(log n) per evicted node, plus a hash pass over each evicted
         node's prefix with tiers."""
-        on_evict = None
-        if self.stack is not None:
-            on_evict = self._spill if self.write_policy == "write_back" else self._refresh
-        freed = self.tree.evict(num_pages, on_evict)
+        freed = self.tree.evict(num_pages, None if self.stack is None else self._spill)
         if freed.size:
             self.pool.free(freed)
             self._state[freed] = _FREE

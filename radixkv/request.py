@@ -62,6 +62,7 @@ class PendingLoad:
     future: Future[tuple[list[int], list[torch.Tensor]]]
     first: int
     deadline: float
+    keys: list[bytes]              # the chunk keys of chunks first, first + 1, ...
 
     def remaining(self) -> float:
         """Seconds left before the deadline (0 when past it).  O(1)."""

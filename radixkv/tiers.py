@@ -130,7 +130,7 @@ class TierStack:
                  promote: bool = True, queue_size: int = 64, write_batch: int = 8,
                  log_interval: float = 60.0, timeout_s: float = 2.0, write_timeout_s: float = 30.0,
                  secret: bytes | str | None = None, previous_secret: bytes | str | None = None,
-                 encrypt: bool = False) -> None:
+                 encrypt: bool = False, exclusive: bool = False) -> None:
         if not all(isinstance(t, Tier) for t in tiers):
             raise TypeError("tiers must be radixkv.backends.Tier instances")
         if not isinstance(namespace, Namespace):
@@ -160,6 +160,13 @@ class TierStack:
         self.layout = layout
         self.chunk_size = chunk_size
         self.promote = promote
+        if not isinstance(exclusive, bool):
+            raise TypeError(f"exclusive must be a bool, got {type(exclusive).__name__}")
+        #: Tiers that hold only what the pool does not (``exclusive``): the local, volatile ones
+        #: (``Tier.persistent`` false).  Nothing is promoted into them; the cache writes them when
+        #: the pool evicts a chunk and ``release`` deletes what moved up into the pool.
+        self.victims: frozenset[int] = frozenset(
+            i for i, t in enumerate(self.tiers) if exclusive and t.local and not t.persistent)
         self.queue_size = queue_size
         self.write_batch = write_batch
         self.shape = layout.chunk_shape(chunk_size)
@@ -169,11 +176,13 @@ class TierStack:
         self._stats_lock = threading.Lock()
         n = len(self.tiers)
         self._per_tier = {k: [0] * n for k in ("tier_lookups", "hits", "corrupt", "forged", "errors", "timeouts",
-                                               "stored", "touched", "tier_bytes_loaded", "tier_bytes_stored")}
+                                               "stored", "touched", "refreshed", "refresh_misses", "released",
+                                               "tier_bytes_loaded", "tier_bytes_stored")}
         self._counts = dict.fromkeys(("lookups", "lookup_keys", "lookup_found", "misses", "load_misses",
                                       "promoted", "dropped_writes", "bytes_loaded", "bytes_stored"), 0)
-        # The write queue: ("store", ChunkRef, kv), ("promote", tier indices, ChunkRef, blob or None,
-        # kv or None), ("touch", tier key) or ("delete", tier index, tier key).
+        # The write queue: ("store", ChunkRef, kv, tier indices), ("promote", tier indices, ChunkRef,
+        # blob or None, kv or None), ("touch", tier key, tier indices), ("delete", tier index, tier key)
+        # or ("release", tier key).
         self._queue: deque[tuple[Any, ...]] = deque()
         self._cv = threading.Condition()
         self._busy = False
@@ -359,7 +368,7 @@ class TierStack:
             self._per_tier["hits"][t] += 1
             self._per_tier["tier_bytes_loaded"][t] += nbytes
             self._counts["bytes_loaded"] += nbytes
-        upper = list(range(t)) if self.promote else []
+        upper = [u for u in range(t) if u not in self.victims] if self.promote else []
         if upper:
             if all(self.seals[u] == self.seals[t] for u in upper) and blob is not None:
                 self._enqueue(("promote", upper, ref, bytes(blob), None))
@@ -419,9 +428,11 @@ class TierStack:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def store(self, items: Iterable[tuple[ChunkRef, torch.Tensor]]) -> int:
-        """Queue chunks to be encoded and written to every tier that does not hold them yet; the
-        number queued.  Never blocks: what does not fit in the queue is dropped and counted.
+    def store(self, items: Iterable[tuple[ChunkRef, torch.Tensor]], *, tiers: Iterable[int] | None = None) -> int:
+        """Queue chunks to be encoded and written to every tier (or only ``tiers``, indices) that
+        does not hold them yet; a local tier that holds one already counts it as just used
+        (``refreshed``), so a store always leaves the chunk recent.  The number queued.  Never
+        blocks: what does not fit in the queue is dropped and counted.
 
         Each ``kv`` must be ``layout.chunk_shape(chunk_size)`` of ``layout.dtype`` (``ValueError``
         otherwise, before anything is queued); the stack keeps a reference until it is written,
@@ -434,9 +445,29 @@ class TierStack:
             if not isinstance(kv, torch.Tensor) or kv.dtype != self.layout.dtype or tuple(kv.shape) != self.shape:
                 got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__
                 raise ValueError(f"kv must be a {self.layout.dtype} tensor of shape {self.shape}, got {got}")
-        return sum(self._enqueue(("store", ref, kv)) for ref, kv in items)
+        mask = self._mask(tiers)
+        return sum(self._enqueue(("store", ref, kv, mask)) for ref, kv in items) if mask else 0
 
-    def touch(self, keys: Sequence[bytes]) -> int:
+    def _mask(self, tiers: Iterable[int] | None) -> frozenset[int]:
+        if tiers is None:
+            return frozenset(range(len(self.tiers)))
+        mask = frozenset(tiers)
+        if not all(isinstance(i, int) and 0 <= i < len(self.tiers) for i in mask):
+            raise ValueError(f"tiers must be indices into the stack's {len(self.tiers)} tiers, got {sorted(mask)!r}")
+        return mask
+
+    def release(self, keys: Sequence[bytes]) -> int:
+        """Queue the deletion of each 16-byte chunk key from the victim tiers (``victims``: with
+        ``exclusive``, the local volatile tiers), after the chunk moved up into the pool; the number
+        queued (0 without victim tiers).  Never blocks; a release that does not fit the queue is
+        dropped and counted (the chunk then stays below as well: inclusive, never wrong).
+        Cost: O(1) per key on the caller's thread."""
+        keys = _chunk_keys(keys)
+        if not self.victims:
+            return 0
+        return sum(self._enqueue(("release", self._prefix + key)) for key in keys)
+
+    def touch(self, keys: Sequence[bytes], *, tiers: Iterable[int] | None = None) -> int:
         """Queue an access of each 16-byte chunk key in every local tier (``Tier.local``) that holds
         it, so that its LRU order counts the chunk as just used; the number queued.  For a tier
         below the pool to act as a victim cache: call it with the chunks the pool evicts.
@@ -447,9 +478,10 @@ class TierStack:
         any other.  Remote tiers are never read.  Cost: O(1) per key on the caller's thread.
         """
         keys = _chunk_keys(keys)
-        if not any(tier.local for tier in self.tiers):
+        mask = frozenset(i for i in self._mask(tiers) if self.tiers[i].local)
+        if not mask:
             return 0
-        return sum(self._enqueue(("touch", self._prefix + key)) for key in keys)
+        return sum(self._enqueue(("touch", self._prefix + key, mask)) for key in keys)
 
     def _enqueue(self, item: tuple[Any, ...]) -> bool:
         with self._cv:
@@ -482,8 +514,8 @@ class TierStack:
     def _write_batch(self, batch: list[tuple[Any, ...]]) -> None:
         per_tier: list[list[tuple[bytes, bytes]]] = [[] for _ in self.tiers]
         deletes: list[list[bytes]] = [[] for _ in self.tiers]
-        stores: list[tuple[ChunkRef, torch.Tensor]] = []
-        touches: list[bytes] = []
+        stores: list[tuple[ChunkRef, torch.Tensor, frozenset[int]]] = []
+        touches: list[tuple[bytes, frozenset[int]]] = []
         encoded: dict[tuple[bytes, Seal], bytes] = {}
 
         def blob_for(ref: ChunkRef, kv: torch.Tensor, seal: Seal) -> bytes:
@@ -493,9 +525,13 @@ class TierStack:
 
         for item in batch:
             if item[0] == "touch":
-                touches.append(item[1])
+                touches.append((item[1], item[2]))
             elif item[0] == "delete":
                 deletes[item[1]].append(item[2])
+            elif item[0] == "release":
+                for i in self.victims:
+                    deletes[i].append(item[1])
+                    self._add("released", tier=i)
             elif item[0] == "promote":
                 _, upper, ref, blob, kv = item
                 for i in upper:
@@ -503,20 +539,30 @@ class TierStack:
                                         else blob_for(ref, kv, self.seals[i])))
                 self._add("promoted")
             else:
-                stores.append((item[1], item[2]))
+                stores.append((item[1], item[2], item[3]))
         for i, tier in enumerate(self.tiers):
             with bounded(time.monotonic() + self.write_timeout_s):
                 for key in deletes[i]:
                     self._call(i, None, tier.delete, key)
-                if touches and tier.local:
+                mine = [k for k, mask in touches if i in mask]
+                if mine:
                     # Before the writes: a touch comes from an eviction that made room for what
                     # follows it, and a write puts its chunk first in LRU order anyway.
-                    held = [k for k in touches if self._call(i, 0, tier.contains_prefix, [k]) == 1]
+                    held = [k for k in mine if self._call(i, 0, tier.contains_prefix, [k]) == 1]
                     touched = sum(self._call(i, None, tier.read, k, len) is not None for k in held)
                     self._add("touched", touched, tier=i)
-                # A tier that already holds a chunk is not written again (one cheap probe each).
-                fresh = [(self._prefix + ref.key, blob_for(ref, kv, self.seals[i])) for ref, kv in stores
-                         if self._call(i, 0, tier.contains_prefix, [self._prefix + ref.key]) == 0]
+                    self._add("refresh_misses", len(mine) - len(held), tier=i)
+                # A tier that already holds a chunk is not written again (one cheap probe each); a
+                # local one reads it instead, so that it counts as just used (victim-cache refresh).
+                fresh = []
+                for ref, kv, mask in stores:
+                    if i not in mask:
+                        continue
+                    key = self._prefix + ref.key
+                    if self._call(i, 0, tier.contains_prefix, [key]) == 0:
+                        fresh.append((key, blob_for(ref, kv, self.seals[i])))
+                    elif tier.local and self._call(i, None, tier.read, key, len) is not None:
+                        self._add("refreshed", tier=i)
                 writes = per_tier[i] + fresh
                 if not writes:
                     continue
@@ -552,6 +598,10 @@ class TierStack:
         without a valid MAC or AEAD tag under this stack's secrets), ``errors`` (faults),
         ``timeouts`` (reads that did not finish by their deadline; also in ``errors``),
         ``stored`` (chunks written), ``touched`` (chunks whose recency ``touch`` refreshed),
+        ``refresh_misses`` (touches of chunks the tier no longer held: under inclusive caching, a
+        chunk the tier evicted while the pool still had it), ``refreshed`` (stores of chunks the
+        tier held already, read instead to refresh their recency), ``released`` (chunks deleted from
+        a victim tier after they moved up into the pool),
         ``tier_bytes_loaded`` (KV bytes decoded from it),
         ``tier_bytes_stored`` (blob bytes written to it); and
         ``lookups``, ``lookup_keys``, ``lookup_found``, ``misses`` (lookups that stopped on a key no

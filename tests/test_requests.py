@@ -296,3 +296,49 @@ print(tier.stats().get("entries", len(list(tier.keys())) if hasattr(tier, "keys"
 """
     got = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=True)
     assert got.stdout.split() == ["60"], got.stdout + got.stderr
+
+
+def test_exclusive_tiering_moves_chunks_between_the_pool_and_a_volatile_tier(tmp_path):
+    """exclusive: the CPU tier gets a chunk when the pool evicts it and gives it up when it moves
+    back up; a persistent tier below keeps every chunk from insert on (crash safety)."""
+    from radixkv.backends import CpuTier, LmdbTier
+
+    cpu = CpuTier(1 << 20)
+    disk = LmdbTier(str(tmp_path / "db"), 1 << 20)
+    cache = make(num_pages=16, tiers=[cpu, disk], exclusive=True)
+    assert cache.stack.victims == {0}
+    tokens = list(range(1, 18))
+    serve(cache, tokens).release()
+    cache.flush()
+    keys = [cache.namespace.id + k for k in rk.chunk_keys(tokens, 4, cache.namespace)]
+    assert cpu.contains_prefix(keys) == 0 and disk.contains_prefix(keys) == 4
+    cache.evict(100)
+    cache.flush()
+    assert cpu.contains_prefix(keys) == 4                       # the victim tier has what the pool let go
+    req = cache.open(tokens)
+    assert req.num_cached == 16 and req.tier_tokens_by_tier == (16, 0) and holds(cache, tokens, req)
+    cache.flush()
+    assert cpu.contains_prefix(keys) == 0 and disk.contains_prefix(keys) == 4   # moved up, not copied
+    req.release()
+    st = cache.stats()["stack"]
+    assert st["released"] == [4, 0] and st["promoted"] == 0
+    cache.check()
+    cache.close()
+
+
+def test_a_store_of_a_held_chunk_refreshes_it_under_write_back():
+    """write_back: when the pool evicts a chunk the tier holds already, the tier counts it as just
+    used (victim-cache refresh) instead of letting it age."""
+    lower = MemoryTier()
+    cache = make(num_pages=8, tiers=[lower], write_policy="write_back")
+    tokens = list(range(1, 10))
+    serve(cache, tokens).release()
+    cache.evict(100)
+    cache.flush()
+    assert cache.stats()["stack"]["stored"] == [2]
+    cache.open(tokens).release()                                # loaded back (inclusive: still below)
+    cache.evict(100)
+    cache.flush()
+    st = cache.stats()["stack"]
+    assert st["stored"] == [2] and st["refreshed"] == [2]
+    cache.close()
