@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-from radixkv.bench import BENCHMARKS
+from radixkv.bench import BENCHMARKS as _CORE
+
+BENCHMARKS = (*_CORE, "vllm")     # vllm: needs vLLM (radixkv[vllm]); see radixkv.bench.vllm
 
 
 def main(argv: list[str] | None = None) -> int:

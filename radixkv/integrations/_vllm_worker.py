@@ -25,6 +25,7 @@ every tenant of the engine at once).
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,8 @@ from radixkv.integrations._vllm_plan import Load, Lookup, Plan, Report, Store
 from radixkv.tiers import ChunkRef, TierStack
 
 __all__ = ["WorkerSide", "request_namespace"]
+
+log = logging.getLogger("radixkv.integrations.vllm")
 
 
 def request_namespace(base: Namespace, salt: bytes, lora: str) -> Namespace:
@@ -280,6 +283,8 @@ class WorkerSide:
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop the lookups, release what they hold, finish the queued writes (up to ``timeout``
         seconds) and close the tiers.  Idempotent."""
+        log.info("radixkv connector closing: %d chunks loaded, %d stored, %d lookups",
+                 self.counters["loaded_chunks"], self.counters["stored_chunks"], self.counters["lookups"])
         for req in list(self._requests.values()):
             self._release(req)
         self._requests.clear()

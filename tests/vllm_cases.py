@@ -1,0 +1,131 @@
+"""Runs one vLLM engine through a list of steps and writes what it generated as JSON.
+
+Used by ``tests/test_vllm.py`` (each engine start costs ~20 s, so one process runs every case of
+one engine configuration) and usable by hand::
+
+    python tests/vllm_cases.py SPEC.json OUT.json
+
+``SPEC`` holds ``model`` (a directory), ``connector`` (``null`` for vLLM without any cache, or
+``{"role": ..., "config": {...}}`` for ``RadixKVConnector``), ``prefix_caching`` and ``steps``:
+each step names a ``prompt`` (a key of ``prompts``: a list of token ids), and optionally
+``salt`` (vLLM's ``cache_salt``), ``reset`` (``llm.reset_prefix_cache()`` first), ``max_tokens``
+and ``action`` run before it (``"corrupt_s3"``: overwrite every object of ``s3.bucket`` with
+garbage; ``"pause_s3"``/``"resume_s3"``: SIGSTOP/SIGCONT the S3 server ``s3.pid``).  The output
+has per step the tokens, logprobs (top 3 of each generated token), ``num_cached_tokens``,
+``kv_transfer_params`` and the wall time of the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def make_model(path: str, seed: int) -> str:
+    """Save a small random-weight Llama (2 layers, 4 query / 2 KV heads of 64) to ``path`` unless
+    one is there.  O(weights)."""
+    if not os.path.exists(os.path.join(path, "config.json")):
+        from radixkv.integrations.transformers import random_model
+
+        random_model("llama", seed=seed, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                     intermediate_size=512, vocab_size=1000, max_positions=4096).save_pretrained(path)
+    return path
+
+
+def build_llm(spec: dict[str, Any]) -> Any:
+    """The ``LLM`` a spec describes (fp32, eager, token-id prompts).  Starts an engine: ~20 s."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    conn = spec.get("connector")
+    if conn is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=conn.get("name", "RadixKVConnector"),
+            kv_connector_module_path=conn.get("module", "radixkv.integrations.vllm"),
+            kv_role=conn.get("role", "kv_both"),
+            kv_connector_extra_config=conn.get("extra", {"radixkv_config": conn.get("config")}))
+    return LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+               max_model_len=spec.get("max_model_len", 4096), enable_prefix_caching=spec.get("prefix_caching", True),
+               disable_log_stats=not spec.get("log_stats", False), seed=0, **kw)
+
+
+def s3_action(action: str, s3: dict[str, Any]) -> None:
+    """Damage, pause or resume the test's S3 server."""
+    if action == "corrupt_s3":
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client("s3", endpoint_url=s3["endpoint"], region_name="us-east-1",
+                              aws_access_key_id=s3["key"], aws_secret_access_key=s3["secret"],
+                              config=Config(s3={"addressing_style": "path"}))
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=s3["bucket"])
+        for page in pages:
+            for obj in page.get("Contents", []):
+                body = client.get_object(Bucket=s3["bucket"], Key=obj["Key"])["Body"].read()
+                flipped = bytearray(body)
+                flipped[len(flipped) // 2] ^= 0xFF        # one bit pattern in the payload
+                client.put_object(Bucket=s3["bucket"], Key=obj["Key"], Body=bytes(flipped))
+    elif action == "pause_s3":
+        os.kill(int(s3["pid"]), signal.SIGSTOP)
+    elif action == "resume_s3":
+        os.kill(int(s3["pid"]), signal.SIGCONT)
+    else:
+        raise ValueError(f"unknown action {action!r}")
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run every step of ``spec`` in one engine; the results."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = build_llm(spec)
+    results: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}
+    for step in spec["steps"]:
+        if step.get("action"):
+            s3_action(step["action"], spec["s3"])
+        if step.get("reset"):
+            llm.reset_prefix_cache()
+        prompt: dict[str, Any] = {"prompt_token_ids": spec["prompts"][step["prompt"]]}
+        if step.get("salt"):
+            prompt["cache_salt"] = step["salt"]
+        params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=3)
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(**prompt)], params, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - t
+        gen = out.outputs[0]
+        results["steps"].append({
+            "name": step.get("name", step["prompt"]), "tokens": list(gen.token_ids),
+            "logprobs": [sorted([int(k), float(v.logprob)] for k, v in d.items()) for d in gen.logprobs or []],
+            "num_cached_tokens": int(out.num_cached_tokens or 0),
+            "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed})
+    if spec.get("log_stats"):
+        llm.llm_engine.do_log_stats()
+    # Shut the engine down before the results are written: the connector flushes its tier writes
+    # then, so that the next process finds them.
+    llm.llm_engine.engine_core.shutdown()
+    results["total_s"] = time.perf_counter() - t0
+    return results
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    results = run(spec)
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(results, f)
+    os.replace(out_path + ".tmp", out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
