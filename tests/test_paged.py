@@ -167,6 +167,20 @@ def test_a_second_turn_reuses_the_generated_tokens(llama: Any) -> None:
     assert turn2.cached_at_start == [20]                     # past the 13 prompt tokens: generated ones too
 
 
+def test_decoding_reads_the_pool_pages_themselves(llama: Any) -> None:
+    """Overwrite a held page's KV in ``cache.pool.kv`` mid-decode: the next logits change, so the
+    engine reads the pool, not a copy of its own."""
+    engine = PagedEngine(llama, make_cache(llama), keep_logits=True)
+    r = engine.add(tokens(13, seed=18), max_new_tokens=4)
+    engine.step()
+    engine.step()
+    engine.cache.pool.kv[:, :, int(r.held[1])] = 0.0           # tokens 4..7 of the prompt
+    engine.step()
+    reference = full_logits(llama, r.tokens[:-1])
+    assert (r.logits[1] - reference[-2]).abs().max().item() <= TOL
+    assert (r.logits[2] - reference[-1]).abs().max().item() > 100 * TOL
+
+
 # -- a tier load while the others decode ------------------------------------------------------------
 
 def gated(cls: type, *args: Any, **kwargs: Any) -> Any:

@@ -127,7 +127,6 @@ class PagedLlama:
         self.page_size = pool.layout.page_size
         self.num_kv_heads, self.head_dim = pool.layout.num_kv_heads, pool.layout.head_dim
         self.device = next(model.parameters()).device
-        self.dtype = model.dtype
 
     @torch.no_grad()
     def forward(self, batch: Sequence[Chunk]) -> torch.Tensor:
@@ -135,9 +134,11 @@ class PagedLlama:
         each chunk's last token, ``[len(batch), vocab]``.
 
         Writes the K/V of every token of the batch into its page slot first, then attends: a query
-        at position ``p`` of a request sees its keys ``0 .. p``, read from its pages.  Cost: one
-        pass of the weights over all the batch's tokens, plus per request and layer one read of
-        its ``start + len(tokens)`` keys and values from the pool.
+        at position ``p`` of a request sees its keys ``0 .. p``, read from its pages.  The pages of
+        the new tokens must be the caller's own (from ``alloc``): cached pages are shared by every
+        request on that prefix and are only ever read.  Cost: one pass of the weights over all the
+        batch's tokens, plus per request and layer one read of its ``start + len(tokens)`` keys and
+        values from the pool.
         """
         if not batch:
             raise ValueError("batch must not be empty")
@@ -170,8 +171,8 @@ class PagedLlama:
             k = k * cos + _rotate_half(k) * sin
             kv = self.pool.layer(i)                                      # [2, pages, page_size, kvh, dim]
             flat = kv.view(2, -1, kvh, dim)                              # [2, pages * page_size, kvh, dim]
-            flat[0, slots] = k.to(flat.dtype)
-            flat[1, slots] = v.to(flat.dtype)
+            flat[0, slots] = k.to(flat.device, flat.dtype)
+            flat[1, slots] = v.to(flat.device, flat.dtype)
             out = torch.empty_like(q)
             for c, table, lo, hi in zip(batch, tables, offsets, offsets[1:]):
                 end = c.start + hi - lo
