@@ -463,7 +463,6 @@ class S3Tier(Tier):
             total = _total_size(resp, length if isinstance(length, int) else 0)
             if not isinstance(length, int) or length > limit or total > limit:
                 body.close()
-                self._count(oversize=1)
                 raise OversizeBlob(f"S3 object of {total} bytes is over the {limit}-byte bound; not read")
             return resp, self._read_body(body, length)
 
@@ -513,8 +512,9 @@ class S3Tier(Tier):
         """The object's bytes, or ``None`` if absent, expired, overwritten mid-read or the breaker
         is open.  One GET for objects under ``multipart_threshold``; larger ones get their other
         ``multipart_chunksize`` ranges concurrently (into a ``bytearray``).  Bounded by the deadline
-        (``DeadlineExceeded``) and the size bound (``OversizeBlob``, from the headers).  Raises on a
-        fault.  Thread-safe."""
+        (``DeadlineExceeded``); an object over the size bound (``max_object_bytes``, or the caller's
+        through ``bounded``) is a miss decided from its headers, counted in ``oversize`` (and
+        deleted when the bound is the caller's).  Raises on a fault.  Thread-safe."""
         check_key(key)
         return self._bounded(self._get, [key])[0]
 
@@ -542,6 +542,16 @@ class S3Tier(Tier):
             return None
         except KeyError:
             outcome = "misses"
+            return None
+        except OversizeBlob:
+            # Larger than the caller's chunk: a bad object that would answer lookups forever and
+            # block the rewrite of the good chunk, so it goes (when the bound is the caller's).
+            outcome = "oversize"
+            if current_max_blob_bytes() is not None:
+                try:
+                    self._delete(name)
+                except Exception:  # noqa: BLE001 - best effort: the object stays a miss either way
+                    pass
             return None
         finally:
             self._count(gets=1, **{outcome: 1})
@@ -726,7 +736,7 @@ class S3Tier(Tier):
         with self._lock:
             c = dict(self._counts)
         assert all(v >= 0 for v in c.values()), f"negative counter in {c}"
-        got = c["hits"] + c["misses"] + c["expired"] + c["skipped"] + c["get_errors"]
+        got = c["hits"] + c["misses"] + c["expired"] + c["skipped"] + c["get_errors"] + c["oversize"]
         put = c["stored"] + c["skipped_puts"] + c["put_errors"]
         assert got == c["gets"] and put == c["puts"], f"outcomes != requests in {c}"  # counted together
         assert c["hits"] <= c["gets"] and c["bytes_read"] >= 0 and c["bytes_written"] >= 0

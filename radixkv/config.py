@@ -12,13 +12,20 @@ that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's wh
     local_disk: /nvme/radixkv    # an LmdbTier at this path (file:// allowed) ...
     max_local_disk_size: 200     # ... of this many GB
     local_disk_ttl: 86400        # seconds, optional
-    remote_url: s3://bucket/kv   # an S3Tier, shared by every instance of the namespace
+    remote_url: s3://bucket/kv   # an S3Tier, shared by every instance of the namespace ...
     remote_endpoint: http://127.0.0.1:9000   # optional (MinIO, Ceph, a test server)
+    # remote_url: redis://cache-host:6379/0  # ... or a RedisTier (redis:// or rediss:// for TLS)
+    remote_timeout: 2.0          # seconds: the total bound of one lookup or load on the network
+    secret: ...                  # deployment secret: every chunk carries a MAC (prefer RADIXKV_SECRET)
+    previous_secret: ...         # the secret before a rotation, still accepted on read
+    encrypt: false               # AES-GCM for the remote tier's chunks (needs secret)
     write_policy: write_through  # or write_back
     promote: true                # copy lower-tier hits into the tiers above
     namespace: {model: meta-llama/Llama-2-7b-hf, revision: main, salt: tenant-a}
 
-Sizes are in GB (10**9 bytes), as in LMCache.  Unknown keys and contradictions (a size without its
+Sizes are in GB (10**9 bytes), as in LMCache.  ``secret`` and ``previous_secret`` are never shown
+in the config's ``repr``; without them the ``RADIXKV_SECRET`` / ``RADIXKV_PREVIOUS_SECRET``
+environment variables are used (the better place for a secret than a file).  Unknown keys and contradictions (a size without its
 tier, ``local_cpu: false`` with a CPU size) are a ``ValueError`` naming the key.  The KV layout comes
 from the model, so it is an argument, or a ``layout`` mapping (num_layers, num_kv_heads, head_dim,
 dtype) in the file.
@@ -41,6 +48,7 @@ from radixkv.pool import KVLayout
 if TYPE_CHECKING:
     from radixkv.backends import Tier
     from radixkv.cache import PrefixCache
+    from radixkv.tiers import TierStack
 
 __all__ = ["CacheConfig", "load_config"]
 
@@ -66,6 +74,10 @@ class CacheConfig:
     local_disk_ttl: float | None = None
     remote_url: str | None = None
     remote_endpoint: str | None = None
+    remote_timeout: float = 2.0
+    secret: str | None = field(default=None, repr=False)
+    previous_secret: str | None = field(default=None, repr=False)
+    encrypt: bool = False
     write_policy: str = "write_through"
     promote: bool = True
     namespace: Mapping[str, Any] = field(default_factory=dict)
@@ -83,10 +95,10 @@ class CacheConfig:
                 _positive_int(name, getattr(self, name))
         if self.pool_tokens is not None and self.pool_tokens < self.page_size:
             raise ValueError(f"pool_tokens: {self.pool_tokens} is less than one page")
-        for name in ("local_cpu", "promote"):
+        for name in ("local_cpu", "promote", "encrypt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("max_local_cpu_size", "max_local_disk_size", "local_disk_ttl"):
+        for name in ("max_local_cpu_size", "max_local_disk_size", "local_disk_ttl", "remote_timeout"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -103,9 +115,25 @@ class CacheConfig:
         if self.remote_endpoint is not None and self.remote_url is None:
             raise ValueError("remote_endpoint: set, but remote_url is not")
         if self.remote_url is not None:
-            from radixkv.backends.s3 import parse_remote_url
+            if _is_redis(self.remote_url):
+                from radixkv.backends.redis import parse_redis_url
 
-            parse_remote_url(self.remote_url)   # a malformed URL fails here, naming remote_url
+                parse_redis_url(self.remote_url)   # a malformed URL fails here, naming remote_url
+                if self.remote_endpoint is not None:
+                    raise ValueError("remote_endpoint: only for s3:// URLs (a redis:// URL names its server)")
+            else:
+                from radixkv.backends.s3 import parse_remote_url
+
+                parse_remote_url(self.remote_url)
+        for name in ("secret", "previous_secret"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or len(value.encode()) < 16):
+                # The message never echoes the value.
+                raise ValueError(f"{name} must be a string of at least 16 bytes (a random deployment secret)")
+        if self.previous_secret is not None and self.secret is None and not os.environ.get("RADIXKV_SECRET"):
+            raise ValueError("previous_secret: set, but secret is not (nor RADIXKV_SECRET)")
+        if self.encrypt and self.secret is None and not os.environ.get("RADIXKV_SECRET"):
+            raise ValueError("encrypt: needs secret (or RADIXKV_SECRET): the key is derived from it")
         if self.write_policy not in ("write_through", "write_back"):
             raise ValueError(f"write_policy must be write_through or write_back, got {self.write_policy!r}")
         if not isinstance(self.namespace, Mapping) or set(self.namespace) - _NAMESPACE_KEYS:
@@ -165,11 +193,29 @@ class CacheConfig:
             assert self.max_local_disk_size is not None
             path = self.local_disk.removeprefix("file://")
             tiers.append(LmdbTier(path, int(self.max_local_disk_size * _GB), ttl=self.local_disk_ttl))
-        if self.remote_url:
+        if self.remote_url and _is_redis(self.remote_url):
+            from radixkv.backends.redis import RedisTier
+
+            tiers.append(RedisTier.from_url(self.remote_url))
+        elif self.remote_url:
             from radixkv.backends.s3 import S3Tier
 
             tiers.append(S3Tier.from_url(self.remote_url, endpoint_url=self.remote_endpoint))
         return tiers
+
+    def make_stack(self, layout: KVLayout, namespace: Namespace | None = None) -> TierStack | None:
+        """The ``TierStack`` of this config's tiers for ``layout`` KV (``None`` without tiers), with
+        its secrets, encryption and remote timeout; ``namespace`` defaults to ``make_namespace()``
+        bound to ``layout``.  Used by ``build`` and by integrations whose engine owns the pool."""
+        from radixkv.tiers import TierStack
+
+        tiers = self.make_tiers(layout)
+        if not tiers:
+            return None
+        ns = namespace if namespace is not None else self.make_namespace().bind(layout)
+        return TierStack(tiers, namespace=ns, layout=layout, chunk_size=self.chunk_size, promote=self.promote,
+                         timeout_s=self.remote_timeout, secret=self.secret, previous_secret=self.previous_secret,
+                         encrypt=self.encrypt)
 
     def build(self, layout: KVLayout | None = None) -> PrefixCache:
         """The ``PrefixCache`` this config describes, tiers included (fastest first)."""
@@ -177,8 +223,10 @@ class CacheConfig:
 
         layout = self.make_layout(layout)
         num_pages = self.num_pages if self.num_pages is not None else self.pool_tokens // self.page_size  # type: ignore[operator]
-        return PrefixCache(layout, num_pages=num_pages, device=self.device, namespace=self.make_namespace(),
-                           tiers=self.make_tiers(layout), chunk_size=self.chunk_size,
+        namespace = self.make_namespace()
+        stack = self.make_stack(layout, namespace.bind(layout))
+        return PrefixCache(layout, num_pages=num_pages, device=self.device, namespace=namespace,
+                           tiers=() if stack is None else stack, chunk_size=self.chunk_size,
                            write_policy=self.write_policy, promote=self.promote)
 
 
@@ -207,6 +255,10 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | None = None
     else:
         raise ValueError(f"config: {str(path)!r} is neither .yaml, .yml nor .json")
     return CacheConfig.from_mapping(data)
+
+
+def _is_redis(url: Any) -> bool:
+    return isinstance(url, str) and url.split("://", 1)[0] in ("redis", "rediss")
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -54,7 +54,10 @@ def test_json_file(tmp_path):
     (base(local_disk="/tmp/x"), "max_local_disk_size"),
     (base(max_local_disk_size=1.0), "local_disk is not"),
     (base(max_local_cpu_size=-1, local_cpu=True), "max_local_cpu_size"),
-    (base(remote_url="redis://host:6379"), "remote_url"),
+    (base(remote_url="redis://host:6379/not-a-db"), "remote_url"),
+    (base(remote_url="ftp://host/kv"), "remote_url"),
+    (base(encrypt=True), "encrypt"),
+    (base(secret="short"), "secret"),
     (base(remote_url="s3://"), "remote_url"),
     (base(remote_endpoint="http://127.0.0.1:1"), "remote_endpoint"),
     (base(write_policy="lazy"), "write_policy"),
@@ -77,3 +80,22 @@ def test_missing_layout_and_mismatched_page_size(tmp_path, monkeypatch):
         rk.PrefixCache.from_config()
     with pytest.raises(ValueError, match="no such file"):
         rk.PrefixCache.from_config(tmp_path / "absent.yaml", LAYOUT)
+
+
+def test_secrets_reach_the_stack_and_never_the_repr(monkeypatch):
+    monkeypatch.delenv("RADIXKV_SECRET", raising=False)
+    secret, old = "config-secret-0123456789", "config-previous-0123456789"
+    cfg = rk.config.CacheConfig.from_mapping(base(local_cpu=True, max_local_cpu_size=0.001, secret=secret,
+                                                  previous_secret=old, remote_timeout=0.5))
+    assert secret not in repr(cfg) and old not in repr(cfg)
+    with cfg.build(LAYOUT) as cache:
+        assert cache.stack.seals[0].keyed and cache.stack.timeout_s == 0.5
+        assert secret not in repr(cache.stack) and old not in repr(cache.stack.seals)
+        cache.check()
+
+
+def test_redis_url_builds_a_redis_tier():
+    cfg = rk.config.CacheConfig.from_mapping(base(remote_url="redis://127.0.0.1:1/0?prefix=kv"))
+    assert cfg.remote_url.startswith("redis://")
+    with pytest.raises(ValueError, match="remote_endpoint"):
+        rk.config.CacheConfig.from_mapping(base(remote_url="redis://h:1/0", remote_endpoint="http://x"))
