@@ -543,3 +543,17 @@ def test_cpp_block_ops_reject_bad_arguments(cpp: None, call, error: type, words:
     with pytest.raises(error, match=words):
         call()
     assert not any(t.any() for t in LAYERS_2)
+
+
+@pytest.mark.parametrize("per_block", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_block_scatter_both_ways_match_the_definition(layout: str, per_block: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fallback copies block by block for large rows, with index_copy_ for small ones.
+    monkeypatch.setattr(ops, "_PER_BLOCK_SCATTER_BYTES", 1 if per_block else 1 << 40)
+    shape = (2, 1, 6, 4, 1, 8) if layout == "mla" else (2, 2, 6, 4, 3, 8)
+    case = dict(layout=layout, shape=shape, dtype=torch.float16, ids=[4, 0, 5], skip=1, tokens=20, seed=5)
+    layers, buf = make_blocks(case)
+    expected = scatter_blocks_by_definition(buf, layers, case["ids"], case["skip"])
+    ops._scatter_torch(buf, layers, torch.tensor(case["ids"]), case["skip"])
+    assert all(torch.equal(as_bytes(t), e) for t, e in zip(layers, expected))
