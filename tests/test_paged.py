@@ -452,7 +452,7 @@ def test_random_arrivals_aborts_and_a_short_pool(llama: Any, tiered: bool) -> No
     """Continuous batching under churn: arrivals each step, aborts, a pool of a few requests'
     pages and (``tiered``) a CPU tier under it that the pool is emptied into now and then, so that
     loads land while others decode; after every step ``check()``; every finished answer is exact."""
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import example, given, settings, strategies as st
 
     from radixkv.backends import CpuTier
 
@@ -461,6 +461,10 @@ def test_random_arrivals_aborts_and_a_short_pool(llama: Any, tiered: bool) -> No
                         st.integers(0, 2**16), st.booleans())
 
     @settings(max_examples=12, deadline=None, database=None)
+    # Two examples that always run: three requests that cannot all fit in 8 pages (preemption), and
+    # a request on the system prompt of a finished one after the pool was emptied (a tier load).
+    @example([(2, 6, 10, 0, 1, False), (2, 6, 10, 0, 2, False), (2, 6, 10, 0, 3, False)], 8, 3, set())
+    @example([(1, 1, 4, 0, 4, False), (1, 2, 4, 6, 5, False)], 12, 2, {5})
     @given(st.lists(request, min_size=3, max_size=6), st.integers(8, 12), st.integers(2, 4),
            st.sets(st.integers(1, 12), max_size=4))
     def churn(requests: list[tuple[int, int, int, int, int, bool]], num_pages: int, max_running: int,
