@@ -22,7 +22,8 @@ from radixkv import backends
 from radixkv.backends import MemoryTier, Tier
 from radixkv.backends.cpu import CpuTier
 from radixkv.backends.lmdb import LmdbTier
-from radixkv.testing.tiers import PersistentTierContract, TierContract
+from radixkv.testing.backends import CpuTierContract, LmdbTierContract, LmdbTtlTierContract, MemoryTierContract
+from radixkv.testing.tiers import TierContract
 
 pytest.importorskip("lmdb")
 
@@ -33,58 +34,16 @@ def key(i: int, ns: int = 0) -> bytes:
 
 # -- the contract, for every tier -------------------------------------------------------------
 
-class MemoryContract(TierContract):
-    exact = True
-    used_bytes_exact = True
-
-    def make_tier(self) -> Tier:
-        return MemoryTier()
-
-
-class CpuContract(TierContract):
-    """4 slots of 256 bytes; blobs up to 300 bytes, so some are refused."""
-
-    lru = True
-    used_bytes_exact = True
-    reentrant_consume = True
-
-    def make_tier(self) -> Tier:
-        return CpuTier(max_bytes=1024, slot_bytes=256)
-
-    def entry_bytes(self, size: int) -> int:
-        return self.tier.slot_bytes  # type: ignore[attr-defined, no-any-return]
-
-    def should_store(self, size: int) -> bool | None:
-        slot = self.tier.slot_bytes  # type: ignore[attr-defined]
-        return True if not slot else size <= slot   # the first put sets the slot size when not given
-
-
-class CpuInferredSlotsContract(CpuContract):
+class CpuInferredSlotsContract(CpuTierContract):
     def make_tier(self) -> Tier:
         return CpuTier(max_bytes=1200)  # slot size set by the first put
 
 
-class LmdbContract(PersistentTierContract):
-    lru = True
-    used_bytes_exact = True
-
-    def make_tier(self) -> Tier:
-        return LmdbTier(self.path, max_bytes=1000, map_size=1 << 20, sync=False, touch_every=4, clock=self.clock)
-
-
-class LmdbTtlContract(LmdbContract):
-    ttl = 5.0
-
-    def make_tier(self) -> Tier:
-        return LmdbTier(self.path, max_bytes=1000, map_size=1 << 20, sync=False, touch_every=4, clock=self.clock,
-                        ttl=self.ttl)
-
-
-TestMemoryContract = MemoryContract.TestCase
-TestCpuContract = CpuContract.TestCase
+TestMemoryContract = MemoryTierContract.TestCase
+TestCpuContract = CpuTierContract.TestCase
 TestCpuInferredSlotsContract = CpuInferredSlotsContract.TestCase
-TestLmdbContract = LmdbContract.TestCase
-TestLmdbTtlContract = LmdbTtlContract.TestCase
+TestLmdbContract = LmdbTierContract.TestCase
+TestLmdbTtlContract = LmdbTtlTierContract.TestCase
 
 
 def test_the_contract_runs_from_a_factory_in_tmp_path(tmp_path: Path) -> None:

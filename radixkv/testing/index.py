@@ -371,7 +371,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def _tokens(self, data: st.DataObject) -> list[int]:
         """Fresh tokens, or (once there are some) a seen sequence cut anywhere and extended."""
-        if self.seen and data.draw(st.booleans(), label="reuse a seen prefix"):
+        reuse: bool = bool(self.seen) and data.draw(st.booleans(), label="reuse a seen prefix")
+        if reuse:
             seq = data.draw(st.sampled_from(self.seen), label="seen")
             return seq[:data.draw(st.integers(0, len(seq)), label="cut")] + data.draw(token_lists(max_len=4),
                                                                                      label="extra")
@@ -419,6 +420,46 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self._prefill(seq[:data.draw(st.integers(1, len(seq)), label="cut")])
         self.cache.release(held)
 
+    @rule(data=st.data())
+    def split_a_held_prefix(self, data: st.DataObject) -> None:
+        """Cache a sequence of a few pages (or take a seen one), hold all of it, then run a request
+        for a prefix that ends inside its node: the split node is held, its lock count must carry
+        over (``check()`` runs right after)."""
+        ps = self.ps
+        long_enough = [s for s in self.seen if len(s) >= 2 * ps]
+        reuse: bool = bool(long_enough) and data.draw(st.booleans(), label="a seen sequence")
+        if reuse:
+            seq = data.draw(st.sampled_from(long_enough), label="seen")
+        else:
+            seq = data.draw(st.lists(st.integers(0, 2), min_size=2 * ps, max_size=4 * ps), label="tokens")
+            if not self._prefill(seq):
+                return
+        held = self._match(seq, leave_last=False)
+        pages = held.num_tokens // ps
+        if pages >= 2:
+            cut = data.draw(st.integers(1, pages - 1), label="cut pages") * ps
+            inner = self._match(seq[:cut], leave_last=False)
+            self.cache.check()
+            self.cache.release(inner)
+        self.cache.release(held)
+
+    @rule()
+    def pool_double_free_is_an_error(self) -> None:
+        """The pool itself refuses to free a free page (and changes nothing)."""
+        pool = self.cache.pool
+        free = np.flatnonzero(pool.is_free(np.arange(pool.num_pages)))
+        if not free.size:
+            return
+        before = pool.num_free
+        try:
+            pool.free(free[:1])
+        except ValueError:
+            pass
+        else:
+            _fail(f"KVPool.free of the free page {int(free[0])} did not raise")
+        if pool.num_free != before:
+            _fail(f"a refused KVPool.free changed num_free from {before} to {pool.num_free}")
+
     @rule(num_pages=st.integers(0, 8))
     def evict(self, num_pages: int) -> None:
         evictable = self.cache.tree.evictable_size // self.ps
@@ -462,13 +503,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.cache.tree.num_nodes > 0)
     @rule()
     def check_detects_corruption(self) -> None:
-        """``check()`` must notice a lock count that no match explains (restored after)."""
+        """``check()`` must notice a lock count that no request explains (restored after), on a node
+        a match holds: only the cache knows how many requests hold it."""
         node = self.cache.tree.nodes()[-1]
+        held = self._match(self.cache.tree.prefix_tokens(node).tolist(), leave_last=False)
         node.lock_ref += 1
         try:
-            _expect_check_fails(self.cache.check, f"lock_ref of {node!r} one too high")
+            _expect_check_fails(self.cache.check, f"lock_ref of a held {node!r} one too high")
         finally:
             node.lock_ref -= 1
+            self.cache.release(held)
 
     # -- invariants -------------------------------------------------------------------------------
 
@@ -570,16 +614,28 @@ class TieredPrefixCacheMachine(PrefixCacheMachine):
             pos += take
         return count
 
-    @precondition(lambda self: self.seen)
+    def _long_sequence(self, data: st.DataObject) -> list[int] | None:
+        """A seen sequence with a full chunk, or a fresh one (cached first); None if the pool is full."""
+        long_enough = [s for s in self.seen if len(s) >= self.cs + self.ps]
+        reuse: bool = bool(long_enough) and data.draw(st.booleans(), label="a seen sequence")
+        if reuse:
+            return data.draw(st.sampled_from(long_enough), label="seen")
+        seq = data.draw(st.lists(st.integers(0, 2), min_size=self.cs + self.ps, max_size=2 * self.cs + self.ps),
+                        label="tokens")
+        return seq if self._prefill(seq) else None
+
     @rule(data=st.data(), add_page=st.booleans())
     def recall(self, data: st.DataObject, add_page: bool) -> None:
-        """Evict everything, maybe cache one page into a chunk, then match a seen sequence: with an
-        exact tier every chunk from the tree's end on comes back (as far as the pool has room),
-        byte for byte, starting inside a chunk when the tree ends inside one."""
+        """Evict everything, maybe cache one page into a chunk, then match a sequence seen before:
+        with an exact tier every chunk from the tree's end on comes back (as far as the pool has
+        room), byte for byte, starting inside a chunk when the tree ends inside one."""
         cache, ps, cs = self.cache, self.ps, self.cs
+        seq = self._long_sequence(data)
+        if seq is None:
+            return
+        cache.flush()
         cache.evict(cache.pool.num_pages)
         cache.flush()
-        seq = data.draw(st.sampled_from(self.seen), label="seen")
         tree_end = resident_tokens(cache.tree, seq)
         if add_page and tree_end % cs == 0 and tree_end + cs <= len(seq):
             if self._prefill(seq[:tree_end + ps]):   # loads nothing (no full chunk past the tree), adds a page
@@ -635,6 +691,21 @@ class FaultyPrefixCacheMachine(TieredPrefixCacheMachine):
     def set_faults(self, failing: set[str]) -> None:
         self.cache.flush()
         self.faulty.failing = set(failing)
+
+    @rule(data=st.data(), failing=st.sets(st.sampled_from(["get", "read", "contains_prefix"]), min_size=1))
+    def load_through_a_fault(self, data: st.DataObject, failing: set[str]) -> None:
+        """A sequence goes down to the tier and out of the pool; its match then meets a fault: a miss
+        (or a partial hit) with the right KV, and the fault counted."""
+        seq = self._long_sequence(data)
+        if seq is None:
+            return
+        self.cache.flush()
+        self.cache.evict(self.cache.pool.num_pages)
+        self.cache.flush()
+        self.faulty.failing = set(failing)
+        self.cache.release(self._match(seq, leave_last=False))
+        self.cache.flush()
+        self.faulty.failing = set()
 
     @invariant()
     def faults_are_counted(self) -> None:

@@ -54,15 +54,19 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import random
 import shutil
 import sys
+import sysconfig
 import tempfile
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
+import hypothesis
 import xxhash
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -154,6 +158,26 @@ class Clock:
         return f"Clock({self():.6f})"
 
 
+_NOT_TRACED = (sysconfig.get_paths()["stdlib"], os.path.dirname(hypothesis.__file__), os.path.dirname(__file__))
+
+
+def _preempter(seed: int) -> Callable[..., Any]:
+    """A trace function for the burst's threads that yields the interpreter (``time.sleep(0)``) at
+    random lines of code outside the standard library, hypothesis and this package: the GIL
+    otherwise hides most races of a pure-Python tier that forgot its lock."""
+    rng = random.Random(seed)
+
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and rng.random() < 0.1:
+            time.sleep(0)
+        return line
+
+    def call(frame: Any, event: str, arg: Any) -> Any:
+        return None if frame.f_code.co_filename.startswith(_NOT_TRACED) else line
+
+    return call
+
+
 class _Boom(Exception):
     """Raised by a ``consume`` to check that ``read`` lets it through."""
 
@@ -226,6 +250,7 @@ class TierContract(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self._tier: Tier | None = None
+        self._capacity: int | None = None
         self._path: Path | None = None
         self.clock = Clock()
         self.names = key_universe(self.namespaces, self.keys_per_namespace)
@@ -257,7 +282,7 @@ class TierContract(RuleBasedStateMachine):
         """The tier under test, built by ``make_tier`` on first use."""
         if self._tier is None:
             self._tier = self._build()
-            self.capacity = self._tier.capacity_bytes
+            self._capacity = self._tier.capacity_bytes
             self.baseline = self._stats()
             observed = self._observe()
             if observed:
@@ -268,7 +293,14 @@ class TierContract(RuleBasedStateMachine):
     @tier.setter
     def tier(self, value: Tier) -> None:
         self._tier = value
-        self.capacity = value.capacity_bytes
+        self._capacity = value.capacity_bytes
+
+    @property
+    def capacity(self) -> int | None:
+        """The tier's ``capacity_bytes`` (read once; builds the tier if needed)."""
+        if self._tier is None:
+            return self.tier.capacity_bytes
+        return self._capacity
 
     def _build(self) -> Tier:
         tier = self.make_tier()
@@ -296,6 +328,13 @@ class TierContract(RuleBasedStateMachine):
         if size > self.capacity:
             return False
         return True if size <= self.capacity // 4 else None
+
+    def _fitting_size(self) -> int:
+        """The largest blob size up to ``max_blob`` that ``should_store`` says must be stored."""
+        for size in range(self.max_blob, self.min_blob - 1, -1):
+            if self.should_store(size) is True:
+                return size
+        return self.min_blob
 
     def entry_bytes(self, size: int) -> int:
         """Bytes of ``used_bytes`` one entry of a ``size``-byte blob takes (for ``used_bytes_exact``);
@@ -461,13 +500,13 @@ class TierContract(RuleBasedStateMachine):
         tier = self.tier
         blob = self._new_blob(key, size)
         buf = _bytes_form(blob, form)
+        want = None if self.relaxed else self.should_store(size)     # asked before: a put may change it
         now = self._now()
         stored = tier.put(key, buf)
         _scribble(buf)                      # the tier must have copied it
         how = f"put({self._name(key)}, {size} bytes as {form})"
         if not isinstance(stored, bool):
             _fail(f"{how} returned {stored!r}, not a bool")
-        want = None if self.relaxed else self.should_store(size)
         if want is not None and stored != want:
             _fail(f"{how} returned {stored}; a tier of capacity {self.capacity} must "
                   f"{'store' if want else 'refuse'} a {size}-byte blob (see should_store)")
@@ -518,20 +557,24 @@ class TierContract(RuleBasedStateMachine):
         self.step = f"put({name})"
         self._put(self.names[name], size, form)
 
-    @rule(items=st.lists(st.tuples(_key_names, _sizes, _forms), max_size=4, unique_by=lambda t: t[0]))
-    def put_many(self, items: list[tuple[str, int, str]]) -> None:
-        self.step = f"put_many({[n for n, _, _ in items]})"
+    @rule(items=st.lists(st.tuples(_key_names, _sizes, _forms), max_size=4, unique_by=lambda t: t[0]),
+          oversize=st.booleans())
+    def put_many(self, items: list[tuple[str, int, str]], oversize: bool) -> None:
+        """``oversize``: the last blob is over the tier's capacity (it must be refused)."""
         tier = self.tier
+        if oversize and items and self.capacity is not None:
+            items = [*items[:-1], (items[-1][0], self.capacity + 1, items[-1][2])]
+        self.step = f"put_many({[(n, size) for n, size, _ in items]})"
         keys = [self.names[n] for n, _, _ in items]
         made = [self._new_blob(k, size) for k, (_, size, _) in zip(keys, items)]
         bufs = [_bytes_form(b, form) for b, (_, _, form) in zip(made, items)]
+        must = [self.should_store(size) for _, size, _ in items]
         now = self._now()
         stored = tier.put_many(list(zip(keys, bufs)))
         for buf in bufs:
             _scribble(buf)
         if type(stored) is not int or not 0 <= stored <= len(items):
             _fail(f"{self.step} returned {stored!r}, not an int in [0, {len(items)}]")
-        must = [self.should_store(size) for _, size, _ in items]
         if stored < sum(m is True for m in must) or stored > len(items) - sum(m is False for m in must):
             _fail(f"{self.step} stored {stored} of {len(items)} blobs of sizes {[s for _, s, _ in items]}, "
                   f"but should_store says {must}")
@@ -608,9 +651,9 @@ class TierContract(RuleBasedStateMachine):
             return
         before = bytes(got)
         for other in [k for k in self.universe if k != key][:3]:
-            self._put(other, self.max_blob)
+            self._put(other, self._fitting_size())
         self._delete(key)
-        self._put(key, self.max_blob)
+        self._put(key, self._fitting_size())
         if bytes(got) != before:
             _fail(f"a buffer get({name}) returned changed under its holder when the tier was written")
 
@@ -629,11 +672,12 @@ class TierContract(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 8))
     def fill(self, n: int) -> None:
-        """Write a whole namespace of the largest blobs: more than a small tier holds."""
+        """Write a whole namespace of the largest blobs the tier must store: more than a small
+        tier holds."""
         ns = self.ns_ids[n % len(self.ns_ids)]
         self.step = f"fill(ns{n % len(self.ns_ids)})"
         for key in [k for k in self.universe if k.startswith(ns)]:
-            self._put(key, self.max_blob)
+            self._put(key, self._fitting_size())
 
     @precondition(lambda self: self._tier is not None and self.capacity is not None)
     @rule(name=_key_names)
@@ -704,9 +748,9 @@ class TierContract(RuleBasedStateMachine):
             self.relaxed += 1
             try:
                 for other in others:
-                    self._put(other, self.max_blob)
+                    self._put(other, self._fitting_size())
                 self._delete(key)
-                self._put(key, self.max_blob)
+                self._put(key, self._fitting_size())
             finally:
                 self.relaxed -= 1
             return first, bytes(view)
@@ -773,6 +817,8 @@ class TierContract(RuleBasedStateMachine):
 
         old = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)        # interleave as finely as the interpreter allows
+        if getattr(tier, "local", True):   # and yield at random lines of the tier's Python code
+            threading.settrace(_preempter(seed))
         try:
             workers = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(len(plans))]
             for w in workers:
@@ -780,6 +826,7 @@ class TierContract(RuleBasedStateMachine):
             for w in workers:
                 w.join(60)
         finally:
+            threading.settrace(None)       # type: ignore[arg-type]
             sys.setswitchinterval(old)
         if any(w.is_alive() for w in workers):
             _fail(f"{self.step}: threads still running after 60 s (a deadlock?)")
@@ -804,6 +851,8 @@ class TierContract(RuleBasedStateMachine):
         self.held = observed
         for key in sorted(observed):       # start over empty: what survived a race is not reproducible,
             self._delete(key)              # and the next steps' draws must not depend on it
+        settled = start + (2 * len(self.universe) + 2) * self.clock.step_us   # nor the clock
+        self.clock._us = max(self.clock._us, settled)
         self.baseline = self._stats()     # counters under concurrency are not the model's to predict
         self.expected.clear()
         self.unknown.clear()

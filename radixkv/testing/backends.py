@@ -1,0 +1,77 @@
+"""The tier contract configured for each backend radixkv ships: what each one promises beyond the
+base contract (exactness, LRU, byte accounting, slots, TTL, persistence), as knobs and overrides.
+
+radixkv's own tests run them; subclass one to check a modified or wrapped backend against the same
+promises (override ``make_tier``, keep the knobs)::
+
+    from radixkv.testing.backends import CpuTierContract
+
+    class MyCpuTierContract(CpuTierContract):
+        def make_tier(self):
+            return MyCpuTier(max_bytes=1024, slot_bytes=256)
+
+    TestMyCpuTier = MyCpuTierContract.TestCase
+"""
+
+from __future__ import annotations
+
+from radixkv.backends import MemoryTier, Tier
+from radixkv.testing.tiers import PersistentTierContract, TierContract
+
+__all__ = ["CpuTierContract", "LmdbTierContract", "LmdbTtlTierContract", "MemoryTierContract"]
+
+
+class MemoryTierContract(TierContract):
+    """``MemoryTier``: exact (never evicts), ``used_bytes`` is the sum of the blobs."""
+
+    exact = True
+    used_bytes_exact = True
+
+    def make_tier(self) -> Tier:
+        return MemoryTier()
+
+
+class CpuTierContract(TierContract):
+    """``CpuTier(max_bytes=1024, slot_bytes=256)``: 4 slots, LRU, one slot per entry, blobs over a
+    slot refused (blobs go up to 300 bytes), ``consume`` may call back into the tier."""
+
+    lru = True
+    used_bytes_exact = True
+    reentrant_consume = True
+
+    def make_tier(self) -> Tier:
+        from radixkv.backends.cpu import CpuTier
+
+        return CpuTier(max_bytes=1024, slot_bytes=256)
+
+    def entry_bytes(self, size: int) -> int:
+        return int(getattr(self.tier, "slot_bytes"))
+
+    def should_store(self, size: int) -> bool | None:
+        slot = int(getattr(self.tier, "slot_bytes"))
+        if not slot:                                  # the first put sets the slot size when not given
+            return None if size > (self.capacity or 0) // 2 else True
+        if slot > (self.capacity or 0):               # a first blob over max_bytes carved no slot at all
+            return False
+        return size <= slot
+
+
+class LmdbTierContract(PersistentTierContract):
+    """``LmdbTier(max_bytes=1000)`` in the example's directory, on the machine's clock: LRU by
+    bytes (with batched access times), persistent across close and reopen."""
+
+    lru = True
+    used_bytes_exact = True
+
+    def make_tier(self) -> Tier:
+        from radixkv.backends.lmdb import LmdbTier
+
+        return LmdbTier(self.path, max_bytes=1000, map_size=1 << 20, sync=False, touch_every=4, clock=self.clock,
+                        ttl=self.ttl)
+
+
+class LmdbTtlTierContract(LmdbTierContract):
+    """``LmdbTierContract`` with entries that expire 5 seconds (of the machine's clock) after they
+    are written."""
+
+    ttl = 5.0
