@@ -202,6 +202,16 @@ def gated(cls: type, *args: Any, **kwargs: Any) -> Any:
     return tier
 
 
+def serve_into_the_tier(engine: PagedEngine, prompt: list[int]) -> EngineRequest:
+    """Serve ``prompt`` to the end, then empty the pool: its full chunks are in the tier only."""
+    r = engine.add(prompt, max_new_tokens=3)
+    run(engine)
+    assert engine.cache.flush(30)
+    engine.cache.evict(engine.cache.pool.num_pages)
+    assert engine.cache.stats()["cached_tokens"] == 0
+    return r
+
+
 @pytest.mark.parametrize("backend", ["cpu", "lmdb"])
 def test_a_request_loads_its_prefix_from_a_tier_while_others_decode(llama: Any, backend: str, tmp_path: Any) -> None:
     from radixkv.backends import CpuTier
@@ -215,11 +225,7 @@ def test_a_request_loads_its_prefix_from_a_tier_while_others_decode(llama: Any, 
     with make_cache(llama, tiers=[tier]) as cache:
         engine = PagedEngine(llama, cache, keep_logits=True, deadline_s=30.0)
         document = tokens(41, seed=12)                       # 5 chunks, written through
-        warm = engine.add(document + tokens(2, seed=13), max_new_tokens=3)
-        run(engine)
-        assert cache.flush(30)
-        cache.evict(cache.pool.num_pages)                    # the pool forgets it; the tier keeps it
-        assert cache.stats()["cached_tokens"] == 0
+        warm = serve_into_the_tier(engine, document + tokens(2, seed=13))
         busy = [engine.add(tokens(9 + i, seed=14 + i), max_new_tokens=12) for i in range(2)]
         engine.step()
         tier.gate.clear()                                    # the load will wait in the tier
@@ -322,10 +328,7 @@ def test_a_load_that_fails_to_land_leaves_every_page_where_it_was(llama: Any) ->
         tier = cache.stack.tiers[0]                          # type: ignore[union-attr]
         engine = PagedEngine(llama, cache, keep_logits=True, deadline_s=30.0)
         document = tokens(33, seed=41)
-        engine.add(document, max_new_tokens=2)
-        run(engine)
-        assert cache.flush(30)
-        cache.evict(cache.pool.num_pages)
+        serve_into_the_tier(engine, document)
         busy = engine.add(tokens(7, seed=42), max_new_tokens=40)
         engine.step()
         tier.gate.clear()
@@ -419,10 +422,7 @@ def test_a_load_past_its_deadline_is_a_miss_and_the_request_computes_its_prefix(
     with make_cache(llama, tiers=[tier]) as cache:
         engine = PagedEngine(llama, cache, keep_logits=True, deadline_s=0.2)
         document = tokens(33, seed=60)
-        engine.add(document, max_new_tokens=2)
-        run(engine)
-        assert cache.flush(30)
-        cache.evict(cache.pool.num_pages)
+        serve_into_the_tier(engine, document)
         tier.gate.clear()
         try:
             late = engine.add(document + tokens(2, seed=61), max_new_tokens=4)
