@@ -199,6 +199,16 @@ class Tier(abc.ABC):
             result["capacity_bytes"] = cap
         return result
 
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Keep ``keys`` (held now or stored later) from eviction until ``unpin``; the number of
+        leading keys pinned (a tier bounds its pins, so they cannot fill it).  The default pins
+        nothing and returns 0: a tier that cannot pin says so.  Does not store anything."""
+        return 0
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Let pinned ``keys`` be evicted again; the number that were pinned.  Default: 0."""
+        return 0
+
     def close(self) -> None:
         """Release resources (files, memory, connections).  Idempotent; other methods may raise
         afterwards.  Durable tiers keep their entries for the next open."""
@@ -237,6 +247,13 @@ class MemoryTier(Tier):
 
     name = "memory"
     persistent = False
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """A memory tier never evicts: every key stays anyway.  O(len(keys))."""
+        return len([check_key(k) for k in keys])
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return len([check_key(k) for k in keys])
 
     def __init__(self) -> None:
         self._data: dict[bytes, bytes] = {}

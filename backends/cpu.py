@@ -10,8 +10,11 @@ Storage contract:
   layout and chunk size have the same size (``radixkv.format.encoded_size``), so pass that when
   several layouts share a tier.  A blob larger than a slot is not stored (``put`` returns
   ``False``, counted as ``rejected``).
-* LRU over whole slots: every operation is O(1) (``drop_namespace`` scans the keys).  ``get`` and
-  ``read`` count as accesses; ``contains_prefix`` does not.
+* LRU over whole slots by default, or another ``policy`` (``radixkv.policy``: ``"s3fifo"``, the
+  admission filter ``"second_hit"``, or a ``Policy`` object): every operation is O(1)
+  (``drop_namespace`` scans the keys).  ``get`` and ``read`` count as accesses; ``contains_prefix``
+  does not.  ``pin(keys)`` keeps keys from eviction (now or once stored) until ``unpin``; at most
+  ``max_pinned`` keys (default half the slots) can be pinned, so pins cannot fill the tier.
 * Thread-safe.  Copies run outside the lock: a put reserves its slot first, and a read leases its
   slot, so a slot being read is never reused until the read is done (an evicted or overwritten
   leased slot is retired and freed when its last lease ends).  ``get`` returns its own copy.
@@ -29,6 +32,7 @@ import torch
 
 from radixkv._checks import check_int
 from radixkv.backends import Blob, Tier, blob_view, check_key, check_namespace_id, count_leading
+from radixkv.policy import Policy, make_policy
 
 __all__ = ["CpuTier"]
 
@@ -54,7 +58,8 @@ class CpuTier(Tier):
     name = "cpu"
     persistent = False
 
-    def __init__(self, max_bytes: int, *, slot_bytes: int | None = None, pinned: bool | None = None) -> None:
+    def __init__(self, max_bytes: int, *, slot_bytes: int | None = None, pinned: bool | None = None,
+                 policy: str | Policy | None = None, max_pinned: int | None = None) -> None:
         check_int(max_bytes, "max_bytes")
         if slot_bytes is not None and (isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int)
                                        or slot_bytes < 1):
@@ -69,11 +74,18 @@ class CpuTier(Tier):
         if slot_bytes is not None:
             self._carve(slot_bytes)
         self._lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, length); oldest first
+        # Another policy than LRU orders the keys itself (then _lru's order is not used).
+        self._policy: Policy | None = None if policy in (None, "lru") else make_policy(policy)
+        self._pins: set[bytes] = set() if self._policy is None else self._policy.pinned
+        if max_pinned is not None:
+            check_int(max_pinned, "max_pinned")
+        self._max_pinned = max_pinned
         self._reserved: set[int] = set()  # slots being filled by a put
         self._leases: Counter[int] = Counter()  # slot -> reads in progress
         self._retired: set[int] = set()  # leased slots whose key is gone; freed by the last release
         self._lock = threading.Lock()
-        self._counts = Counter({"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0})
+        self._counts = Counter({"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0,
+                                "not_admitted": 0})
 
     def _carve(self, slot_bytes: int) -> None:
         self._slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
@@ -109,7 +121,10 @@ class CpuTier(Tier):
             if entry is None:
                 self._counts["misses"] += 1
                 return None
-            self._lru.move_to_end(key)
+            if self._policy is None:
+                self._lru.move_to_end(key)
+            else:
+                self._policy.accessed(key)
             self._leases[entry[0]] += 1
             self._counts["hits"] += 1
             return entry
@@ -148,18 +163,22 @@ class CpuTier(Tier):
         view = blob_view(blob)
         with self._lock:
             self._counts["puts"] += 1
-            old = self._lru.pop(key, None)
-            if old is not None:
-                self._release_slot(old[0])
             if not self._slot_bytes:
                 self._carve(max(len(view), 1))
             if len(view) > self._slot_bytes:
                 self._counts["rejected"] += 1
+                self._forget(key)
                 return False
+            if key not in self._lru and self._policy is not None and not self._policy.admit(key):
+                self._counts["not_admitted"] += 1
+                return False
+            self._forget(key)
             while not self._free and self._lru:
-                _, (victim, _) = self._lru.popitem(last=False)
+                victim = self._victim()
+                if victim is None:
+                    break                      # every entry is pinned
                 self._counts["evictions"] += 1
-                self._release_slot(victim)
+                self._forget(victim)
             if not self._free:  # every slot is being read or filled right now
                 self._counts["rejected"] += 1
                 return False
@@ -169,11 +188,49 @@ class CpuTier(Tier):
         self._memory[start:start + len(view)] = np.frombuffer(view, dtype=np.uint8)
         with self._lock:
             self._reserved.discard(slot)
-            old = self._lru.pop(key, None)  # a concurrent put of the same key finished first
-            if old is not None:
-                self._release_slot(old[0])
+            self._forget(key)  # a concurrent put of the same key finished first
             self._lru[key] = (slot, len(view))
+            if self._policy is not None:
+                self._policy.inserted(key)
         return True
+
+    def _forget(self, key: bytes) -> bool:
+        # Lock held.  Drop key's entry (its slot freed once no read holds it); whether it had one.
+        entry = self._lru.pop(key, None)
+        if entry is None:
+            return False
+        if self._policy is not None:
+            self._policy.removed(key)
+        self._release_slot(entry[0])
+        return True
+
+    def _victim(self) -> bytes | None:
+        # Lock held.  The next key to evict: the policy's, or the least recently used unpinned one.
+        if self._policy is not None:
+            return self._policy.victim()
+        return next((k for k in self._lru if k not in self._pins), None)
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Keep ``keys`` from eviction, held now or stored later, until ``unpin``; the number pinned
+        (they stop at ``max_pinned``, default half the slots).  O(len(keys))."""
+        keys = [check_key(k) for k in keys]
+        with self._lock:
+            bound = self._max_pinned if self._max_pinned is not None else max(self._num_slots // 2, 1)
+            count = 0
+            for key in keys:
+                if key not in self._pins and len(self._pins) >= bound:
+                    break
+                self._pins.add(key)
+                count += 1
+            return count
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Let ``keys`` be evicted again; the number that were pinned.  O(len(keys))."""
+        keys = [check_key(k) for k in keys]
+        with self._lock:
+            held = [k for k in keys if k in self._pins]
+            self._pins.difference_update(held)
+            return len(held)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """Leading keys held; does not touch LRU order.  O(len(keys))."""
@@ -184,10 +241,7 @@ class CpuTier(Tier):
         """Remove ``key``; its slot is free once no read holds it.  O(1)."""
         check_key(key)
         with self._lock:
-            entry = self._lru.pop(key, None)
-            if entry is not None:
-                self._release_slot(entry[0])
-        return entry is not None
+            return self._forget(key)
 
     def drop_namespace(self, ns_id: bytes) -> int:
         """Remove every key of the namespace.  O(entries held)."""
@@ -195,21 +249,21 @@ class CpuTier(Tier):
         with self._lock:
             doomed = [k for k in self._lru if k.startswith(ns_id)]
             for k in doomed:
-                self._release_slot(self._lru.pop(k)[0])
+                self._forget(k)
+            self._pins.difference_update([k for k in self._pins if k.startswith(ns_id)])
         return len(doomed)
 
     def stats(self) -> dict[str, int | float]:
         with self._lock:
-            return {**self._counts, "entries": len(self._lru), "slots": self._num_slots,
+            return {**self._counts, "entries": len(self._lru), "slots": self._num_slots, "pins": len(self._pins),
                     "slot_bytes": self._slot_bytes, "used_bytes": self.used_bytes,
                     "capacity_bytes": self._max_bytes, "pinned": int(self.pinned)}
 
     def close(self) -> None:
         """Forget every entry.  The arena is freed when the tier is garbage collected."""
         with self._lock:
-            for slot, _ in self._lru.values():
-                self._release_slot(slot)
-            self._lru.clear()
+            for key in list(self._lru):
+                self._forget(key)
 
     def check(self) -> None:
         """Every slot is in exactly one state: free, held by a key, reserved or retired."""
@@ -222,3 +276,5 @@ class CpuTier(Tier):
             assert all(self._leases[s] > 0 for s in self._retired), "retired slot without a lease"
             assert set(self._leases) <= set(held) | self._retired, "lease on a free or reserved slot"
             assert self._arena.numel() == self._max_bytes and self._arena.is_pinned() == self.pinned
+            if self._policy is not None:
+                self._policy.check(set(self._lru))

@@ -52,7 +52,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -161,6 +162,9 @@ class PrefixCache:
         self.tree = RadixTree(layout.page_size)
         self._state = np.zeros(num_pages, dtype=np.uint8)   # _FREE / _ENGINE / _TREE per page
         self._live: dict[int, Request] = {}
+        self._pins: dict[bytes, Request] = {}       # pinned token prefixes, held like requests
+        #: The most tokens ``pin`` may hold in the pool (half of it).
+        self.pin_budget = num_pages * layout.page_size // 2
         self._counters = dict.fromkeys(
             ("matches", "query_tokens", "hit_tokens", "pool_hit_tokens", "tier_hit_tokens", "inserts",
              "inserted_tokens", "duplicate_pages", "allocs", "allocated_pages", "evicted_pages", "evictions",
@@ -250,16 +254,19 @@ class PrefixCache:
             raise ValueError(f"load must be one of {LOAD_MODES}, got {load!r}")
         deadline = self._deadline(deadline_s)
         data = as_token_bytes(tokens)
-        usable = len(data) - 4 if leave_last and data else len(data)
+        return self._open(data, len(data) - 4 if leave_last and data else len(data), load, deadline)
+
+    def _open(self, data: bytes, usable: int, load: str, deadline: float, count: bool = True) -> Request:
         result = self.tree._match(data[:usable])
         self.tree.lock(result.node)
         req = Request(self, data, usable, result.node, result.pages, result.num_tokens)
         self._live[req.id] = req
-        c = self._counters
-        c["matches"] += 1
-        c["query_tokens"] += len(data) // 4
-        c["hit_tokens"] += result.num_tokens
-        c["pool_hit_tokens"] += result.num_tokens
+        if count:
+            c = self._counters
+            c["matches"] += 1
+            c["query_tokens"] += len(data) // 4
+            c["hit_tokens"] += result.num_tokens
+            c["pool_hit_tokens"] += result.num_tokens
         if load != "none" and self.stack is not None:
             self._start_load(req, deadline)
             if load == "wait":
@@ -642,7 +649,7 @@ class PrefixCache:
             hit_rate=c["hit_tokens"] / c["query_tokens"] if c["query_tokens"] else 0.0,
             pages_free=int(counts[_FREE]), pages_cached=int(counts[_TREE]),
             pages_engine=int(counts[_ENGINE]), pages_total=self.pool.num_pages,
-            nodes=self.tree.num_nodes, live_matches=len(self._live),
+            nodes=self.tree.num_nodes, live_matches=len(self._live) - len(self._pins), pins=len(self._pins),
             cached_tokens=self.tree.total_size, locked_tokens=self.tree.protected_size)
         levels = [{"level": "pool", "hit_tokens": c["pool_hit_tokens"], "evicted_pages": c["evicted_pages"],
                    "bytes_in": c["tier_hit_tokens"] * self.layout.token_bytes}]
@@ -659,6 +666,48 @@ class PrefixCache:
                     "errors": st["errors"][i], "dropped_writes": st["dropped_writes"]})
         c["levels"] = levels
         return c
+
+    def pin(self, tokens: Any) -> int:
+        """Keep the cached prefix of ``tokens`` (a system prompt, say) from eviction until
+        ``unpin``: what the pool holds of it (loading what the tiers hold) stays held like a running
+        request's pages, and its chunks are pinned in every local tier that holds them or stores
+        them later (``Tier.pin``; each tier bounds its own pins).  Returns the tokens held in the
+        pool.  Pinned pool tokens are bounded by ``pin_budget`` (half the pool): a pin past it
+        raises ``ValueError`` and changes nothing.  Pinning the same tokens again returns the held
+        count.  Pins do not count as requests in ``stats()``.  Cost: as ``open`` plus a hash pass.
+        """
+        data = as_token_bytes(tokens)
+        if data in self._pins:
+            return self._pins[data].num_cached
+        req = self._open(data, len(data), "wait", self._deadline(None), count=False)
+        if req.pending:
+            self.wait(req)
+        held = sum(p.num_cached for p in self._pins.values())
+        if held + req.num_cached > self.pin_budget:
+            self.release(req)
+            raise ValueError(f"tokens: pinning {req.num_cached} more tokens would hold {held + req.num_cached} "
+                             f"in the pool, over pin_budget={self.pin_budget}")
+        self._pins[data] = req
+        if self.stack is not None:
+            self.stack.pin(keys_from_token_bytes(data, self.chunk_size, self.namespace.root))
+        return req.num_cached
+
+    @property
+    def pins(self) -> Mapping[bytes, Request]:
+        """The pinned prefixes (int32 token bytes) and the requests that hold them (read-only)."""
+        return MappingProxyType(self._pins)
+
+    def unpin(self, tokens: Any) -> bool:
+        """Undo ``pin(tokens)`` (in the pool and in the tiers); whether ``tokens`` were pinned.
+        O(depth) plus a hash pass."""
+        data = as_token_bytes(tokens)
+        req = self._pins.pop(data, None)
+        if req is None:
+            return False
+        self.release(req)
+        if self.stack is not None:
+            self.stack.unpin(keys_from_token_bytes(data, self.chunk_size, self.namespace.root))
+        return True
 
     def drop_namespace(self, namespace: Namespace | None = None) -> int:
         """Delete every stored chunk of ``namespace`` (default: this cache's) from every tier, e.g.

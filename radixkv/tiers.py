@@ -456,6 +456,18 @@ class TierStack:
             raise ValueError(f"tiers must be indices into the stack's {len(self.tiers)} tiers, got {sorted(mask)!r}")
         return mask
 
+    def pin(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin 16-byte chunk keys in every local tier (``Tier.pin``: never evicted, held now or
+        stored later, until ``unpin``); per tier, how many leading keys it pinned (a tier bounds
+        its pins; one that cannot pin says 0).  A fault counts as 0.  O(len(keys)) per tier."""
+        keys = [self._prefix + k for k in _chunk_keys(keys)]
+        return [self._call(i, 0, tier.pin, keys) if tier.local else 0 for i, tier in enumerate(self.tiers)]
+
+    def unpin(self, keys: Sequence[bytes]) -> list[int]:
+        """Undo ``pin``; per tier, how many of the keys were pinned.  O(len(keys)) per tier."""
+        keys = [self._prefix + k for k in _chunk_keys(keys)]
+        return [self._call(i, 0, tier.unpin, keys) if tier.local else 0 for i, tier in enumerate(self.tiers)]
+
     def release(self, keys: Sequence[bytes]) -> int:
         """Queue the deletion of each 16-byte chunk key from the victim tiers (``victims``: with
         ``exclusive``, the local volatile tiers), after the chunk moved up into the pool; the number

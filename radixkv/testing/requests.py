@@ -113,6 +113,8 @@ class RequestMachine(RuleBasedStateMachine):
         self.ps = page_size
         self.live: list[_Live] = []
         self.seen: list[list[int]] = []     # sequences cached before: re-requested with new suffixes
+        self.pinned: dict[tuple[int, ...], list[int]] = {}
+        self.pin_held: dict[tuple[int, ...], int] = {}
 
     def teardown(self) -> None:
         if hasattr(self, "cache"):
@@ -235,6 +237,29 @@ class RequestMachine(RuleBasedStateMachine):
         self.cache.release(m)
         self.seen.append(tokens)
 
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        """Pin a prefix of a cached sequence (a system prompt): it must stay whatever happens."""
+        old = data.draw(st.sampled_from(self.seen))
+        tokens = old[:data.draw(st.integers(1, len(old)))]
+        self.gated.gate.set()
+        before = self.cache.stats()
+        try:
+            self.cache.pin(tokens)
+        except ValueError:
+            after = self.cache.stats()
+            assert (after["pins"], after["locked_tokens"]) == (before["pins"], before["locked_tokens"]), \
+                "a refused pin changed the holds"
+            return
+        self.pinned[tuple(tokens)] = tokens
+
+    @precondition(lambda self: self.pinned)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.pinned)))
+        assert self.cache.unpin(self.pinned.pop(key)), f"unpin of pinned {list(key)} said it was not pinned"
+
     @rule(num_pages=st.integers(1, 8))
     def pressure(self, num_pages: int) -> None:
         """Another request wants pages: evict what may be evicted, then give them back."""
@@ -253,7 +278,15 @@ class RequestMachine(RuleBasedStateMachine):
             return
         self.cache.check()
         kv = self.cache.pool.kv
-        for live in self.live:
+        pins = self.cache.pins
+        assert len(pins) == len(self.pinned), f"{len(pins)} pins, {len(self.pinned)} pinned"
+        lives = [_Live(tokens, pins[torch.tensor(tokens, dtype=torch.int32).numpy().tobytes()])
+                 for tokens in self.pinned.values()]
+        for live in lives:                  # a pinned prefix keeps every page it held
+            held = self.pin_held.setdefault(tuple(live.tokens), live.req.num_cached)
+            assert live.req.num_cached == held, f"pinned {live.tokens}: {held} tokens held, now {live.req.num_cached}"
+        self.pin_held = {k: v for k, v in self.pin_held.items() if k in self.pinned}
+        for live in self.live + lives:
             req = live.req
             pages = req.page_ids
             got = kv[0, 0, torch.from_numpy(pages.copy())].reshape(-1, 2)
@@ -269,6 +302,10 @@ class RequestMachine(RuleBasedStateMachine):
         assert s["pages_engine"] == tails, f"engine pages {s['pages_engine']} != {tails} tail pages in flight"
         assert s["live_matches"] == len(self.live), f"live {s['live_matches']} != {len(self.live)} requests"
         assert s["hit_tokens"] == s["pool_hit_tokens"] + s["tier_hit_tokens"], f"hit tokens do not add up: {s}"
+        pinned = sum(live.req.num_cached for live in lives)
         if not self.live:
-            assert self.cache.tree.protected_size == 0, \
-                f"{self.cache.tree.protected_size} tokens locked with no request in flight"
+            assert self.cache.tree.protected_size <= pinned, \
+                f"{self.cache.tree.protected_size} tokens locked with no request in flight and {pinned} pinned"
+            if not self.pinned:
+                assert self.cache.tree.protected_size == 0, \
+                    f"{self.cache.tree.protected_size} tokens locked with no request in flight"
