@@ -15,10 +15,11 @@ Storage contract:
   evicted is a miss.  With ``ttl_s`` every value is written with that expiry (``SET ... PX``): the
   server deletes it, for every reader.
 * **Round trips.**  ``contains_prefix`` is one pipeline of ``EXISTS`` (one round trip, however
-  many keys).  ``get_many`` splits the keys over up to ``max_concurrency`` connections, each one
-  pipelined ``MULTI``/``EXEC`` of ``STRLEN`` + ``EXISTS`` + ``GETRANGE`` per key: one round trip
-  per connection, and a value larger than the size bound (``max_object_bytes``, or the stack's
-  expected chunk size) is never sent in full — only its length is read; it is a miss, counted in
+  many keys).  ``get_many`` sends a pipeline of ``GETRANGE 0 <bound>`` per 8 keys, up to
+  ``max_concurrency`` of them at once on their own connections (a ``MULTI`` of ``EXISTS`` and
+  ``GETRANGE`` follows only for empty answers: an empty value or none); a value larger than the
+  size bound (``max_object_bytes``, or the stack's
+  expected chunk size) is never sent in full — one byte past the bound shows it; it is a miss, counted in
   ``oversize``, and deleted when the bound is the stack's (no chunk of the namespace has that size).  ``put_many`` is one pipeline of ``SET``.
 * **Faults.**  Every call is bounded by a total deadline (the stack's, through
   ``radixkv.backends.bounded``, else ``timeout_s``), not only per socket read: a server that
@@ -52,6 +53,7 @@ __all__ = ["RedisTier", "parse_redis_url"]
 
 T = TypeVar("T")
 _SCAN_BATCH = 1000
+_GROUP = 8  # keys per pipelined GET round trip; groups go out concurrently
 
 
 def parse_redis_url(url: str) -> dict[str, Any]:
@@ -226,16 +228,15 @@ class RedisTier(Tier):
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
-        """The values of ``keys``, over up to ``max_concurrency`` connections (one pipelined round
-        trip each), within one deadline (``DeadlineExceeded`` carries what arrived in
+        """The values of ``keys``, 8 per pipelined round trip, up to ``max_concurrency`` round trips
+        at once, within one deadline (``DeadlineExceeded`` carries what arrived in
         ``partial``).  Raises the first fault once all finished."""
         names = [self.redis_key(k) for k in keys]
         if not names:
             return []
         limit = current_max_blob_bytes()
         limit = self.max_object_bytes if limit is None else min(limit, self.max_object_bytes)
-        per = -(-len(names) // self.max_concurrency)
-        groups = [names[i:i + per] for i in range(0, len(names), per)]
+        groups = [names[i:i + _GROUP] for i in range(0, len(names), _GROUP)]
         try:
             results = self._bounded(lambda group: self._get_group(group, limit), groups)
         except DeadlineExceeded as e:
@@ -248,15 +249,25 @@ class RedisTier(Tier):
         outcome: Counter[str] = Counter(gets=len(names))
         try:
             def fetch() -> list[Any]:
-                pipe = self._client.pipeline(transaction=True)
+                # GETRANGE up to one byte past the bound: a value within it comes whole, a larger
+                # one shows itself by that byte, and no more than the bound + 1 is ever sent.
+                pipe = self._client.pipeline(transaction=False)
                 for name in names:
-                    pipe.strlen(name)
-                    pipe.exists(name)
-                    pipe.getrange(name, 0, limit - 1)
-                return list(pipe.execute())
+                    pipe.getrange(name, 0, limit)
+                values: list[Any] = list(pipe.execute())
+                empty = [i for i, value in enumerate(values) if not value]
+                if empty:  # an empty value, or none: EXISTS and the value again, atomically (rare)
+                    pipe = self._client.pipeline(transaction=True)
+                    for i in empty:
+                        pipe.exists(names[i])
+                        pipe.getrange(names[i], 0, limit)
+                    again = pipe.execute()
+                    for j, i in enumerate(empty):
+                        values[i] = again[2 * j + 1] if again[2 * j] else None
+                return values
 
             try:
-                replies = self._request(fetch)
+                values = self._request(fetch)
             except _Skipped:
                 outcome["skipped"] += len(names)
                 return [None] * len(names)
@@ -265,12 +276,11 @@ class RedisTier(Tier):
                 raise
             blobs: list[Blob | None] = []
             oversize = []
-            for i, name in enumerate(names):
-                size, exists, value = replies[3 * i:3 * i + 3]
-                if not exists:
+            for name, value in zip(names, values):
+                if value is None:
                     outcome["misses"] += 1
                     blobs.append(None)
-                elif size > limit or len(value) != size:  # (MULTI: never overwritten in between)
+                elif len(value) > limit:
                     oversize.append(name)
                     blobs.append(None)
                 else:
@@ -297,7 +307,8 @@ class RedisTier(Tier):
     def put_many(self, items: Iterable[tuple[bytes, Blob]]) -> int:
         """One pipeline of ``SET`` (the last blob of a repeated key wins, as it would in order);
         the number stored (0 while the breaker is open).  Raises on a fault."""
-        pairs = [(self.redis_key(key), blob_view(blob).tobytes()) for key, blob in items]
+        pairs = [(self.redis_key(key), blob if type(blob) is bytes else blob_view(blob).tobytes())
+                 for key, blob in items]
         if not pairs:
             return 0
         px = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))

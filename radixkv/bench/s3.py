@@ -15,6 +15,12 @@ only some of a request's keys, which is why the tier sends HEADs.  Finally the s
 (SIGSTOP: connections hang, as with a dead host) and a lookup is timed with the breaker closed
 (it waits for the read timeout) and open (it answers "miss" at once).
 
+Last, multi-chunk loads through ``TierStack``: ``--chunks`` chunks of 1 MiB loaded by one
+``load`` (the tier fetches them concurrently) beside one ``load`` per chunk (what a sequential
+fetch costs), on the server directly and behind ``radixkv.testing.proxy.FaultyProxy`` adding
+``--rtt-ms`` to every piece of an answer (64 KiB at most: a slow link); and one lookup+load with a 0.5 s deadline
+behind a proxy that trickles 16 bytes every 0.7 s (the deadline holds; the breaker opens).
+
 The server is ``radixkv.testing.s3server.MotoServer``, which the tests use too.
 """
 
@@ -49,7 +55,7 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str,
 
 
 def run(say: Callable[[str], None], *, sizes_kib: Sequence[int] = (256, 4096, 32768), repeat: int = 9,
-        keys: int = 32, namespace_objects: int = 2000) -> bool:
+        keys: int = 32, namespace_objects: int = 2000, chunks: int = 8, rtt_ms: float = 20.0) -> bool:
     """Run every measurement against a moto server of its own, reporting through ``say``; whether
     the throughput target held.  The tiers benchmark calls this for its S3 rows."""
     os.environ.update({k: os.environ.get(k, v) for k, v in CREDENTIALS.items()})
@@ -68,6 +74,8 @@ def run(say: Callable[[str], None], *, sizes_kib: Sequence[int] = (256, 4096, 32
         _lookups(say, tier, raw, keys, namespace_objects, repeat)
         say("")
         _while_down(say, server, S3Tier, CircuitBreaker, repeat)
+        say("")
+        _multi_chunk(say, server, S3Tier, chunks, rtt_ms, repeat)
         tier.close()
     return worst >= TARGET
 
@@ -141,6 +149,54 @@ def _while_down(say: Callable[[str], None], server: MotoServer, tier_cls: Any, b
         f"opens); down, breaker open: {opened * 1e6:.1f} us (a miss at once)")
 
 
+def _multi_chunk(say: Callable[[str], None], server: MotoServer, tier_cls: Any, chunks: int, rtt_ms: float,
+                 repeat: int) -> None:
+    """One concurrent ``load`` of ``chunks`` chunks beside one ``load`` per chunk, direct and behind
+    a proxy adding ``rtt_ms``; then a lookup+load behind a trickling proxy, with a deadline."""
+    import torch
+
+    from radixkv.hashing import Namespace
+    from radixkv.pool import KVLayout
+    from radixkv.testing.proxy import FaultyProxy
+    from radixkv.tiers import TierStack
+
+    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16, page_size=16)
+    ns = Namespace(model="bench-s3").bind(layout)
+    port = int(server.endpoint_url.rsplit(":", 1)[1])
+    say(f"TierStack.load of {chunks} chunks of 1 MiB from S3: one load (concurrent GETs) beside one load per chunk")
+    with FaultyProxy(("127.0.0.1", port), delay_s=rtt_ms / 1e3) as proxy:
+        for label, endpoint, mode in (("direct", server.endpoint_url, "pass"),
+                                      (f"+{rtt_ms:g} ms per 64 KiB answered", proxy.url, "slow")):
+            proxy.mode = "pass"
+            stack = TierStack([tier_cls("bench", "multi", endpoint_url=endpoint)], namespace=ns, layout=layout,
+                              chunk_size=256, queue_size=chunks + 1, timeout_s=60)
+            refs = stack.refs(list(range(256 * chunks)))
+            stack.store((r, torch.randn(layout.chunk_shape(256)).to(layout.dtype)) for r in refs)
+            stack.flush()
+            proxy.mode = mode
+            t = _interleaved({"one": lambda: stack.load(refs, where=[0] * len(refs)),
+                              "each": lambda: [stack.load([r], where=[0]) for r in refs]}, repeat)
+            assert len(stack.load(refs)) == len(refs)
+            say(f"  {label}: one load {t['one'] * 1e3:.0f} ms, one load per chunk {t['each'] * 1e3:.0f} ms "
+                f"({t['each'] / t['one']:.1f}x)")
+            stack.close()
+        proxy.mode = "pass"
+        tier = tier_cls("bench", "multi", endpoint_url=proxy.url, failure_threshold=2, backoff_s=3600)
+        stack = TierStack([tier], namespace=ns, layout=layout, chunk_size=256, timeout_s=60)
+        refs = stack.refs(list(range(256 * chunks)))
+        proxy.mode, proxy.trickle_bytes, proxy.trickle_interval_s = "trickle", 16, 0.7
+        times = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            deadline = t0 + 0.5
+            where = stack.lookup([r.key for r in refs], deadline=deadline)
+            stack.load(refs[:len(where)], where=where, deadline=deadline)
+            times.append(time.monotonic() - t0)
+        say(f"  behind a trickle (16 B every 0.7 s), deadline 0.5 s: lookup+load took "
+            f"{', '.join(f'{x * 1e3:.0f}' for x in times)} ms; breaker opened {tier.breaker.opened}x")
+        stack.close(timeout=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m radixkv.bench s3", description=__doc__.split("\n")[0])
@@ -148,11 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--keys", type=int, default=32, help="keys per contains_prefix request")
     ap.add_argument("--namespace-objects", type=int, default=2000, help="objects of the large namespace")
+    ap.add_argument("--chunks", type=int, default=8, help="chunks per multi-chunk load")
+    ap.add_argument("--rtt-ms", type=float, default=20.0, help="delay the proxy adds to every answer")
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("s3", argv)
     run(say, sizes_kib=[int(s) for s in args.sizes_kib.split(",")], repeat=args.repeat, keys=args.keys,
-        namespace_objects=args.namespace_objects)
+        namespace_objects=args.namespace_objects, chunks=args.chunks, rtt_ms=args.rtt_ms)
     say.save(args.out)
     return 0
 

@@ -8,6 +8,12 @@ numpy copy into / out of a preallocated arena, ``LmdbTier`` against bare LMDB tr
 and getting the same bytes (one transaction per chunk, the same flags), the chunk format against
 a plain tensor copy.  ``read`` is the zero-copy path (``consume`` sees the tier's memory); the
 ``TierStack`` rows load through the format (verify + decode into a preallocated tensor).
+
+Trust: the format sealed with a keyed MAC (HMAC-SHA256) and with AEAD (AES-256-GCM) beside the
+plain (checksum) format, and ``TierStack`` loads with a secret beside one without: what a
+deployment secret and encryption cost per MB.  With ``--redis``, ``RedisTier`` against raw
+redis-py (the same pipelined ``SET``/``GET``) on a ``redis-server`` the benchmark starts; target
+>= 0.8 of raw.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--s3", action="store_true",
                     help="also S3Tier against raw boto3 on a local S3 server (as python -m radixkv.bench s3)")
+    ap.add_argument("--redis", action="store_true",
+                    help="also RedisTier against raw redis-py on a local redis-server")
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("tiers", argv)
@@ -82,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                                tokens=refs[i].tokens, dtype=LAYOUT.dtype, shape=shape, out=dst),
         range(len(refs))), args.repeat), "bytes to tensor", from_bytes)
 
+    targets: list[tuple[str, float, float]] = []
+    _seal_rows(row, ns, refs, kvs, blobs, total, args.repeat, dst)
+
     # CpuTier against numpy copies into and out of a preallocated arena.
     slot = encoded_size(shape, LAYOUT.dtype)
     arena = np.empty(slot * len(blobs), dtype=np.uint8)
@@ -97,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     cpu_rates = _tier_rows(row, "CpuTier", cpu, keys, blobs, total, args.repeat,
                ("arena copy in", raw_put_rate), ("arena copy out", raw_get_rate))
     _stack_rows(row, cpu, ns, refs, kvs, total, args.repeat, from_bytes)
+    _stack_rows(row, CpuTier(max_bytes=slot * len(blobs), slot_bytes=slot), ns, refs, kvs, total, args.repeat,
+                from_bytes, secret="bench-deployment-secret")
 
     file_write, file_read = _file_rates(blobs, total, args.repeat)
     row("plain files (no fsync) write", file_write, "(the issue's baseline)", file_write)
     row("plain files read", file_read, "(the issue's baseline)", file_read)
-    targets = [("CpuTier get >= 70% of a memory copy", cpu_rates["get"] / raw_get_rate, 0.7)]
+    targets.append(("CpuTier get >= 70% of a memory copy", cpu_rates["get"] / raw_get_rate, 0.7))
 
     # LmdbTier against bare LMDB transactions, without and with fsync at every commit.
     try:
@@ -151,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                     _stack_rows(row, disk, ns, refs, kvs, total, args.repeat, from_bytes)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+    if args.redis:
+        targets += _redis_rows(row, say, keys, blobs, total, args.repeat)
     say()
     for name, ratio, target in targets:
         say(f"target: {name}: {'PASS' if ratio >= target else 'FAIL'} ({ratio:.2f})")
@@ -199,9 +214,103 @@ def _file_rates(blobs: list[bytes], total: int, repeat: int) -> tuple[float, flo
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _seal_rows(row: Callable[..., None], ns: Namespace, refs: list[Any], kvs: list[torch.Tensor],
+               blobs: list[bytes], total: int, repeat: int, dst: torch.Tensor) -> None:
+    """Encode and decode under the MAC and the AEAD seals beside the checksum seal."""
+    from radixkv.format import Seal
+
+    shape = LAYOUT.chunk_shape(CHUNK)
+
+    def encode(seal: Any) -> Callable[[], None]:
+        return lambda: _each(lambda i: encode_chunk(ns.id, refs[i].key, refs[i].parent, refs[i].tokens, kvs[i],
+                                                    seal=seal), range(len(refs)))
+
+    def decode(seal: Any, sealed: list[bytes]) -> Callable[[], None]:
+        return lambda: _each(lambda i: decode_chunk(sealed[i], namespace_id=ns.id, key=refs[i].key,
+                                                    parent_key=refs[i].parent, tokens=refs[i].tokens,
+                                                    dtype=LAYOUT.dtype, shape=shape, out=dst, seal=seal),
+                             range(len(refs)))
+
+    plain_enc = _rate(total, encode(None), repeat)
+    plain_dec = _rate(total, decode(None, blobs), repeat)
+    seals = [("MAC", Seal("bench-deployment-secret", namespace_id=ns.id))]
+    try:
+        seals.append(("AEAD", Seal("bench-deployment-secret", namespace_id=ns.id, encrypt=True)))
+    except ImportError:
+        pass
+    for name, seal in seals:
+        sealed = [encode_chunk(ns.id, r.key, r.parent, r.tokens, kv, seal=seal) for r, kv in zip(refs, kvs)]
+        row(f"format encode, {name} seal", _rate(total, encode(seal), repeat), "format encode (checksum)", plain_enc)
+        row(f"format decode, {name} seal", _rate(total, decode(seal, sealed), repeat),
+            "format decode (checksum)", plain_dec)
+
+
+def _redis_rows(row: Callable[..., None], say: Callable[[str], None], keys: list[bytes], blobs: list[bytes],
+                total: int, repeat: int) -> list[tuple[str, float, float]]:
+    """RedisTier put_many/get_many/get/contains_prefix beside raw redis-py doing the same."""
+    try:
+        import redis
+
+        from radixkv.backends.redis import RedisTier
+        from radixkv.testing.redisserver import RedisServer
+    except ImportError:
+        say("RedisTier: skipped (pip install radixkv[redis])")
+        return []
+    try:
+        server = RedisServer().start()
+    except FileNotFoundError:
+        say("RedisTier: skipped (redis-server is not installed)")
+        return []
+    try:
+        raw = redis.Redis.from_url(server.url)
+        tier = RedisTier(server.url, prefix="bench")
+        names = [tier.redis_key(k).replace(b"bench:", b"raw:", 1) for k in keys]
+
+        def raw_put_many() -> None:
+            pipe = raw.pipeline(transaction=False)
+            for n, b in zip(names, blobs):
+                pipe.set(n, b)
+            pipe.execute()
+
+        def raw_get_many() -> None:
+            pipe = raw.pipeline(transaction=False)
+            for n in names:
+                pipe.get(n)
+            pipe.execute()
+
+        def raw_exists() -> None:
+            pipe = raw.pipeline(transaction=False)
+            for n in names:
+                pipe.exists(n)
+            pipe.execute()
+
+        raw_put_many()
+        tier.put_many(zip(keys, blobs))
+        rates = {"put_many": (_rate(total, lambda: tier.put_many(zip(keys, blobs)), repeat),
+                              _rate(total, raw_put_many, repeat)),
+                 "get_many": (_rate(total, lambda: tier.get_many(keys), repeat), _rate(total, raw_get_many, repeat)),
+                 "get": (_rate(total, lambda: _each(tier.get, keys), repeat),
+                         _rate(total, lambda: _each(raw.get, names), repeat))}
+        row("RedisTier put_many (one pipeline)", *rates["put_many"][:1], "redis-py pipeline SET", rates["put_many"][1])
+        row("RedisTier get_many (concurrent pipelines)", rates["get_many"][0], "redis-py pipeline GET",
+            rates["get_many"][1])
+        row("RedisTier get", rates["get"][0], "redis-py GET", rates["get"][1])
+        lookup = median_seconds(lambda: tier.contains_prefix(keys), repeat)
+        raw_lookup = median_seconds(raw_exists, repeat)
+        say(f"{'RedisTier contains_prefix (%d keys)' % len(keys):<42} {lookup * 1e3:>6.2f}ms  "
+            f"{'redis-py pipeline EXISTS':<26} {raw_lookup * 1e3:>6.2f}ms {raw_lookup / lookup:>6.2f}")
+        tier.close()
+        return [(f"RedisTier {op} >= 80% of raw redis-py", tier_rate / raw_rate, 0.8)
+                for op, (tier_rate, raw_rate) in rates.items()]
+    finally:
+        server.stop()
+
+
 def _stack_rows(row: Callable[..., None], tier: Tier, ns: Namespace, refs: list[Any], kvs: list[torch.Tensor],
-                total: int, repeat: int, copy: float) -> None:
-    stack = TierStack([tier], namespace=ns, layout=LAYOUT, chunk_size=CHUNK, queue_size=len(refs) + 1)
+                total: int, repeat: int, copy: float, secret: str | None = None) -> None:
+    stack = TierStack([tier], namespace=ns, layout=LAYOUT, chunk_size=CHUNK, queue_size=len(refs) + 1,
+                      secret=secret)
+    label = f"TierStack({tier.name}{', MAC' if secret else ''})"
     out = [torch.empty(LAYOUT.chunk_shape(CHUNK), dtype=LAYOUT.dtype) for _ in refs]
 
     def load() -> None:
@@ -213,6 +322,6 @@ def _stack_rows(row: Callable[..., None], tier: Tier, ns: Namespace, refs: list[
         stack.store(zip(refs, kvs))
         stack.flush()
 
-    row(f"TierStack({tier.name}) store+flush", _rate(total, store, repeat), "bytes to tensor", copy)
-    row(f"TierStack({tier.name}) lookup+load", _rate(total, load, repeat), "bytes to tensor", copy)
+    row(f"{label} store+flush", _rate(total, store, repeat), "bytes to tensor", copy)
+    row(f"{label} lookup+load", _rate(total, load, repeat), "bytes to tensor", copy)
     stack.close()  # closes the tier too

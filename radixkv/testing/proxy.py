@@ -3,7 +3,8 @@ deadline must bound (a per-read socket timeout does not: a trickle of bytes keep
 
     with FaultyProxy(("127.0.0.1", server_port)) as proxy:
         tier = S3Tier(..., endpoint_url=proxy.url)     # or RedisTier(f"redis://127.0.0.1:{proxy.port}")
-        proxy.mode = "slow"       # every answer waits ``delay_s`` before it is forwarded
+        proxy.mode = "slow"       # every piece of an answer (as the server sends it, up to 64 KiB)
+                                  # waits ``delay_s`` before it is forwarded
         proxy.mode = "trickle"    # answers are forwarded ``trickle_bytes`` every ``trickle_interval_s``
         proxy.mode = "pass"       # back to normal (for new data; what is already trickling goes on)
 
