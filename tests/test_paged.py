@@ -400,6 +400,16 @@ def test_bad_inputs_are_refused(llama: Any) -> None:
         engine.add([1, 2], 0)
     with pytest.raises(TypeError, match="integer token ids"):
         engine.add([1.5], 2)
+    with pytest.raises((TypeError, ValueError), match="eos_token_id"):
+        engine.add([1, 2], 2, eos_token_id=-1)
+    with pytest.raises(TypeError, match="keep_logits"):
+        PagedEngine(llama, make_cache(llama), keep_logits="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_running"):
+        PagedEngine(llama, make_cache(llama), max_running=0)
+    with pytest.raises(TypeError, match="integer token ids"):
+        engine.model.forward([Chunk(torch.tensor([1.0]), 0, torch.tensor([0]))])
+    with pytest.raises(ValueError, match="a table of 1 pages for 5 tokens"):
+        engine.model.forward([Chunk(torch.tensor([1, 2]), 3, torch.tensor([0]))])
     with pytest.raises(ValueError, match="load"):
         PagedEngine(llama, make_cache(llama), load="later")
     neox = random_model("gpt_neox", seed=0, vocab_size=VOCAB)

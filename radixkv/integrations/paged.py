@@ -146,6 +146,8 @@ class PagedLlama:
         lengths = [len(c.tokens) for c in batch]
         if min(lengths) == 0:
             raise ValueError("batch: every chunk needs at least one token")
+        if any(c.tokens.is_floating_point() or c.tokens.dtype == torch.bool for c in batch):
+            raise TypeError("batch: chunk tokens must be integer token ids")
         ids = torch.cat([c.tokens for c in batch]).to(self.device, torch.long)
         positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(batch, lengths)])
         tables = [c.table.to(torch.long).cpu() for c in batch]
@@ -274,7 +276,9 @@ class PagedEngine:
         self.page_size = cache.page_size
         self.load = load
         self.deadline_s = deadline_s
-        self.keep_logits = bool(keep_logits)
+        if type(keep_logits) is not bool:
+            raise TypeError(f"keep_logits must be a bool, got {type(keep_logits).__name__}")
+        self.keep_logits = keep_logits
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: list[EngineRequest] = []      # admitted (loading or running), oldest first
         self.finished: list[EngineRequest] = []
@@ -293,6 +297,8 @@ class PagedEngine:
         """Queue a prompt (1-D token ids, not empty) to generate up to ``max_new_tokens`` (>= 1)
         tokens greedily after; return its ``EngineRequest``.  O(len(tokens))."""
         check_int(max_new_tokens, "max_new_tokens", 1)
+        if eos_token_id is not None:
+            check_int(eos_token_id, "eos_token_id")
         data = as_token_bytes(tokens)
         if not data:
             raise ValueError("tokens must not be empty")
