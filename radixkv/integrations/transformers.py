@@ -14,12 +14,11 @@ own cache object (see ``radixkv.integrations.paged`` for one that decodes from t
 4. ``new = cache.alloc(n)``; ``ops.scatter_pages`` copies the new KV of the full pages past the
    held ones into ``new``; ``req.extend(tokens, new)`` caches them; ``req.release()``.
 
-``generate`` keeps the request open while it decodes and calls ``req.extend`` whenever the
-generated tokens fill a page.  Any failure (the model's forward, a copy, the cache) leaves every
-page where it was: pages from ``alloc`` are freed unless ``extend`` took them, and the request is
-released.
 The first token is known after step 3; step 4 is bookkeeping an engine can do after sending it.
-``Result.timings`` times each step.
+``Result.timings`` times each step.  ``generate`` keeps the request open while it decodes and
+calls ``req.extend`` whenever the generated tokens fill a page.  Any failure (the model's
+forward, a copy, the cache) leaves every page where it was: pages from ``alloc`` are freed unless
+``extend`` took them, and the request is released.
 
 Supported: decoder-only models whose per-layer KV is ``[batch, kv_heads, seq, head_dim]`` in
 transformers' ``DynamicCache`` with full attention in every layer (Llama, Qwen2, GPT-NeoX, Mistral
