@@ -23,7 +23,7 @@ _NAMES = {
     "TierContract": "tiers", "TierFault": "tiers", "blobs": "tiers", "key_universe": "tiers",
     "make_blob": "tiers", "namespace_ids": "tiers", "tier_keys": "tiers",
 }
-_MODULES = {"settings"}
+_MODULES = {"backends", "settings"}
 
 __all__ = sorted([*_NAMES, *_MODULES])
 

@@ -245,7 +245,7 @@ class TierContract(RuleBasedStateMachine):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.persistent and not hasattr(cls, "reopen"):   # ``persistent = True`` on a plain subclass
-            cls.reopen = _reopen_rule  # type: ignore[attr-defined]
+            cls.reopen = PersistentTierContract.reopen  # type: ignore[attr-defined]
 
     def __init__(self) -> None:
         super().__init__()
@@ -403,8 +403,7 @@ class TierContract(RuleBasedStateMachine):
 
     def _observe(self) -> set[bytes]:
         """The keys of the universe the tier holds, by one-key ``contains_prefix`` each (not an access)."""
-        tier, out = self._tier, set()
-        assert tier is not None
+        tier, out = self.tier, set()
         for key in self.universe:
             n = tier.contains_prefix([key])
             if type(n) is not int or n not in (0, 1):
@@ -899,37 +898,32 @@ class TierContract(RuleBasedStateMachine):
         self.unknown.clear()
 
 
-@precondition(lambda self: self._tier is not None)
-@rule()
-def _reopen_rule(self: TierContract) -> None:
-    """Close the tier (twice) and build a new one on the same storage: nothing lost or resurrected."""
-    self.step = "reopen"
-    held = self._observe()
-    self._reconcile(held, may_evict=False)
-    tier = self.tier
-    tier.close()
-    tier.close()
-    self.tier = self._build()
-    self.baseline = self._stats()
-    observed = self._observe()
-    lost = {k for k in held - observed if self._expiry(k) == "live"}
-    if lost:
-        _fail(f"{self._names(lost)} were lost across close() and reopen")
-    self._reconcile(observed, may_evict=False)
-    for key in sorted(observed):
-        self._get(key)
-
-
-_reopen_rule.__name__ = "reopen"    # as counterexamples print it
-
-
 class PersistentTierContract(TierContract):
     """``TierContract`` for a tier whose entries outlive the object (LMDB, S3, a database): adds a
     ``reopen`` rule.  ``make_tier`` must open the same storage every time it is called in one
     example (``self.path`` is the same directory)."""
 
     persistent = True
-    reopen = _reopen_rule
+
+    @precondition(lambda self: self._tier is not None)
+    @rule()
+    def reopen(self) -> None:
+        """Close the tier (twice) and build a new one on the same storage: nothing lost or resurrected."""
+        self.step = "reopen"
+        held = self._observe()
+        self._reconcile(held, may_evict=False)
+        tier = self.tier
+        tier.close()
+        tier.close()
+        self.tier = self._build()
+        self.baseline = self._stats()
+        observed = self._observe()
+        lost = {k for k in held - observed if self._expiry(k) == "live"}
+        if lost:
+            _fail(f"{self._names(lost)} were lost across close() and reopen")
+        self._reconcile(observed, may_evict=False)
+        for key in sorted(observed):
+            self._get(key)
 
 
 def _factory_method(factory: Callable[..., Tier]) -> Callable[[TierContract], Tier]:
@@ -959,6 +953,7 @@ class _Wrapper(Tier):
     def __init__(self, inner: Tier) -> None:
         self.inner = inner
         self.local = inner.local
+        self.persistent = getattr(inner, "persistent", True)
 
     def _enter(self, method: str, keys: Sequence[bytes] = ()) -> None:
         raise NotImplementedError
