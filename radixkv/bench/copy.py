@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -89,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
 
     say = Report("copy", sys.argv[1:] if argv is None else argv)
     say(f"radixkv.ops backend: {ops.backend()}")
+    load_before = os.getloadavg()[0]
     for line in _run_cuda(args) if args.device == "cuda" else _run_cpu(args):
         say(line)
+    # Other processes on the machine stall every parallel variant alike: the ratios drift towards 1.
+    say(f"\nload average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
+        f"on {os.cpu_count()} cores")
     say.save(args.out)
     return 0
 
