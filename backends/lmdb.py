@@ -86,6 +86,7 @@ class _SharedEnv:
 
 _ENVS: dict[str, _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
+_envs_pid = os.getpid()  # the process whose environments _ENVS holds
 
 
 def _import_lmdb() -> Any:
@@ -131,17 +132,25 @@ def _after_fork_in_parent() -> None:
     _gate.release()
 
 
-def _after_fork_in_child() -> None:
-    global _gate, _live, _ENVS_LOCK
-    _gate, _live = threading.Condition(), 0
+def _drop_inherited_environments() -> None:
+    """In a forked child: close every environment inherited from the parent (closing it in the
+    child does not touch the parent's locks or readers), so that tiers open their own."""
+    global _ENVS_LOCK, _envs_pid
     _ENVS_LOCK = threading.Lock()
+    _envs_pid = os.getpid()
     inherited = list(_ENVS.values())
     _ENVS.clear()
-    for shared in inherited:  # closing it in the child does not touch the parent's locks or readers
+    for shared in inherited:
         try:
             shared.env.close()
         except Exception:  # noqa: BLE001 - the parent's handle is unusable here anyway
             pass
+
+
+def _after_fork_in_child() -> None:
+    global _gate, _live
+    _gate, _live = threading.Condition(), 0
+    _drop_inherited_environments()
     for tier in list(_OPEN_TIERS):
         tier._forget_parent_environment()
 
@@ -321,8 +330,8 @@ class LmdbTier(Tier):
         if self._closed:
             raise RuntimeError(f"LmdbTier({self.path!r}) is closed")
         if self._pid != os.getpid():  # forked without the at-fork hook (e.g. from C)
-            with _ENVS_LOCK:
-                _ENVS.clear()
+            if _envs_pid != os.getpid():
+                _drop_inherited_environments()
             self._forget_parent_environment()
         env = self._env
         if env is not None:
