@@ -243,6 +243,22 @@ def test_a_request_loads_its_prefix_from_a_tier_while_others_decode(llama: Any, 
             assert_exact(llama, r)
 
 
+@pytest.mark.parametrize("load,served", [("wait", 32), ("none", 0)])
+def test_the_other_load_behaviours(llama: Any, load: str, served: int) -> None:
+    """``load="wait"``: admission waits for the tier; ``"none"``: the pool only."""
+    from radixkv.backends import CpuTier
+
+    with make_cache(llama, tiers=[CpuTier(max_bytes=1 << 20)]) as cache:
+        engine = PagedEngine(llama, cache, keep_logits=True, load=load)
+        document = tokens(33, seed=17)
+        serve_into_the_tier(engine, document)
+        r = engine.add(document + tokens(2, seed=18), max_new_tokens=3)
+        engine.step()
+        assert r.state == "running" and r.tier_tokens == served and r.cached_at_start == [served]
+        run(engine)
+        assert_exact(llama, r)
+
+
 # -- pool pressure ----------------------------------------------------------------------------------
 
 def test_a_short_pool_preempts_the_newest_and_every_answer_stays_exact(llama: Any) -> None:
