@@ -94,9 +94,13 @@ def mistral() -> Any:
         return transformers.AutoModelForCausalLM.from_config(config).train(False)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_attention_through_a_scrambled_block_table_is_the_full_forward(family: str) -> None:
-    model = mistral() if family == "mistral" else random_model(family, seed=1, num_kv_heads=2, vocab_size=VOCAB)
+@pytest.mark.parametrize("family,kv_heads", [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 2), ("mistral", 2)])
+def test_attention_through_a_scrambled_block_table_is_the_full_forward(family: str, kv_heads: int) -> None:
+    """Multi-query (1 KV head for 4 query heads), grouped and multi-head attention."""
+    from radixkv.integrations.transformers import layer_kv
+
+    model = mistral() if family == "mistral" else random_model(family, seed=1, num_kv_heads=kv_heads,
+                                                               vocab_size=VOCAB)
     cache = PrefixCache(layout_for(model, page_size=PAGE), num_pages=16, namespace=namespace_for(model, name="t"))
     paged = PagedLlama(model, cache.pool)
     ids = torch.tensor(tokens(23, seed=1))
@@ -108,10 +112,11 @@ def test_attention_through_a_scrambled_block_table_is_the_full_forward(family: s
     assert (first[0] - full[9]).abs().max().item() <= TOL
     assert (rest[0] - full[22]).abs().max().item() <= TOL
     assert (rest[1] - full_logits(model, ids[:3].tolist())[2]).abs().max().item() <= TOL
-    kv = cache.pool.kv[:, :, table].reshape(2, 2, -1, 2, 16)[:, :, :23]             # the K/V are in the pages
+    kv = cache.pool.kv[:, :, table].reshape(2, 2, -1, kv_heads, 16)[:, :, :23]       # the K/V are in the pages
     with torch.no_grad():
-        hf = model(ids[None], use_cache=True).past_key_values
-    assert (kv[1, 0] - hf.layers[1].keys[0].transpose(0, 1)).abs().max().item() <= TOL
+        keys, values = layer_kv(model(ids[None], use_cache=True).past_key_values, 1)
+    assert (kv[1, 0] - keys[0].transpose(0, 1)).abs().max().item() <= TOL
+    assert (kv[1, 1] - values[0].transpose(0, 1)).abs().max().item() <= TOL
 
 
 # -- requests in flight ---------------------------------------------------------------------------
