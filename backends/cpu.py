@@ -170,6 +170,7 @@ class CpuTier(Tier):
                 self._forget(key)
                 return False
             if key not in self._lru and self._policy is not None and not self._policy.admit(key):
+                self._counts["rejected"] += 1          # every refused put; not_admitted: the policy's
                 self._counts["not_admitted"] += 1
                 return False
             self._forget(key)

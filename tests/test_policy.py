@@ -4,11 +4,12 @@ admission admits on the second offer, and the tier stays consistent after every 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.backends import CpuTier
+from radixkv.backends import CpuTier, Tier
 from radixkv.policy import LRU, S3FIFO, SecondHit, make_policy
+from radixkv.testing.backends import CpuTierContract
 
 POLICIES = [None, "s3fifo", "second_hit"]
 
@@ -108,3 +109,33 @@ def test_policy_objects_and_names():
         CpuTier(1024, max_pinned=-1)
     p = LRU(max_pinned=1)
     assert p.pin(b"a") and not p.pin(b"b") and p.unpin(b"a") and not p.unpin(b"a")
+
+
+class S3FifoCpuContract(CpuTierContract):
+    """The tier contract on a CpuTier ordered by S3-FIFO (not LRU: ``lru`` off)."""
+
+    lru = False
+
+    def make_tier(self) -> Tier:
+        return CpuTier(max_bytes=1024, slot_bytes=256, policy="s3fifo")
+
+
+class SecondHitCpuContract(CpuTierContract):
+    """The tier contract on a CpuTier with second-hit admission: a first put may be refused.
+    No threaded burst: which of racing puts is admitted would vary between replays of an example."""
+
+    lru = False
+    threads = 0
+
+    def make_tier(self) -> Tier:
+        return CpuTier(max_bytes=1024, slot_bytes=256, policy="second_hit")
+
+    def should_store(self, size: int) -> bool | None:
+        return False if super().should_store(size) is False else None
+
+
+TestS3FifoCpuContract = S3FifoCpuContract.TestCase
+TestSecondHitCpuContract = SecondHitCpuContract.TestCase
+# The LRU tier's contract runs at the full profile (tests/test_backends.py); these, at a third.
+TestS3FifoCpuContract.settings = TestSecondHitCpuContract.settings = settings(
+    settings(), max_examples=max(10, settings().max_examples // 3))

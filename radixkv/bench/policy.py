@@ -1,0 +1,132 @@
+"""Replay benchmark: hit rate against pool size for every tiering mode and CPU-tier policy.
+
+    python -m radixkv.bench policy --out benchmarks/results/policy_cpu.txt
+
+Workloads (``radixkv.workloads``, as in notebook 02): multi-turn chat (16 system prompts of 1,024
+tokens, 40 turns each), few-shot (8 tasks) and RAG (200 documents, 4 per request).  Pools of
+1K–128K tokens; below them a CPU tier of 16K tokens, alone or above an LMDB tier of 1M tokens
+(LRU); ``write_through`` and ``write_back``; the CPU tier inclusive (a copy of what the pool holds,
+LRU — what radixkv did before exclusive tiering) or exclusive (it holds only what the pool evicted)
+with the LRU, S3-FIFO or second-hit policy.  Beside them: the pool alone, and the bound — one
+pool-only LRU cache with the combined capacity (pool + CPU, + LMDB).  No model runs
+(``radixkv.workloads.replay``: hit rates do not depend on the KV).
+
+The checks printed at the end are the ones the tiering must meet, per workload and write policy:
+with tiers at least the pool-only hit rate at the same pool size; never more than one point lower
+as the pool grows; the exclusive modes within two points of the combined-capacity bound (or above).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from radixkv.bench import Report
+from radixkv.cache import PrefixCache
+from radixkv.format import encoded_size
+from radixkv.pool import KVLayout
+from radixkv.workloads import ChatWorkload, few_shot_workload, rag_workload, replay
+
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16, page_size=16)
+CHUNK = 64
+CPU_TOKENS, LMDB_TOKENS = 16_384, 1 << 20
+POOLS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+#: label -> (exclusive, CPU-tier policy)
+MODES = {"inclusive lru": (False, None), "exclusive lru": (True, None), "exclusive s3fifo": (True, "s3fifo"),
+         "inclusive s3fifo": (False, "s3fifo"), "exclusive 2nd-hit": (True, "second_hit")}
+
+
+def workloads(n: int) -> dict[str, list[Any]]:
+    """The three request streams of ``n`` requests each (seeded)."""
+    return {
+        "chat": list(ChatWorkload(num_requests=n, num_system_prompts=16, system_prompt_tokens=1024,
+                                  turns_per_prompt=40, seed=0)),
+        "few-shot": list(few_shot_workload(n, num_tasks=8, seed=0)),
+        "RAG": list(rag_workload(n, num_documents=200, seed=0)),
+    }
+
+
+def hit_rate(requests: list[Any], pool_tokens: int, tiers: str = "", write_policy: str = "write_through",
+             exclusive: bool = False, policy: str | None = None) -> float:
+    """``replay`` through a fresh cache of ``pool_tokens`` over ``tiers`` ("cpu", "cpu+lmdb" or "")."""
+    from radixkv.backends import CpuTier, LmdbTier
+
+    chunk_bytes = encoded_size(LAYOUT.chunk_shape(CHUNK), LAYOUT.dtype)
+    with tempfile.TemporaryDirectory(prefix="radixkv-policy-") as tmp:
+        made: list[Any] = []
+        if tiers:
+            made.append(CpuTier(CPU_TOKENS // CHUNK * chunk_bytes, slot_bytes=chunk_bytes, policy=policy))
+        if tiers == "cpu+lmdb":
+            made.append(LmdbTier(tmp, LMDB_TOKENS // CHUNK * chunk_bytes, sync=False))
+        with PrefixCache(LAYOUT, num_pages=pool_tokens // LAYOUT.page_size, chunk_size=CHUNK, tiers=made,
+                         write_policy=write_policy, exclusive=exclusive) as cache:
+            return float(replay(cache, requests)["hit_rate"])
+
+
+def sweep(requests: list[Any], pools: tuple[int, ...], tiers: str, write_policy: str) -> dict[str, list[float]]:
+    """Hit rate per pool size for the pool alone, every mode, and the combined-capacity bound."""
+    extra = CPU_TOKENS + (LMDB_TOKENS if tiers == "cpu+lmdb" else 0)
+    rows = {"pool only": [hit_rate(requests, p) for p in pools]}
+    for label, (exclusive, policy) in MODES.items():
+        rows[label] = [hit_rate(requests, p, tiers, write_policy, exclusive, policy) for p in pools]
+    rows["bound: one LRU"] = [hit_rate(requests, p + extra) for p in pools]
+    return rows
+
+
+def checks(rows: dict[str, list[float]]) -> dict[str, tuple[bool, bool, bool]]:
+    """Per mode: (>= pool only everywhere, never more than 1 point lower as the pool grows, within
+    2 points of the bound everywhere)."""
+    out = {}
+    for label in MODES:
+        r = rows[label]
+        out[label] = (all(a >= b - 1e-9 for a, b in zip(r, rows["pool only"])),
+                      all(b >= a - 0.01 for a, b in zip(r, r[1:])),
+                      all(a >= b - 0.02 for a, b in zip(r, rows["bound: one LRU"])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m radixkv.bench policy", description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=400, help="requests per workload")
+    ap.add_argument("--pools", default=",".join(map(str, POOLS)), help="pool sizes in tokens")
+    ap.add_argument("--tiers", default="cpu,cpu+lmdb")
+    ap.add_argument("--out", help="also write the report to this file")
+    args = ap.parse_args(argv)
+    pools = tuple(int(p) for p in args.pools.split(","))
+    say = Report("policy", argv)
+    say(f"# {args.requests} requests per workload; CPU tier {CPU_TOKENS} tokens, LMDB {LMDB_TOKENS} tokens, "
+        f"chunks of {CHUNK} tokens, pages of {LAYOUT.page_size}; hit rate = hit tokens / prompt tokens")
+    t0 = time.perf_counter()
+    verdicts = []
+    for name, requests in workloads(args.requests).items():
+        for tiers in args.tiers.split(","):
+            for write_policy in ("write_through", "write_back"):
+                rows = sweep(requests, pools, tiers, write_policy)
+                say()
+                say(f"## {name}, pool + {tiers}, {write_policy}")
+                say(f"{'pool tokens':<20}" + "".join(f"{p:>8}" for p in pools))
+                for label, r in rows.items():
+                    say(f"{label:<20}" + "".join(f"{x:>8.3f}" for x in r))
+                for label, ok in checks(rows).items():
+                    verdicts.append((name, tiers, write_policy, label, ok))
+    say()
+    say("checks: >= pool only | never falls > 1 point as the pool grows | within 2 points of the bound")
+    for label in MODES:
+        mine = [v for v in verdicts if v[3] == label]
+        passed = [sum(v[4][i] for v in mine) for i in range(3)]
+        say(f"{label:<20} " + " | ".join(f"{p}/{len(mine)}" for p in passed))
+        for name, tiers, wp, _, ok in mine:
+            if not all(ok):
+                say(f"    fails in {name}, {tiers}, {wp}: " + ", ".join(
+                    what for what, good in zip(("pool only", "monotone", "bound"), ok) if not good))
+    say(f"# {time.perf_counter() - t0:.0f} s")
+    say.save(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
