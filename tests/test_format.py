@@ -174,3 +174,58 @@ def test_no_unsafe_deserialisation_on_any_read_path() -> None:
             assert not (isinstance(node, ast.Name) and node.id in {"eval", "exec"}), f"{path.name} uses {node.id}"
             assert not (isinstance(node, ast.Attribute) and node.attr == "load" and isinstance(node.value, ast.Name)
                         and node.value.id == "torch"), f"{path.name} uses torch.load"
+
+
+# -- seals: keyed MAC and AEAD ----------------------------------------------------------------
+
+from radixkv.format import ChunkAuthError, Seal  # noqa: E402
+
+SECRET = b"format-test-secret-0123456789"
+SEALS = {"mac": Seal(SECRET, namespace_id=NS), "aead": Seal(SECRET, namespace_id=NS, encrypt=True)}
+SEALED = {name: encode_chunk(NS, KEY, PARENT, TOKENS, kv_of(torch.float16), seal=seal) for name, seal in SEALS.items()}
+
+
+@pytest.mark.parametrize("name", SEALS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sealed_round_trip_every_dtype(name: str, dtype: torch.dtype) -> None:
+    seal = SEALS[name]
+    kv = kv_of(dtype)
+    blob = encode_chunk(NS, KEY, PARENT, TOKENS, kv, seal=seal)
+    assert len(blob) == encoded_size(SHAPE, dtype, seal)
+    got = decode(blob, dtype=dtype, seal=seal)
+    assert torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+    if name == "aead":
+        assert kv.view(torch.uint8).numpy().tobytes() not in blob
+        odd = as_token_bytes([0x7A5B3C1D, 0x1F2E3D4C, 0x6B5A4938])  # tokens no header field spells
+        assert odd not in encode_chunk(NS, KEY, PARENT, odd, kv, seal=seal)
+
+
+@pytest.mark.parametrize("name", SEALS)
+def test_a_keyed_reader_accepts_only_its_secrets(name: str) -> None:
+    with pytest.raises(ChunkAuthError, match="no MAC"):
+        decode(VALID, seal=SEALS[name])
+    other = Seal(b"another-secret-0123456789", namespace_id=NS)
+    with pytest.raises(ChunkAuthError, match="unknown key id"):
+        decode(SEALED[name], seal=other)
+    rotated = Seal(b"another-secret-0123456789", SECRET, namespace_id=NS)
+    assert torch.equal(decode(SEALED[name], seal=rotated), kv_of(torch.float16))
+    with pytest.raises(ChunkAuthError, match="has none"):
+        decode(SEALED[name])
+    # Keys are per namespace: the same secret for another namespace does not verify it.
+    with pytest.raises(ChunkFormatError):
+        decode(SEALED[name], namespace_id=b"N" * 8, seal=Seal(SECRET, namespace_id=b"N" * 8))
+
+
+@pytest.mark.parametrize("name", SEALS)
+@settings(max_examples=300, deadline=None)
+@given(bits=st.lists(st.integers(0, 8 * 700 - 1), min_size=1, max_size=3, unique=True))
+def test_fuzz_bit_flips_in_sealed_blobs_are_rejected(name: str, bits: list[int]) -> None:
+    blob = bytearray(SEALED[name])
+    for bit in bits:
+        blob[(bit // 8) % len(blob)] ^= 1 << (bit % 8)
+    if blob == SEALED[name]:
+        return
+    out = torch.zeros(SHAPE, dtype=torch.float16)
+    with pytest.raises(ChunkFormatError):
+        decode(blob, seal=SEALS[name], out=out)
+    assert not out.any()
