@@ -157,7 +157,7 @@ def _multi_chunk(say: Callable[[str], None], server: MotoServer, tier_cls: Any, 
 
     from radixkv.hashing import Namespace
     from radixkv.pool import KVLayout
-    from radixkv.testing.proxy import FaultyProxy
+    from radixkv.testing.proxy import FaultyProxy, timed_requests
     from radixkv.tiers import TierStack
 
     layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16, page_size=16)
@@ -185,13 +185,7 @@ def _multi_chunk(say: Callable[[str], None], server: MotoServer, tier_cls: Any, 
         stack = TierStack([tier], namespace=ns, layout=layout, chunk_size=256, timeout_s=60)
         refs = stack.refs(list(range(256 * chunks)))
         proxy.mode, proxy.trickle_bytes, proxy.trickle_interval_s = "trickle", 16, 0.7
-        times = []
-        for _ in range(3):
-            t0 = time.monotonic()
-            deadline = t0 + 0.5
-            where = stack.lookup([r.key for r in refs], deadline=deadline)
-            stack.load(refs[:len(where)], where=where, deadline=deadline)
-            times.append(time.monotonic() - t0)
+        times = timed_requests(stack, refs, 0.5, rounds=3)
         say(f"  behind a trickle (16 B every 0.7 s), deadline 0.5 s: lookup+load took "
             f"{', '.join(f'{x * 1e3:.0f}' for x in times)} ms; breaker opened {tier.breaker.opened}x")
         stack.close(timeout=1)

@@ -10,6 +10,8 @@ deadline must bound (a per-read socket timeout does not: a trickle of bytes keep
 
 Requests go to the server unchanged; only the answers are delayed.  Binds 127.0.0.1 only; every
 thread is a daemon and ``close()`` ends the listener and every connection.
+``timed_requests`` runs a request's lookup and load under one deadline, as an engine does, and
+says how long the slowest took: what a test of a deadline asserts on.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any, Sequence
 
-__all__ = ["FaultyProxy"]
+__all__ = ["FaultyProxy", "timed_requests"]
 
 _MODES = ("pass", "slow", "trickle")
 
@@ -111,3 +114,17 @@ class FaultyProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def timed_requests(stack: Any, refs: Sequence[Any], deadline_s: float, rounds: int = 3) -> list[float]:
+    """Seconds each of ``rounds`` requests took: ``stack.lookup`` of ``refs``' keys, then
+    ``stack.load`` of what it found, both under one deadline ``deadline_s`` from the start (a
+    ``radixkv.TierStack``, or anything with its ``lookup``/``load``)."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        deadline = t0 + deadline_s
+        where = stack.lookup([r.key for r in refs], deadline=deadline)
+        stack.load(list(refs)[:len(where)], where=where, deadline=deadline)
+        times.append(time.monotonic() - t0)
+    return times

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import time
 
-from radixkv.testing.s3server import free_port
+from radixkv.testing.s3server import free_port, stop_process
 
 __all__ = ["RedisServer", "redis_server_binary"]
 
@@ -86,14 +86,8 @@ class RedisServer:
     def stop(self) -> None:
         """End the server (SIGTERM, SIGKILL after 5 s) and wait for it.  Idempotent."""
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            stop_process(proc)
 
     def __enter__(self) -> RedisServer:
         return self.start()

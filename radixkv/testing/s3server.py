@@ -17,7 +17,7 @@ import time
 import urllib.request
 from typing import Any
 
-__all__ = ["CREDENTIALS", "MotoServer", "free_port"]
+__all__ = ["CREDENTIALS", "MotoServer", "free_port", "stop_process"]
 
 _LAUNCH = ("import logging, sys; logging.getLogger('werkzeug').setLevel(logging.ERROR); "
            "from moto.server import main; main(sys.argv[1:])")
@@ -30,6 +30,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """End a server process: SIGCONT (a paused one cannot handle SIGTERM), SIGTERM, SIGKILL after
+    5 s; wait for it.  Nothing if it already ended."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class MotoServer:
@@ -74,16 +88,8 @@ class MotoServer:
         """End the server process (SIGTERM, then SIGKILL after 5 s) and wait for it; its log is kept
         while it runs (and on a failed start, in the error).  Idempotent."""
         proc, self.process = self.process, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)  # a paused process cannot handle SIGTERM
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_process(proc)
 
     def pause(self) -> None:
         """Freeze the server: the kernel still accepts connections, nothing answers them."""
