@@ -1,7 +1,7 @@
 """The block-copy extension is built ahead of time and only loaded at run time.
 
 A missing build, a build in progress or a stale lock left by a killed build mean the torch kernels
-with one warning, promptly (each case in a fresh process, under a timeout); ``require`` makes a
+with one warning, promptly (each case in a fresh process, under a timeout), and ``require`` makes a
 missing build a clear error; the build directory is keyed by torch and a hash of the sources and
 flags; the build lock is bounded and a dead builder's lock is taken over.  The build-and-load round
 trip from an installed copy is in tests/test_packaging.py.
@@ -63,23 +63,38 @@ for message in ours:
 """
 
 
+# Then the same process under RADIXKV_EXT=require: the missing build is an error that says what to do.
+THEN_REQUIRE = """
+import os
+os.environ["RADIXKV_EXT"] = "require"
+try:
+    ops.gather_pages(torch.zeros(1, 2, 2, 1, 1, 1), [0])
+except RuntimeError as exc:
+    print("require:", exc)
+"""
+
+
 def parse(out: subprocess.CompletedProcess[str]) -> tuple[str, float, list[str]]:
     assert out.returncode == 0, out.stderr[-3000:]
-    first, *messages = out.stdout.strip().splitlines()
+    first, *messages = [line for line in out.stdout.strip().splitlines() if not line.startswith("require:")]
     backend, seconds, count = first.split()
     assert int(count) == len(messages)
     return backend, float(seconds), messages
 
 
-def test_a_missing_build_means_the_torch_kernels_and_one_warning(tmp_path: Path) -> None:
-    backend, _, messages = parse(run_python(USE_THE_OPS, tmp_path / "ext"))
+def test_a_missing_build_means_the_torch_kernels_and_one_warning_or_under_require_an_error(tmp_path: Path) -> None:
+    out = run_python(USE_THE_OPS + THEN_REQUIRE, tmp_path / "ext")
+    backend, _, messages = parse(out)
     assert backend == "torch"
     assert len(messages) == 1, messages
     assert "not built" in messages[0] and "python -m radixkv build-ext" in messages[0]
     assert not (tmp_path / "ext").exists()  # nothing was built, not even a directory made
+    error = out.stdout.strip().splitlines()[-1]
+    assert error.startswith("require: radixkv.ops: RADIXKV_EXT=require, but the block-copy extension is not built")
+    assert "python -m radixkv build-ext" in error
 
 
-def test_stale_locks_do_not_make_a_request_wait(tmp_path: Path) -> None:
+def test_stale_locks_do_not_make_a_request_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A build killed while compiling leaves its lock (and torch's own) behind: no call waits on them."""
     root = tmp_path / "ext"
     key_dir = root / _ext.build_key()
@@ -95,20 +110,9 @@ def test_stale_locks_do_not_make_a_request_wait(tmp_path: Path) -> None:
     assert seconds < 60 and time.monotonic() - t0 < RUN_TIMEOUT  # generous: the copies wait on nothing
 
     # An explicit build waits for that lock only as long as it is told to, then says which file it is.
-    script = ("from radixkv import ops\ntry:\n    ops.build(lock_timeout=0.5)\nexcept TimeoutError as exc:\n"
-              "    print('locked:', exc)\n")
-    out = run_python(script, root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith("locked:") and str(_ext._lock_path(key_dir)) in out.stdout
-
-
-def test_require_makes_a_missing_build_a_clear_error(tmp_path: Path) -> None:
-    script = ("import torch\nfrom radixkv import ops\ntry:\n    ops.gather_pages(torch.zeros(1, 2, 2, 1, 1, 1), [0])\n"
-              "except RuntimeError as exc:\n    print(exc)\n")
-    out = run_python(script, tmp_path / "ext", mode="require")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "RADIXKV_EXT=require" in out.stdout and "not built" in out.stdout
-    assert "python -m radixkv build-ext" in out.stdout
+    monkeypatch.setenv(_ext.ENV_DIR, str(root))
+    with pytest.raises(TimeoutError, match=str(_ext._lock_path(key_dir))):
+        _ext.build(lock_timeout=0.5)
 
 
 def test_an_unloadable_build_is_a_miss_not_a_crash(tmp_path: Path) -> None:
