@@ -17,6 +17,7 @@ from radixkv.backends import MemoryTier, Tier
 from radixkv.backends.cpu import CpuTier
 from radixkv.testing import Clock, FaultyPrefixCacheMachine, PersistentTierContract, TierContract
 from radixkv.testing.backends import CpuTierContract, LmdbTierContract, LmdbTtlTierContract, MemoryTierContract
+from radixkv.testing.settings import MUTATION
 from radixkv.testing.tiers import key_universe, make_blob, namespace_ids
 
 pytest.importorskip("lmdb")
@@ -172,3 +173,21 @@ def test_cpu_tier_contract_covers_an_inferred_slot_size() -> None:
             return CpuTier(max_bytes=1200)
 
     run_state_machine_as_test(Inferred, settings=SMALL)
+
+
+@pytest.mark.parametrize("contract", [CpuTierContract, LmdbTierContract], ids=lambda c: c.__name__)
+def test_evictions_happen_in_many_examples(contract: type[TierContract]) -> None:
+    """The shipped contracts' sizes make eviction (and so the LRU and minimality checks) happen."""
+    evictions: list[int] = []
+
+    class Counting(contract):  # type: ignore[valid-type, misc]
+        def __init__(self) -> None:
+            super().__init__()
+            evictions.append(0)
+
+        def _check_eviction(self, evicted: set[bytes], fresh: set[bytes], exact_size: bool) -> None:
+            evictions[-1] += len(evicted)
+            super()._check_eviction(evicted, fresh, exact_size)
+
+    run_state_machine_as_test(Counting, settings=settings(MUTATION, max_examples=30))
+    assert sum(n > 0 for n in evictions) >= 3 and sum(evictions) >= 20, evictions

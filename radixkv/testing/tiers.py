@@ -715,10 +715,11 @@ class TierContract(RuleBasedStateMachine):
         tier = self.tier
         doomed = {k for k in self.held if k.startswith(ns_id)}
         sure = {k for k in doomed if self._expiry(k) == "live"}
+        expired = {k for k in self.written if k.startswith(ns_id) and self._expiry(k) != "live"}  # may count
         self._now()
         removed = tier.drop_namespace(ns_id)
         exact_count = self.exact or getattr(tier, "local", True)
-        ok = len(sure) <= removed <= len(doomed) if type(removed) is int else False
+        ok = len(sure) <= removed <= len(doomed | expired) if type(removed) is int else False
         if not ok and not (removed == 0 and not exact_count):
             _fail(f"{self.step} returned {removed!r}; the tier held {len(doomed)} keys of it {self._names(doomed)}")
         self.held -= doomed
