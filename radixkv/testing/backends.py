@@ -49,8 +49,8 @@ class CpuTierContract(TierContract):
 
     def should_store(self, size: int) -> bool | None:
         slot = int(getattr(self.tier, "slot_bytes"))
-        if not slot:                                  # the first put sets the slot size when not given
-            return None if size > (self.capacity or 0) // 2 else True
+        if not slot:          # the first put sets the slot size when not given: later ones in a batch may not fit
+            return None
         if slot > (self.capacity or 0):               # a first blob over max_bytes carved no slot at all
             return False
         return size <= slot
