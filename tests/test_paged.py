@@ -119,6 +119,18 @@ def test_attention_through_a_scrambled_block_table_is_the_full_forward(family: s
     assert (kv[1, 1] - values[0].transpose(0, 1)).abs().max().item() <= TOL
 
 
+def test_a_pool_of_another_dtype(llama: Any) -> None:
+    """K/V are converted into the pool's dtype and back: a bfloat16 pool under a float32 model
+    costs only bfloat16's rounding of the K/V."""
+    layout = layout_for(llama, page_size=PAGE, dtype=torch.bfloat16)
+    engine = PagedEngine(llama, PrefixCache(layout, num_pages=32, namespace=namespace_for(llama)), keep_logits=True)
+    r = engine.add(tokens(11, seed=19), max_new_tokens=6)
+    run(engine)
+    reference = full_logits(llama, r.tokens[:-1])[r.prompt_len - 1:]
+    diff = (torch.stack(r.logits) - reference).abs().max().item()
+    assert 0 < diff <= 1e-2
+
+
 # -- requests in flight ---------------------------------------------------------------------------
 
 def test_one_request_prefill_and_decode_are_exact(llama: Any) -> None:
