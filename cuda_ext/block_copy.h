@@ -58,7 +58,8 @@ struct BlockPlan {
   int64_t num_ids;        // n = len(ids): rows per (layer, side)
   int64_t num_rows;       // num_layers * sides * n: row copies in all
   int64_t row_bytes;      // one block of one layer and side: block_size * heads * head_dim * itemsize
-  int64_t buf_ls_stride;  // bytes from one (layer, side) slab of the buffer to the next: num_tokens * heads * dim * itemsize
+  int64_t buf_ls_stride;  // bytes from one (layer, side) slab of the buffer to the next:
+                          // num_tokens * heads * dim * itemsize
   int64_t buf_offset;     // bytes skipped at the start of each buffer slab: skip * row_bytes
 };
 

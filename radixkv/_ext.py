@@ -151,7 +151,8 @@ def _why_missing(where: Path) -> str:
         why += f"; a build holds {lock} ({_describe_lock(lock)})"
     failed = where / "failed.txt"
     if failed.is_file():
-        why += f"; the last build failed: {failed.read_text().strip().splitlines()[0] if failed.stat().st_size else '?'}"
+        reason = failed.read_text().strip().splitlines()
+        why += f"; the last build failed: {reason[0] if reason else '?'}"
     return why + ". Build it with `python -m radixkv build-ext`."
 
 
@@ -162,9 +163,10 @@ def build(verbose: bool = False, lock_timeout: float = 600.0, require_cuda: bool
     """Build the extension into ``ext_dir()`` unless it is built already, load it, return its backend.
 
     The CUDA kernel is built with the C++ one where torch has CUDA and ``nvcc`` is found; if only
-    its build fails, the C++ part is built alone (with a warning), unless ``require_cuda``.  Raises ``BuildLocked`` when
-    another live build holds the lock past ``lock_timeout`` seconds, ``RuntimeError`` when the
-    compile fails (its first line; the compiler's whole output when ``verbose``).  Cost: a compile
+    its build fails, the C++ part is built alone (with a warning), unless ``require_cuda``.  Raises
+    ``BuildLocked`` when another live build holds the lock past ``lock_timeout`` seconds, and
+    ``RuntimeError`` when the compile fails (its first line; the compiler's whole output when
+    ``verbose``).  Cost: a compile
     (~10-20 s for the C++ part, more with CUDA) once per torch and source; a load after that.
     """
     global _loaded
