@@ -7,7 +7,8 @@ one engine configuration) and usable by hand::
 
 ``SPEC`` holds ``model`` (a directory), ``connector`` (``null`` for vLLM without any cache, or
 ``{"role": ..., "config": {...}}`` for ``RadixKVConnector``), ``prefix_caching`` and ``steps``:
-each step names a ``prompt`` (a key of ``prompts``: a list of token ids), and optionally
+each step names a ``prompt`` (a key of ``prompts``: a list of token ids) or a ``batch`` of them
+(generated together), and optionally
 ``salt`` (vLLM's ``cache_salt``), ``reset`` (``llm.reset_prefix_cache()`` first), ``max_tokens``
 and ``action`` run before it (``"corrupt_s3"``: overwrite every object of ``s3.bucket`` with
 garbage; ``"pause_s3"``/``"resume_s3"``: SIGSTOP/SIGCONT the S3 server ``s3.pid``).  The output
@@ -23,9 +24,6 @@ import signal
 import sys
 import time
 from typing import Any
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def make_model(path: str, seed: int) -> str:
@@ -54,7 +52,8 @@ def build_llm(spec: dict[str, Any]) -> Any:
             kv_connector_extra_config=conn.get("extra", {"radixkv_config": conn.get("config")}))
     return LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                max_model_len=spec.get("max_model_len", 4096), enable_prefix_caching=spec.get("prefix_caching", True),
-               disable_log_stats=not spec.get("log_stats", False), seed=0, **kw)
+               disable_log_stats=not spec.get("log_stats", False), seed=0,
+               num_gpu_blocks_override=spec.get("blocks"), **kw)
 
 
 def s3_action(action: str, s3: dict[str, Any]) -> None:
@@ -94,21 +93,30 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             s3_action(step["action"], spec["s3"])
         if step.get("reset"):
             llm.reset_prefix_cache()
-        prompt: dict[str, Any] = {"prompt_token_ids": spec["prompts"][step["prompt"]]}
-        if step.get("salt"):
-            prompt["cache_salt"] = step["salt"]
+        names = step.get("batch") or [step["prompt"]]
+        prompts = []
+        for name in names:
+            prompt: dict[str, Any] = {"prompt_token_ids": spec["prompts"][name]}
+            if step.get("salt"):
+                prompt["cache_salt"] = step["salt"]
+            prompts.append(TokensPrompt(**prompt))    # type: ignore[typeddict-item]
         params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=3)
         t = time.perf_counter()
-        out = llm.generate([TokensPrompt(**prompt)], params, use_tqdm=False)[0]
+        outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
-        gen = out.outputs[0]
-        results["steps"].append({
-            "name": step.get("name", step["prompt"]), "tokens": list(gen.token_ids),
-            "logprobs": [sorted([int(k), float(v.logprob)] for k, v in d.items()) for d in gen.logprobs or []],
-            "num_cached_tokens": int(out.num_cached_tokens or 0),
-            "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed})
+        for name, out in zip(names, outs):
+            gen = out.outputs[0]
+            label = step.get("name", step.get("prompt"))
+            results["steps"].append({
+                "name": f"{label}:{name}" if step.get("batch") else label, "tokens": list(gen.token_ids),
+                "logprobs": [sorted([int(k), float(v.logprob)] for k, v in d.items()) for d in gen.logprobs or []],
+                "num_cached_tokens": int(out.num_cached_tokens or 0),
+                "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed})
     if spec.get("log_stats"):
         llm.llm_engine.do_log_stats()
+        results["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                              if m.name in ("vllm:num_preemptions", "vllm:external_prefix_cache_hits",
+                                            "vllm:external_prefix_cache_queries")}
     # Shut the engine down before the results are written: the connector flushes its tier writes
     # then, so that the next process finds them.
     llm.llm_engine.engine_core.shutdown()
@@ -117,6 +125,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")        # GiB of KV pool
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin threads to shared cores
     spec_path, out_path = argv
     with open(spec_path) as f:
         spec = json.load(f)

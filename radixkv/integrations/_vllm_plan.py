@@ -162,8 +162,9 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._plan = Plan()
         self._seq = 0
-        self.counters = dict.fromkeys(("lookups", "lookup_timeouts", "hit_requests", "hit_tokens",
-                                       "stored_chunks"), 0)
+        # Named apart from the workers' counters: vLLM sums both sides' stats into one line.
+        self.counters = dict.fromkeys(("lookup_requests", "lookup_timeouts", "hit_requests", "hit_tokens",
+                                       "store_chunks_planned"), 0)
 
     # -- vLLM's scheduler-side calls ---------------------------------------------------------
 
@@ -189,7 +190,7 @@ class SchedulerSide:
             self._plan.lookups.append(Lookup(req_id, req.seq, req.tokens, req.salt, req.lora, start,
                                              req.num_prompt_tokens // self.chunk_size - start, self.timeout_s))
             req.sent_tokens = True
-            self.counters["lookups"] += 1
+            self.counters["lookup_requests"] += 1
             return None, False
         if req.held is None:
             if self.clock() < req.deadline:
@@ -259,7 +260,7 @@ class SchedulerSide:
             plan.stores.append(Store(req_id, first, tuple(table[first * bpc:done * bpc]),
                                      b"" if req.sent_tokens else req.tokens, req.salt, req.lora))
             req.sent_tokens = True
-            self.counters["stored_chunks"] += done - first
+            self.counters["store_chunks_planned"] += done - first
             req.next_store = done
         return plan
 

@@ -101,6 +101,7 @@ class WorkerSide:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self._held_bytes = 0
+        self.load_errors: set[int] = set()        # vLLM block ids a load could not write
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-vllm-fetch")
         self.counters = dict.fromkeys(("lookups", "lookup_chunks", "held_chunks", "loads", "loaded_chunks",
                                        "loaded_tokens", "stored_chunks", "dropped_lookups"), 0)
@@ -126,8 +127,12 @@ class WorkerSide:
             if req is not None:
                 self._held(req)
             if req is None or req.seq != load.seq or req.start != load.start or len(req.held) < load.num_chunks:
-                # The scheduler commits only what this worker reported holding; anything else is a bug.
-                raise RuntimeError(f"radixkv: request {load.req_id} has no held chunks for load {load.seq}")
+                # The scheduler commits only what this worker reported holding, so this is a bug:
+                # report the blocks as not loaded (vLLM recomputes or fails the request), never
+                # leave them unwritten silently.
+                log.error("radixkv: request %s has no held chunks for load %d", load.req_id, load.seq)
+                self.load_errors.update(load.block_ids[load.skip_blocks:])
+                continue
             bpc = self.blocks_per_chunk
             for i in range(load.num_chunks):
                 chunk = load.start + i

@@ -351,6 +351,13 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
             stores, meta.plan.stores = meta.plan.stores, []
             self._worker.store(stores)
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks a committed load could not write (empty unless something is broken).  O(1)."""
+        if self._worker is None or not self._worker.load_errors:
+            return set()
+        errors, self._worker.load_errors = self._worker.load_errors, set()
+        return errors
+
     def build_connector_worker_meta(self) -> RadixKVWorkerMetadata | None:
         """The lookups this worker finished, for the scheduler.  O(requests)."""
         meta = self._connector_metadata
