@@ -173,9 +173,12 @@ class RedisTier(Tier):
         with self._lock:
             self._counts.update(deltas)
 
-    def _deadline(self) -> float:
+    def _deadline(self, calls: int = 1) -> float:
+        """The caller's deadline (``radixkv.backends.bounded``), else ``timeout_s`` from now for
+        each round of ``max_concurrency`` of ``calls`` requests (a large batch gets its time)."""
         deadline = current_deadline()
-        return time.monotonic() + self.timeout_s if deadline is None else deadline
+        rounds = -(-max(1, calls) // self.max_concurrency)
+        return time.monotonic() + self.timeout_s * rounds if deadline is None else deadline
 
     def _abandoned(self, n: int) -> None:
         """Requests still running at their deadline: count them, tell the breaker now, and close
@@ -214,7 +217,7 @@ class RedisTier(Tier):
         """``fn(item)`` for each item on the tier's pool at once, until the deadline (as S3's)."""
         if self._closed:
             raise RuntimeError("RedisTier is closed")
-        deadline = self._deadline()
+        deadline = self._deadline(len(items))
         with bounded(deadline):
             futures = [self._pool.submit(fn, item) for item in items]
         return self._pool.gather(futures, deadline, self._abandoned)

@@ -32,12 +32,26 @@ Storage contract:
   (``IfMatch``), so an object overwritten during the read is a miss, never a mix of two writes.
   The default threshold (64 MiB) keeps a typical chunk (32 MiB for 256 tokens of a 7B model in
   fp16) to one request; on real S3 a lower one buys bandwidth with parallel requests.
+* **Deadlines.**  Every call is bounded by a total deadline, not only per socket read: the
+  caller's (``radixkv.backends.bounded``, which ``TierStack`` sets from its ``lookup``/``load``
+  deadline), else ``timeout_s`` from the call per round of ``max_concurrency`` requests.  Requests
+  run on the tier's pool and the caller stops waiting at the deadline (``DeadlineExceeded``, with
+  what arrived in ``partial``); a body is read one socket read at a time, each bounded by what is
+  left, so a body trickling in under ``read_timeout_s`` still ends at the deadline.  A request
+  abandoned while the server has not even sent its headers keeps its pool thread until its socket
+  read times out or the answer completes (at most ``max_concurrency`` such threads; the breaker
+  stops new ones).  An object's size is read from its headers first: one over the bound
+  (``max_object_bytes``, or the stack's expected chunk size) is a miss (``oversize``) whose body is
+  never read and which drives no allocation.
+* **Credentials in the endpoint URL** (``http://AK:SECRET@host``) are taken out of it and given to
+  boto3 as the session's credentials, so no message or log line of boto3's ever holds them.
 * **Faults.**  Timeouts and retries are explicit: ``connect_timeout_s``, ``read_timeout_s`` (per
   socket read, not per transfer) and ``max_attempts`` (the first request included: botocore's
   ``total_max_attempts``, "standard" mode), so a request to a hung endpoint gives up after about
-  ``max_attempts * (connect_timeout_s + read_timeout_s)``.  A request that still fails raises
+  ``max_attempts * (connect_timeout_s + read_timeout_s)``, or at its deadline if that is sooner.  A request that still fails raises
   (``TierStack`` turns it into a miss) and feeds a ``CircuitBreaker``: after ``failure_threshold``
-  failures in a row (concurrent requests fail together) the tier is skipped for a back-off period
+  failures in a row (concurrent requests fail together; a request past its deadline is a failure
+  too, recorded when the caller gives up on it) the tier is skipped for a back-off period
   — lookups answer "miss" at once, puts return ``False`` — then one request probes the endpoint,
   and a failed probe doubles the back-off (up to ``max_backoff_s``).  Once open, a dead endpoint
   costs the engine one timeout per back-off period, not one per request.  Failed writes are
@@ -378,10 +392,12 @@ class S3Tier(Tier):
         """The object-name prefix holding every chunk of a namespace.  O(1)."""
         return f"{self._root}{check_namespace_id(ns_id).hex()}/"
 
-    def _deadline(self) -> float:
-        """The caller's deadline (``radixkv.backends.bounded``), else ``timeout_s`` from now."""
+    def _deadline(self, calls: int = 1) -> float:
+        """The caller's deadline (``radixkv.backends.bounded``), else ``timeout_s`` from now for
+        each round of ``max_concurrency`` of ``calls`` requests (a large batch gets its time)."""
         deadline = current_deadline()
-        return time.monotonic() + self.timeout_s if deadline is None else deadline
+        rounds = -(-max(1, calls) // self.max_concurrency)
+        return time.monotonic() + self.timeout_s * rounds if deadline is None else deadline
 
     def _abandoned(self, n: int) -> None:
         """``n`` requests still running at their deadline: timeouts, and failures for the breaker
@@ -398,7 +414,7 @@ class S3Tier(Tier):
             raise RuntimeError("S3Tier is closed")
         if self._pool.on_worker():
             return _wait_all([self._pool.submit(fn, item) for item in items])
-        deadline = self._deadline()
+        deadline = self._deadline(len(items))
         # While the breaker is not closed the first call goes alone: it is the probe, which the
         # others would otherwise skip.
         head = 1 if len(items) > 1 and self.breaker.state != "closed" else 0

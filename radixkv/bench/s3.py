@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("s3", argv)
+    say(f"# load average at the start (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     run(say, sizes_kib=[int(s) for s in args.sizes_kib.split(",")], repeat=args.repeat, keys=args.keys,
         namespace_objects=args.namespace_objects, chunks=args.chunks, rtt_ms=args.rtt_ms)
     say.save(args.out)

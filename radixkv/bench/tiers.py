@@ -19,6 +19,7 @@ redis-py (the same pipelined ``SET``/``GET``) on a ``redis-server`` the benchmar
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 from typing import Any, Callable, Iterable
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("tiers", argv)
+    say(f"# load average at the start (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     ns = Namespace(model="bench").bind(LAYOUT)
     stack_for_refs = TierStack([], namespace=ns, layout=LAYOUT, chunk_size=CHUNK)
     refs = stack_for_refs.refs(np.arange(args.chunks * CHUNK, dtype=np.int32))
