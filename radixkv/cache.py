@@ -657,13 +657,13 @@ class PrefixCache:
             st = self.stack.stats()
             c["stack"] = st
             c["tier_hit_tokens_by_tier"] = list(self._tier_hit_tokens)     # in stack order
-            for i, tier in enumerate(self.stack.tiers):
-                own = self.stack._call(i, {}, tier.stats)
+            for i, (tier, own) in enumerate(zip(self.stack.tiers, self.stack.tier_stats())):
                 levels.append({
                     "level": tier.name, "lookups": st["tier_lookups"][i], "hit_tokens": self._tier_hit_tokens[i],
                     "bytes_in": st["tier_bytes_stored"][i], "bytes_out": st["tier_bytes_loaded"][i],
                     "evictions": int(own.get("evictions", 0)), "corrupt": st["corrupt"][i],
-                    "errors": st["errors"][i], "dropped_writes": st["dropped_writes"]})
+                    "forged": st["forged"][i], "errors": st["errors"][i], "timeouts": st["timeouts"][i],
+                    "dropped_writes": st["dropped_writes"]})
         c["levels"] = levels
         return c
 

@@ -456,6 +456,10 @@ class TierStack:
             raise ValueError(f"tiers must be indices into the stack's {len(self.tiers)} tiers, got {sorted(mask)!r}")
         return mask
 
+    def tier_stats(self) -> list[dict[str, Any]]:
+        """Each tier's own ``stats()``, in stack order (a tier's fault gives ``{}``).  O(tiers)."""
+        return [self._call(i, {}, tier.stats) for i, tier in enumerate(self.tiers)]
+
     def pin(self, keys: Sequence[bytes]) -> list[int]:
         """Pin 16-byte chunk keys in every local tier (``Tier.pin``: never evicted, held now or
         stored later, until ``unpin``); per tier, how many leading keys it pinned (a tier bounds
