@@ -494,7 +494,8 @@ def test_generation_stops_after_the_eos_token(llama: Any) -> None:
 def test_random_arrivals_aborts_and_a_short_pool(llama: Any, tiered: bool) -> None:
     """Continuous batching under churn: arrivals each step, aborts, a pool of a few requests'
     pages and (``tiered``) a CPU tier under it that the pool is emptied into now and then, so that
-    loads land while others decode; after every step ``check()``; every finished answer is exact."""
+    loads land while others decode.  After every step ``check()`` holds, and every page a request
+    held before the step it still holds, with the same KV; every finished answer is exact."""
     from hypothesis import example, given, settings, strategies as st
 
     from radixkv.backends import CpuTier
@@ -528,8 +529,14 @@ def test_random_arrivals_aborts_and_a_short_pool(llama: Any, tiered: bool) -> No
                     cache.evict(num_pages)                   # what no request holds goes to the tier only
                 if not engine.busy and step > 6:
                     break
+                held = {r: (r.preemptions, r.held.copy(), cache.pool.kv[:, :, r.held].clone())
+                        for r in engine.running}
                 engine.step()
                 engine.check()
+                for r, (preemptions, pages, kv) in held.items():   # what a request held, it still holds,
+                    if r.state in ("loading", "running") and r.preemptions == preemptions:   # unchanged
+                        assert np.array_equal(r.held[:len(pages)], pages)
+                        assert torch.equal(cache.pool.kv[:, :, pages], kv)
             stats = cache.stats()
             assert (stats["pages_engine"], stats["live_matches"], stats["locked_tokens"]) == (0, 0, 0)
             for r, _ in added:
