@@ -15,7 +15,8 @@ from hypothesis.stateful import run_state_machine_as_test
 import radixkv.testing as rt
 from radixkv.backends import MemoryTier, Tier
 from radixkv.backends.cpu import CpuTier
-from radixkv.testing import Clock, FaultyPrefixCacheMachine, PersistentTierContract, TierContract
+from radixkv.testing import (Clock, FaultyPrefixCacheMachine, PersistentTierContract, TierContract,
+                             TieredPrefixCacheMachine)
 from radixkv.testing.backends import CpuTierContract, LmdbTierContract, LmdbTtlTierContract, MemoryTierContract
 from radixkv.testing.settings import MUTATION
 from radixkv.testing.tiers import key_universe, make_blob, namespace_ids
@@ -23,6 +24,15 @@ from radixkv.testing.tiers import key_universe, make_blob, namespace_ids
 pytest.importorskip("lmdb")
 
 TestFaultyPrefixCache = FaultyPrefixCacheMachine.TestCase
+
+
+class ExclusiveTiersMachine(TieredPrefixCacheMachine):
+    """Recall and eviction checks hold when the tier keeps only what the pool evicted."""
+
+    exclusive = True
+
+
+TestExclusiveTiers = ExclusiveTiersMachine.TestCase
 SMALL = settings(max_examples=10, stateful_step_count=25, deadline=None, database=None)
 
 

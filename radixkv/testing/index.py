@@ -559,10 +559,12 @@ class TieredPrefixCacheMachine(PrefixCacheMachine):
     (the default: ``MemoryTier`` never evicts), the machine also checks recall: every chunk the
     pool lets go reaches the tiers (refreshed or stored) and a later match brings back every chunk
     the pool has room for, also when the tree's match ends inside a chunk.  Set it ``False`` for a
-    bounded or faulty tier.
+    bounded or faulty tier.  ``exclusive = True`` builds the cache with ``exclusive=True`` (volatile
+    local tiers hold only what the pool evicted); the same checks hold.
     """
 
     write_policy = "write_through"
+    exclusive = False
     exact_tiers = True
     max_len = 20
 
@@ -577,7 +579,8 @@ class TieredPrefixCacheMachine(PrefixCacheMachine):
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=page_size)
         self.recorders = [RecordingTier(t) for t in self.make_tiers()]
         return PrefixCache(layout, num_pages=num_pages, chunk_size=page_size * self.chunk_pages,
-                           tiers=self.recorders, write_policy=self.write_policy, write_queue=4096)
+                           tiers=self.recorders, write_policy=self.write_policy, write_queue=4096,
+                           **({"exclusive": True} if self.exclusive else {}))
 
     @initialize(page_size=st.integers(1, 4), num_pages=st.integers(6, 16), chunk_pages=st.integers(2, 3))
     def setup(self, page_size: int, num_pages: int, chunk_pages: int) -> None:   # type: ignore[override]
