@@ -580,7 +580,7 @@ class TieredPrefixCacheMachine(PrefixCacheMachine):
         self.recorders = [RecordingTier(t) for t in self.make_tiers()]
         return PrefixCache(layout, num_pages=num_pages, chunk_size=page_size * self.chunk_pages,
                            tiers=self.recorders, write_policy=self.write_policy, write_queue=4096,
-                           **({"exclusive": True} if self.exclusive else {}))
+                           exclusive=self.exclusive)
 
     @initialize(page_size=st.integers(1, 4), num_pages=st.integers(6, 16), chunk_pages=st.integers(2, 3))
     def setup(self, page_size: int, num_pages: int, chunk_pages: int) -> None:   # type: ignore[override]
