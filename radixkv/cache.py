@@ -43,12 +43,8 @@ A ``PrefixCache`` is used from one engine thread; the tier stack does its writes
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -59,6 +55,7 @@ import numpy as np
 import torch
 
 from radixkv._checks import check_int
+from radixkv._exit import flush_at_exit
 from radixkv import ops
 from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
 from radixkv.pool import KVLayout, KVPool, as_page_ids, has_duplicates
@@ -175,7 +172,7 @@ class PrefixCache:
         self._kept_tiers: frozenset[int] = frozenset()
         if self.stack is not None:
             self._kept_tiers = frozenset(range(len(self.stack.tiers))) - self.stack.victims
-            _flush_at_exit(self.stack)
+            flush_at_exit(self.stack)
         self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
 
     @classmethod
@@ -762,33 +759,3 @@ def _log_load_error(exc: BaseException, _last: list[float] = [0.0]) -> None:
     if now - _last[0] >= 60.0:
         _last[0] = now
         log.warning("radixkv: a tier load failed and was treated as a miss: %s: %s", type(exc).__name__, exc)
-
-
-_exit_stacks: weakref.WeakSet[TierStack] = weakref.WeakSet()
-_exit_lock = threading.Lock()
-
-
-def _flush_at_exit(stack: TierStack) -> None:
-    """Register ``stack`` so that its queued writes are flushed when the interpreter exits."""
-    with _exit_lock:
-        if not _exit_stacks:
-            atexit.register(_exit_flush)
-        _exit_stacks.add(stack)
-
-
-def _exit_flush() -> None:
-    """At interpreter exit: finish every open stack's queued writes within one total bound
-    (``RADIXKV_EXIT_FLUSH_S`` seconds, default 10) and close it; log what could not be written."""
-    try:
-        bound = float(os.environ.get("RADIXKV_EXIT_FLUSH_S", "10"))
-    except ValueError:
-        bound = 10.0
-    deadline = time.monotonic() + bound
-    with _exit_lock:
-        stacks = list(_exit_stacks)
-        _exit_stacks.clear()
-    for stack in stacks:
-        if not stack.flush(max(0.0, deadline - time.monotonic())):
-            lost = stack.stats()["queued"]
-            log.warning("radixkv: %d queued tier writes not done within %.1f s at exit; dropped", lost, bound)
-        stack.close(timeout=max(0.0, deadline - time.monotonic()))
