@@ -378,6 +378,33 @@ class BoundedPool:
         self._lock = threading.Lock()
         self._closed = False
 
+    def warm(self) -> None:
+        """Start every worker thread now, from a background thread, so that the first calls do not
+        pay for thread starts (slow on a loaded machine) out of their deadline.  Returns at once."""
+        def start_all() -> None:
+            with self._lock:
+                if self._closed or self._pool is not None:
+                    return
+                self._pool = ThreadPoolExecutor(self.size, thread_name_prefix=self.name,
+                                                initializer=setattr, initargs=(self._local, "active", True))
+                pool = self._pool
+            gate = threading.Barrier(self.size)  # each start task holds its thread until all started
+
+            def hold() -> None:
+                try:
+                    gate.wait(timeout=1.0)
+                except threading.BrokenBarrierError:
+                    pass
+
+            for _ in range(self.size):
+                try:
+                    pool.submit(hold)
+                except RuntimeError:  # closed meanwhile
+                    gate.abort()
+                    return
+
+        threading.Thread(target=start_all, name=f"{self.name}-warm", daemon=True).start()
+
     def on_worker(self) -> bool:
         """Whether the calling thread is one of the pool's workers."""
         return bool(getattr(self._local, "active", False))

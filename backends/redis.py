@@ -145,6 +145,7 @@ class RedisTier(Tier):
                                  max_connections=4 * max_concurrency)
         self._client = client
         self._pool = BoundedPool(max_concurrency, "radixkv-redis")
+        self._pool.warm()
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter(dict.fromkeys(
             ("gets", "hits", "misses", "skipped", "get_errors", "puts", "stored", "skipped_puts", "put_errors",

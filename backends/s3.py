@@ -349,6 +349,7 @@ class S3Tier(Tier):
                                         multipart_chunksize=multipart_chunksize,
                                         max_concurrency=max_concurrency, use_threads=True)
         self._pool = BoundedPool(max_concurrency, "radixkv-s3")
+        self._pool.warm()
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter(dict.fromkeys(
             ("gets", "hits", "misses", "expired", "skipped", "get_errors",
