@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,13 +31,7 @@ PAGE, CHUNK, VOCAB = 4, 8, 128
 COUNTS = ("pages_free", "pages_cached", "pages_engine", "live_matches", "locked_tokens", "cached_tokens")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is much faster than several contending for two cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
