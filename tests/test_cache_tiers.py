@@ -369,3 +369,30 @@ def test_touch_without_a_local_tier_queues_nothing():
         assert cache.stack.touch([ref.key for ref in cache.stack.refs(TOKENS)]) == 0
         cache.stack.flush()
         assert remote.reads == []
+
+
+def test_with_a_secret_a_forged_chunk_is_never_served_and_counted_per_level(monkeypatch):
+    """A cache that has the deployment secret (here from RADIXKV_SECRET) serves nothing written
+    without it: a chunk an attacker wrote with a valid unkeyed checksum is a miss, counted as forged."""
+    from radixkv.format import encode_chunk
+
+    monkeypatch.setenv("RADIXKV_SECRET", "cache-tiers-test-secret-01")
+    tier = MemoryTier()
+    with make([tier]) as a:
+        kv = prefill(a, TOKENS)
+        refs = a.stack.refs(TOKENS)
+    fake = torch.full(LAYOUT.chunk_shape(8), 7.0, dtype=LAYOUT.dtype)
+    tier.put(NS.bind(LAYOUT).id + refs[1].key,
+             encode_chunk(NS.bind(LAYOUT).id, refs[1].key, refs[1].parent, refs[1].tokens, fake))
+    with make([tier]) as b:
+        m = b.match(TOKENS)
+        assert m.num_tokens == 8, "the forged chunk (or what follows it) was served"
+        assert torch.equal(b.pool.kv[:, :, m.pages.long()], kv[:, :, :2])
+        b.release(m)
+        assert b.stats()["stack"]["forged"] == [1] and b.stats()["levels"][1]["forged"] == 1
+        b.check()
+    monkeypatch.delenv("RADIXKV_SECRET")
+    with make([tier]) as c:  # without the secret, the keyed chunks are misses too (never served unverified)
+        m = c.match(TOKENS)
+        assert m.num_tokens == 0 and c.stats()["stack"]["forged"] == [1]
+        c.release(m)
