@@ -350,6 +350,7 @@ class S3Tier(Tier):
                                         max_concurrency=max_concurrency, use_threads=True)
         self._pool = BoundedPool(max_concurrency, "radixkv-s3")
         self._pool.warm()
+        self._ranges = BoundedPool(max_concurrency, "radixkv-s3-ranges")  # large objects' other ranges
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter(dict.fromkeys(
             ("gets", "hits", "misses", "expired", "skipped", "get_errors",
@@ -587,7 +588,10 @@ class S3Tier(Tier):
                 raise KeyError("short range")  # the object changed size under us: a miss
             out[start:end] = part
 
-        _wait_all([self._pool.submit(fetch, start) for start in starts])
+        # On a pool of their own: the caller is usually one of the main pool's workers, and range
+        # requests start nothing further, so they cannot deadlock.
+        self._ranges.gather([self._ranges.submit(fetch, start) for start in starts], self._deadline(),
+                            self._abandoned)
         return out
 
     def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
@@ -744,6 +748,7 @@ class S3Tier(Tier):
         with self._lock:
             self._closed = True
         self._pool.close()
+        self._ranges.close()
 
     def check(self) -> None:
         """The counters add up (every get and put ended in exactly one outcome), the breaker is
