@@ -46,8 +46,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from radixkv._checks import check_int
 from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, Tier, blob_view, bounded, check_key,
-                              check_namespace_id, current_deadline, current_max_blob_bytes, redact)
-from radixkv.backends.s3 import CircuitBreaker
+                              check_namespace_id, current_max_blob_bytes, redact)
+from radixkv.backends.s3 import CircuitBreaker, call_deadline
 
 __all__ = ["RedisTier", "parse_redis_url"]
 
@@ -175,18 +175,13 @@ class RedisTier(Tier):
             self._counts.update(deltas)
 
     def _deadline(self, calls: int = 1) -> float:
-        """The caller's deadline (``radixkv.backends.bounded``), else ``timeout_s`` from now for
-        each round of ``max_concurrency`` of ``calls`` requests (a large batch gets its time)."""
-        deadline = current_deadline()
-        rounds = -(-max(1, calls) // self.max_concurrency)
-        return time.monotonic() + self.timeout_s * rounds if deadline is None else deadline
+        return call_deadline(self.timeout_s, calls, self.max_concurrency)
 
     def _abandoned(self, n: int) -> None:
         """Requests still running at their deadline: count them, tell the breaker now, and close
         the connections they block on (the blocked reads then end at once)."""
         self._count(timeouts=n)
-        for _ in range(n):
-            self.breaker.record(False)
+        self.breaker.record_failures(n)
         try:
             self._client.connection_pool.disconnect(inuse_connections=True)
         except Exception:  # noqa: BLE001 - best effort: the reads end by their socket timeout anyway

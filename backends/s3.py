@@ -98,7 +98,7 @@ from radixkv._checks import check_int
 from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, OversizeBlob, Tier, blob_view, bounded, check_key,
                               check_namespace_id, current_deadline, current_max_blob_bytes, redact)
 
-__all__ = ["CircuitBreaker", "S3Tier", "parse_remote_url"]
+__all__ = ["CircuitBreaker", "S3Tier", "call_deadline", "parse_remote_url"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -253,6 +253,11 @@ class CircuitBreaker:
                     self._open()
             # open: a request that was in flight when another one opened the breaker; ignore.
 
+    def record_failures(self, n: int) -> None:
+        """``record(False)`` ``n`` times: requests given up on at their deadline."""
+        for _ in range(n):
+            self.record(False)
+
     def _open(self) -> None:
         # Lock held.
         self._state, self._failures = "open", 0
@@ -267,6 +272,15 @@ class CircuitBreaker:
             assert 0 <= self._failures < self.failure_threshold, f"{self._failures} failures while closed"
             assert self._state == "closed" or self._failures == 0, "failures counted while not closed"
             assert self.backoff_s <= self._backoff <= self.max_backoff_s, f"back-off {self._backoff} out of range"
+
+
+def call_deadline(timeout_s: float, calls: int = 1, concurrency: int = 1) -> float:
+    """The deadline of a remote tier's call: the caller's (``radixkv.backends.bounded``), else
+    ``timeout_s`` from now for each round of ``concurrency`` of its ``calls`` requests (a large
+    batch gets its time).  O(1)."""
+    deadline = current_deadline()
+    rounds = -(-max(1, calls) // concurrency)
+    return time.monotonic() + timeout_s * rounds if deadline is None else deadline
 
 
 class _Skipped(Exception):
@@ -395,18 +409,13 @@ class S3Tier(Tier):
         return f"{self._root}{check_namespace_id(ns_id).hex()}/"
 
     def _deadline(self, calls: int = 1) -> float:
-        """The caller's deadline (``radixkv.backends.bounded``), else ``timeout_s`` from now for
-        each round of ``max_concurrency`` of ``calls`` requests (a large batch gets its time)."""
-        deadline = current_deadline()
-        rounds = -(-max(1, calls) // self.max_concurrency)
-        return time.monotonic() + self.timeout_s * rounds if deadline is None else deadline
+        return call_deadline(self.timeout_s, calls, self.max_concurrency)
 
     def _abandoned(self, n: int) -> None:
         """``n`` requests still running at their deadline: timeouts, and failures for the breaker
         now (not when their sockets finally give up), so that a slow endpoint opens it like a dead one."""
         self._count(timeouts=n)
-        for _ in range(n):
-            self.breaker.record(False)
+        self.breaker.record_failures(n)
 
     def _bounded(self, fn: Callable[..., T], items: Sequence[Any]) -> list[T]:
         """``fn(item)`` for each item on the tier's pool, all at once (up to ``max_concurrency``),
