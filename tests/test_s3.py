@@ -28,7 +28,7 @@ from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from radixkv import PrefixCache, backends  # noqa: E402
 from radixkv.backends import Tier  # noqa: E402
 from radixkv.backends.s3 import CircuitBreaker, S3Tier, parse_remote_url  # noqa: E402
-from radixkv.testing.s3server import CREDENTIALS, MotoServer  # noqa: E402
+from radixkv.testing.s3server import CREDENTIALS, MotoServer, moto_with_bucket  # noqa: E402
 from radixkv.hashing import Namespace  # noqa: E402
 from radixkv.pool import KVLayout  # noqa: E402
 from radixkv.testing.tiers import TierContract  # noqa: E402
@@ -45,12 +45,8 @@ def key(i: int, ns: int = 0) -> bytes:
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[MotoServer]:
     """moto's S3 server for the session, with boto3's credential chain pointed at test values."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in CREDENTIALS.items():
-            mp.setenv(name, value)
-        with MotoServer() as server:
-            server.client().create_bucket(Bucket=BUCKET)
-            yield server
+    with moto_with_bucket(BUCKET) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -181,19 +181,15 @@ pytest.importorskip("moto")
 
 from radixkv.backends.s3 import S3Tier  # noqa: E402
 from radixkv.testing.proxy import FaultyProxy, timed_requests  # noqa: E402
-from radixkv.testing.s3server import CREDENTIALS, MotoServer  # noqa: E402
+from radixkv.testing.s3server import CREDENTIALS, MotoServer, moto_with_bucket  # noqa: E402
 
 BUCKET = "radixkv-trust"
 
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[MotoServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in CREDENTIALS.items():
-            mp.setenv(name, value)
-        with MotoServer() as server:
-            server.client().create_bucket(Bucket=BUCKET)
-            yield server
+    with moto_with_bucket(BUCKET) as server:
+        yield server
 
 
 def test_s3_encrypted_objects_reveal_no_token(s3: MotoServer) -> None:

@@ -15,9 +15,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
-__all__ = ["CREDENTIALS", "MotoServer", "free_port", "stop_process"]
+__all__ = ["CREDENTIALS", "MotoServer", "free_port", "moto_with_bucket", "stop_process"]
 
 _LAUNCH = ("import logging, sys; logging.getLogger('werkzeug').setLevel(logging.ERROR); "
            "from moto.server import main; main(sys.argv[1:])")
@@ -120,3 +121,21 @@ class MotoServer:
         self.stop()
         if os.path.exists(self.log_path):
             os.unlink(self.log_path)
+
+
+@contextmanager
+def moto_with_bucket(bucket: str) -> Iterator[MotoServer]:
+    """A started ``MotoServer`` holding an empty ``bucket``, with boto3's credential chain (the
+    ``AWS_*`` environment variables) pointed at the test credentials meanwhile, for a test session."""
+    saved = {name: os.environ.get(name) for name in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    try:
+        with MotoServer() as server:
+            server.client().create_bucket(Bucket=bucket)
+            yield server
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
