@@ -5,7 +5,7 @@ one engine, and the processes that do not depend on each other run side by side.
 and their top-3 logprobs (fp32) must equal those of vLLM without any cache:
 
 * cold, and from the CPU tier after ``reset_prefix_cache()`` (one ``kv_both`` engine), where a
-  ``cache_salt`` gets no hits;
+  ``cache_salt`` gets no hits; four requests at once in a pool too short for them (preemption);
 * across a prefill/decode split: a ``kv_producer`` writes LMDB and S3 (and never loads); a
   ``kv_consumer`` started later (a restart) loads from that LMDB;
 * from S3 in a second process, then with every object corrupted, and with the server stopped;
@@ -32,8 +32,10 @@ from radixkv.integrations._vllm_plan import Report, SchedulerSide
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 256
-PROMPT_LENGTHS = {"p1": 700, "p2": 600, "p3": 650, "p4": 900, "b1": 800, "b2": 600, "b3": 700}
-BATCH_BLOCKS = 20       # vLLM blocks of 128 tokens for the kv_both engine: 2560 tokens for a batch of 3000
+PROMPT_LENGTHS = {"p1": 700, "p2": 600, "p3": 650, "p4": 900, "b1": 1020, "b2": 1020, "b3": 700}
+# vLLM blocks of 128 tokens in the kv_both engine: b1 and b2 take 8 each, and both need a 9th after
+# 4 generated tokens, when one block is left: one of them is preempted, and resumes from the tiers.
+BATCH_BLOCKS = 17
 
 
 def _have_vllm() -> bool:
@@ -257,7 +259,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                           {"name": "cpu tier", "prompt": "p4", "reset": True},
                           {"name": "salted", "prompt": "p4", "reset": True, "salt": "tenant-b"},
                           {"name": "cpu tier again", "prompt": "p4", "reset": True},
-                          # Four at once in a pool too small for all: three cold, p4 loaded.
+                          # Four at once in a pool too small for them: preemption, p4 loaded.
                           {"name": "batch", "batch": ["b1", "b2", "b3", "p4"], "reset": True, "max_tokens": 8}],
                          conn("kv_both", local_cpu=True, max_local_cpu_size=0.2, local_disk=lmdb, **disk),
                          log_stats=True, blocks=BATCH_BLOCKS, max_model_len=2048),
@@ -313,6 +315,7 @@ def test_cold_and_cpu_tier_after_reset_equal_no_cache_and_salt_misses(engines: d
     for p in ("b1", "b2", "b3", "p4"):
         _same(steps[f"batch:{p}"], engines["base_by_prompt"][p], exact=False)
     assert _loaded(steps["batch:p4"]) == (900 // CHUNK) * CHUNK
+    assert engines["both"]["metrics"]["vllm:num_preemptions"] >= 1
     # radixkv's counters reach vLLM's connector stats hook (logged by the engine).
     assert "KV Transfer metrics:" in engines["both"]["log"] and "loaded_chunks=" in engines["both"]["log"]
 

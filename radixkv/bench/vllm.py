@@ -28,7 +28,8 @@ the prefill and the first token.  Each configuration is its own process (one eng
 
 A row's "of resident" is its speedup over no cache as a share of the resident speedup, i.e.
 ``resident TTFT / row TTFT`` measured in the row's own process.  Targets (issue): CPU tier >= 90%,
-LMDB >= 75%, and faster than ExampleConnector at every size.  Medians of ``--repeat`` rounds.
+LMDB >= 75%, and faster than ExampleConnector at every size (compared on the like-for-like
+"same prompt" row).  Medians of ``--repeat`` rounds.
 """
 
 from __future__ import annotations
@@ -295,13 +296,14 @@ def _report(args: argparse.Namespace, records: list[dict[str, Any]], say: Report
             say(f"target {label} {_k(size)}: {100 * share:.0f}% of resident (>= {100 * target:.0f}%): "
                 f"{'met' if share >= target else 'MISSED'}")
     for size in _sizes(args):
-        ours = [med[k] for k in (("radixkv lmdb (restart)", size), ("radixkv lmdb (restart) same prompt", size))
-                if k in med]
+        ours, question = med.get(("radixkv lmdb (restart) same prompt", size)), med.get(("radixkv lmdb (restart)", size))
         theirs = med.get(("ExampleConnector", size))
-        if ours and theirs is not None:
-            say(f"target faster than ExampleConnector {_k(size)}: radixkv lmdb {1e3 * max(ours):.1f} ms "
-                f"(slower of question / same prompt) vs {1e3 * theirs:.1f} ms: "
-                f"{'met' if max(ours) < theirs else 'MISSED'}")
+        if ours is not None and theirs is not None:
+            say(f"target faster than ExampleConnector {_k(size)} (both reusing a repeated prompt from disk): "
+                f"radixkv lmdb {1e3 * ours:.1f} ms vs {1e3 * theirs:.1f} ms, x{theirs / ours:.1f}: "
+                f"{'met' if ours < theirs else 'MISSED'}"
+                + (f"; radixkv lmdb with a new 256-token question to compute: {1e3 * question:.1f} ms"
+                   if question is not None else ""))
 
 
 def _k(tokens: int) -> str:
