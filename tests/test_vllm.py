@@ -34,7 +34,8 @@ HERE = Path(__file__).resolve().parent
 CHUNK = 256
 PROMPT_LENGTHS = {"p1": 700, "p2": 600, "p3": 650, "p4": 900, "b1": 1020, "b2": 1020, "b3": 700}
 # vLLM blocks of 128 tokens in the kv_both engine: b1 and b2 take 8 each, and both need a 9th after
-# 4 generated tokens, when one block is left: one of them is preempted, and resumes from the tiers.
+# 4 generated tokens, when one block is left: one of them is preempted (vLLM then resumes it from
+# its own prefix cache, which still holds the blocks, so the tiers are not asked again).
 BATCH_BLOCKS = 17
 
 
