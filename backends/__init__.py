@@ -120,10 +120,11 @@ class Tier(abc.ABC):
     #: Local: a read costs no network round trip, so the stack may read it for bookkeeping (e.g.
     #: ``TierStack.touch`` reads a chunk to refresh its LRU position).  A remote tier sets ``False``.
     local: bool = True
-    #: Persistent: entries survive the process (a file, a server).  A volatile local tier
-    #: (``persistent = False``: host memory) can be exclusive of the pool (``TierStack(exclusive=True)``):
-    #: it then holds only what the pool evicted, and nothing is lost by a crash that was not lost anyway.
-    persistent: bool = True
+    #: Victim: a volatile tier private to one cache (host memory) that an exclusive stack
+    #: (``TierStack(exclusive=True)``) uses as a victim cache of the pool: it holds only what the pool
+    #: evicted, so a crash loses nothing that was not lost anyway.  Persistent or shared tiers (a file,
+    #: a server, a store several caches read) keep ``False``: they stay inclusive.
+    victim: bool = False
 
     @abc.abstractmethod
     def get(self, key: bytes) -> Blob | None:
@@ -246,7 +247,6 @@ class MemoryTier(Tier):
     """
 
     name = "memory"
-    persistent = False
 
     def pin(self, keys: Sequence[bytes]) -> int:
         """A memory tier never evicts: every key stays anyway.  O(len(keys))."""

@@ -56,7 +56,7 @@ class CpuTier(Tier):
     """
 
     name = "cpu"
-    persistent = False
+    victim = True
 
     def __init__(self, max_bytes: int, *, slot_bytes: int | None = None, pinned: bool | None = None,
                  policy: str | Policy | None = None, max_pinned: int | None = None) -> None:

@@ -29,7 +29,8 @@ chunk ends in, the chunk is stored below where it is not kept already (``write_b
 ``write_through``: the victim tiers) and refreshed in the other local tiers' LRU order, so the tiers
 keep what the pool lets go.
 
-``exclusive`` makes the local volatile tiers (a ``CpuTier``; ``Tier.persistent`` false)
+``exclusive`` (the default: measured better or equal at every pool size, ``python -m radixkv.bench
+policy``) makes the local volatile tiers private to the cache (a ``CpuTier``: ``Tier.victim``)
 exclusive of the pool: they hold only what the pool evicted, a chunk loaded from them moves up (it
 is deleted below), and nothing is promoted into them — so the pool and such a tier together hold
 as much as their sizes add up to, instead of the tier holding copies of what the pool has.
@@ -133,7 +134,7 @@ class PrefixCache:
                  namespace: Namespace | None = None, tiers: Sequence[Tier] | TierStack = (),
                  chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True,
                  write_queue: int = 64, load_timeout: float = 5.0, load_workers: int = 4,
-                 exclusive: bool = False) -> None:
+                 exclusive: bool = True) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if check_int(chunk_size, "chunk_size", 1) % layout.page_size:

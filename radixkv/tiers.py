@@ -163,10 +163,10 @@ class TierStack:
         if not isinstance(exclusive, bool):
             raise TypeError(f"exclusive must be a bool, got {type(exclusive).__name__}")
         #: Tiers that hold only what the pool does not (``exclusive``): the local, volatile ones
-        #: (``Tier.persistent`` false).  Nothing is promoted into them; the cache writes them when
+        #: private to this cache (``Tier.victim``).  Nothing is promoted into them; the cache writes them when
         #: the pool evicts a chunk and ``release`` deletes what moved up into the pool.
         self.victims: frozenset[int] = frozenset(
-            i for i, t in enumerate(self.tiers) if exclusive and t.local and not t.persistent)
+            i for i, t in enumerate(self.tiers) if exclusive and t.local and t.victim)
         self.queue_size = queue_size
         self.write_batch = write_batch
         self.shape = layout.chunk_shape(chunk_size)

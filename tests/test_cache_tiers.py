@@ -29,7 +29,9 @@ TestTieredWriteBack = WriteBackMachine.TestCase
 
 
 def make(tiers, **kw):
-    return rk.PrefixCache(LAYOUT, 64, namespace=NS, tiers=tiers, chunk_size=8, **kw)
+    """A cache over ``tiers``; inclusive unless told otherwise, since two caches here often share one
+    tier (an exclusive CPU tier holds only what its own pool evicted)."""
+    return rk.PrefixCache(LAYOUT, 64, namespace=NS, tiers=tiers, chunk_size=8, **{"exclusive": False, **kw})
 
 
 def prefill(cache, tokens, seed=0):
@@ -298,7 +300,7 @@ def test_write_through_pool_evictions_refresh_the_cpu_tier():
     tier = CpuTier(3 * slot, slot_bytes=slot)                          # holds exactly 3 chunks
     a, b, c, d = (_prefix(i) for i in range(4))
     # 7 pages: A, B and C (two pages each) and one free; D's alloc (3 pages) evicts the LRU prefix.
-    with rk.PrefixCache(LAYOUT, 7, namespace=NS, tiers=[tier], chunk_size=8) as cache:
+    with rk.PrefixCache(LAYOUT, 7, namespace=NS, tiers=[tier], chunk_size=8, exclusive=False) as cache:
         for tokens in (a, b, c):
             prefill(cache, tokens)
             for _ in range(3):                                         # A stays hot in the pool

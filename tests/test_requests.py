@@ -21,6 +21,19 @@ LAYOUT = rk.KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float
 TestRequestMachine = RequestMachine.TestCase
 
 
+class ExclusiveCpuRequestMachine(RequestMachine):
+    """The same engine over an exclusive CPU tier ordered by S3-FIFO: chunks move between the pool
+    and the tier (stored when evicted, deleted when loaded back) while requests hold their pages."""
+
+    def make_tiers(self) -> list:
+        from radixkv.backends import CpuTier
+
+        return [CpuTier(1 << 14, policy="s3fifo")]
+
+
+TestExclusiveCpuRequestMachine = ExclusiveCpuRequestMachine.TestCase
+
+
 def make(num_pages: int = 16, tiers: list | None = None, **kw) -> rk.PrefixCache:
     return rk.PrefixCache(LAYOUT, num_pages=num_pages, chunk_size=4, tiers=tiers or [], **kw)
 

@@ -73,10 +73,12 @@ def prefill_exact(lm: PrefixCachedLM, ids: np.ndarray) -> Result:
 
 
 def evict_all(cache: PrefixCache) -> None:
-    """Empty the pool, so that the next match has to load from the tiers (queued writes done first)."""
+    """Empty the pool, so that the next match has to load from the tiers (queued writes done first,
+    and then the writes of what the pool let go: an exclusive CPU tier gets its chunks then)."""
     assert cache.stack is not None
     assert cache.flush(30)
     cache.evict(cache.pool.num_pages)
+    assert cache.flush(30)
     assert cache.stats()["cached_tokens"] == 0
 
 

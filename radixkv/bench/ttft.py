@@ -116,9 +116,11 @@ def _make_cache(args: argparse.Namespace, model: Any, layout: Any, tiers: list[A
 
 
 def _empty_pool(cache: Any) -> None:
-    """Finish queued tier writes, then evict every page, so that the next match reads the tiers."""
+    """Finish queued tier writes, then evict every page (an exclusive CPU tier gets them then), so
+    that the next match reads the tiers."""
     cache.flush()
     cache.evict(cache.pool.num_pages)
+    cache.flush()
 
 
 def _prefix_kv(lm: Any, model_cache: Any, prefix_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

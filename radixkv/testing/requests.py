@@ -41,7 +41,7 @@ class GatedTier(Tier):
         self.gate.set()
         self.max_wait = max_wait
         self.name = f"gated({inner.name})"
-        self.local, self.persistent = inner.local, inner.persistent
+        self.local, self.victim = inner.local, inner.victim
 
     def _wait(self) -> None:
         if threading.current_thread().name.startswith("radixkv-load") and not self.gate.wait(self.max_wait):
