@@ -9,6 +9,8 @@ that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's wh
     device: cuda
     local_cpu: true              # a CpuTier (pinned memory where an accelerator exists) ...
     max_local_cpu_size: 5.0      # ... of this many GB
+    cache_policy: lru            # the CPU tier's policy: lru, s3fifo (scan-resistant) or second_hit
+    exclusive: true              # the CPU tier holds only what the pool evicted (false: copies too)
     local_disk: /nvme/radixkv    # an LmdbTier at this path (file:// allowed) ...
     max_local_disk_size: 200     # ... of this many GB
     local_disk_ttl: 86400        # seconds, optional
@@ -80,6 +82,8 @@ class CacheConfig:
     encrypt: bool = False
     write_policy: str = "write_through"
     promote: bool = True
+    exclusive: bool = True
+    cache_policy: str = "lru"
     namespace: Mapping[str, Any] = field(default_factory=dict)
     layout: Mapping[str, Any] | None = None
 
@@ -95,7 +99,11 @@ class CacheConfig:
                 _positive_int(name, getattr(self, name))
         if self.pool_tokens is not None and self.pool_tokens < self.page_size:
             raise ValueError(f"pool_tokens: {self.pool_tokens} is less than one page")
-        for name in ("local_cpu", "promote", "encrypt"):
+        from radixkv.policy import POLICY_NAMES
+
+        if self.cache_policy not in POLICY_NAMES:
+            raise ValueError(f"cache_policy must be one of {sorted(POLICY_NAMES)}, got {self.cache_policy!r}")
+        for name in ("local_cpu", "promote", "encrypt", "exclusive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_local_cpu_size", "max_local_disk_size", "local_disk_ttl", "remote_timeout"):
@@ -187,7 +195,7 @@ class CacheConfig:
         tiers: list[Tier] = []
         if self.local_cpu:
             assert self.max_local_cpu_size is not None
-            tiers.append(CpuTier(int(self.max_local_cpu_size * _GB),
+            tiers.append(CpuTier(int(self.max_local_cpu_size * _GB), policy=self.cache_policy,
                                  slot_bytes=encoded_size(layout.chunk_shape(self.chunk_size), layout.dtype)))
         if self.local_disk:
             assert self.max_local_disk_size is not None
@@ -215,7 +223,7 @@ class CacheConfig:
         ns = namespace if namespace is not None else self.make_namespace().bind(layout)
         return TierStack(tiers, namespace=ns, layout=layout, chunk_size=self.chunk_size, promote=self.promote,
                          timeout_s=self.remote_timeout, secret=self.secret, previous_secret=self.previous_secret,
-                         encrypt=self.encrypt)
+                         encrypt=self.encrypt, exclusive=self.exclusive)
 
     def build(self, layout: KVLayout | None = None) -> PrefixCache:
         """The ``PrefixCache`` this config describes, tiers included (fastest first)."""

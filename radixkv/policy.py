@@ -33,7 +33,7 @@ from typing import Callable
 
 from radixkv._checks import check_int
 
-__all__ = ["LRU", "Policy", "S3FIFO", "SecondHit", "make_policy"]
+__all__ = ["LRU", "POLICY_NAMES", "Policy", "S3FIFO", "SecondHit", "make_policy"]
 
 
 class Policy:
@@ -277,6 +277,10 @@ _POLICIES: dict[str, Callable[[int, int | None], Policy]] = {
     "s3fifo": lambda capacity, max_pinned: S3FIFO(capacity, max_pinned),
     "second_hit": lambda capacity, max_pinned: SecondHit(LRU(max_pinned), memory=max(capacity, 64)),
 }
+
+
+#: The names ``make_policy`` (and the ``cache_policy`` configuration key) accept.
+POLICY_NAMES = frozenset(_POLICIES)
 
 
 def make_policy(policy: str | Policy | None, capacity: int = 0, max_pinned: int | None = None) -> Policy:

@@ -99,3 +99,18 @@ def test_redis_url_builds_a_redis_tier():
     assert cfg.remote_url.startswith("redis://")
     with pytest.raises(ValueError, match="remote_endpoint"):
         rk.config.CacheConfig.from_mapping(base(remote_url="redis://h:1/0", remote_endpoint="http://x"))
+
+
+def test_cache_policy_and_exclusive_reach_the_cpu_tier_and_the_stack():
+    layout = rk.KVLayout(1, 1, 2, torch.float32, page_size=4)
+    base = {"num_pages": 8, "chunk_size": 8, "page_size": 4, "local_cpu": True, "max_local_cpu_size": 0.001,
+            "namespace": {"model": "m"}}
+    with rk.PrefixCache.from_config({**base, "cache_policy": "s3fifo"}, layout) as cache:
+        assert cache.stack.victims == {0} and cache.stack.tiers[0].stats()["pins"] == 0
+        assert type(cache.stack.tiers[0]._policy).__name__ == "S3FIFO"
+    with rk.PrefixCache.from_config({**base, "exclusive": False}, layout) as cache:
+        assert cache.stack.victims == frozenset()
+    with pytest.raises(ValueError, match="cache_policy"):
+        rk.PrefixCache.from_config({**base, "cache_policy": "lfu"}, layout)
+    with pytest.raises(ValueError, match="exclusive"):
+        rk.PrefixCache.from_config({**base, "exclusive": "yes"}, layout)
