@@ -115,7 +115,7 @@ def test_a_failure_names_keys_and_blobs_readably() -> None:
             return True if key in self._data else super().put(key, blob)
 
     with pytest.raises(AssertionError) as failure:
-        TierContract.check(FirstBlobWins, exact=True, settings=settings(SMALL, phases=[Phase.generate]))
+        TierContract.check(FirstBlobWins, exact=True, threads=0, settings=settings(SMALL, phases=[Phase.generate]))
     text = str(failure.value)
     assert "not its last blob" in text and "version" in text, text
     assert "/k" in text and "ns" in text and "\\x" not in text.split("\n")[0], text

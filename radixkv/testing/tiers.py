@@ -835,7 +835,7 @@ class TierContract(RuleBasedStateMachine):
         for key, got in itertools.chain.from_iterable(reads):
             if got not in allowed[key]:
                 _fail(f"{self.step}: a concurrent read of {self._name(key)} returned {self._describe(got)}, "
-                      "which was never put under it (torn, stale or foreign)")
+                      "neither its blob before the burst nor one put during it (torn, stale or foreign)")
         tier.check()
         observed = self._observe()
         for key in observed:
@@ -953,8 +953,9 @@ class _Wrapper(Tier):
 
     def __init__(self, inner: Tier) -> None:
         self.inner = inner
-        self.local = inner.local
-        self.persistent = getattr(inner, "persistent", True)
+        for flag in ("local", "persistent", "victim"):     # what the stack reads of a tier's kind
+            if hasattr(inner, flag):
+                setattr(self, flag, getattr(inner, flag))
 
     def _enter(self, method: str, keys: Sequence[bytes] = ()) -> None:
         raise NotImplementedError
