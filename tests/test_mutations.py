@@ -1,5 +1,6 @@
 """Mutation self-test of ``radixkv.testing``: realistic bugs injected into the reference backends and
-into the tree, the pool, the cache and the tier stack; the harness must catch every one.
+into the tree, the pool, the cache, the per-request API and the tier stack; the harness must catch
+every one.
 
 Each mutant is one row of ``MUTANTS``: a name, what it patches, the bug in words, the harness that
 must catch it, and a small patch (a monkeypatch of one method, or a tier built with one part
@@ -32,6 +33,7 @@ from radixkv.pool import KVPool, as_page_ids
 from radixkv.testing import (FaultyPrefixCacheMachine, PrefixCacheMachine, RadixTreeMachine,
                              TieredPrefixCacheMachine)
 from radixkv.testing.backends import CpuTierContract, LmdbTierContract, LmdbTtlTierContract, MemoryTierContract
+from radixkv.testing.requests import RequestMachine
 from radixkv.testing.settings import MUTATION
 from radixkv.tiers import TierStack
 from radixkv.tree import RadixTree
@@ -58,6 +60,7 @@ HARNESSES: dict[str, Any] = {
     "LmdbTtlContract": LmdbTtlTierContract, "RadixTreeMachine": RadixTreeMachine,
     "PrefixCacheMachine": PrefixCacheMachine, "TieredPrefixCacheMachine": TieredPrefixCacheMachine,
     "WriteBackMachine": WriteBackMachine, "FaultyPrefixCacheMachine": FaultyPrefixCacheMachine,
+    "RequestMachine": RequestMachine,
 }
 
 
@@ -739,7 +742,66 @@ def _uncounted_load_errors(mp: pytest.MonkeyPatch) -> None:
     wrap(mp, TierStack, "load", make)
 
 
-MUTANTS = TIER_MUTANTS + ENGINE_MUTANTS
+def _extend_keeps_old_hold(mp: pytest.MonkeyPatch) -> None:
+    def make(extend: Callable[..., Any]) -> Callable[..., Any]:
+        def bad(self: PrefixCache, req: Any, *args: Any, **kw: Any) -> Any:
+            old = req.node
+            table = extend(self, req, *args, **kw)
+            if req.node is not old:
+                self.tree.lock(old)                # the hold on the shorter prefix is never dropped
+            return table
+        return bad
+    wrap(mp, PrefixCache, "extend", make)
+
+
+def _extend_drops_its_hold(mp: pytest.MonkeyPatch) -> None:
+    def make(extend: Callable[..., Any]) -> Callable[..., Any]:
+        def bad(self: PrefixCache, req: Any, *args: Any, **kw: Any) -> Any:
+            old = req.node
+            table = extend(self, req, *args, **kw)
+            if req.node is not old:                # holds the old prefix, not the extended one
+                self.tree.lock(old)
+                self.tree.unlock(req.node)
+                req.node = old
+            return table
+        return bad
+    wrap(mp, PrefixCache, "extend", make)
+
+
+def _wait_does_not_wait(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(PrefixCache, "wait", lambda self, req, timeout=None: self.poll(req))
+
+
+def _grow_repeats_a_token(mp: pytest.MonkeyPatch) -> None:
+    from radixkv.hashing import as_token_bytes
+    from radixkv.request import Request
+
+    def grow(self: Request, tokens: Any) -> bytes:
+        known = len(self._data) // 4
+        if len(tokens) <= known:
+            return self._data
+        return self._data + as_token_bytes(tokens[max(0, known - 1):])    # off by one: repeats a token
+    mp.setattr(Request, "_grow", grow)
+
+
+def _land_drops_the_load(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(PrefixCache, "_land", lambda self, req, *args, **kw: 0)
+
+
+REQUEST_MUTANTS = [
+    Mutant("request-extend-keeps-old-hold", "PrefixCache.extend", "extend never drops the hold on the old prefix",
+           "RequestMachine", _extend_keeps_old_hold),
+    Mutant("request-extend-drops-its-hold", "PrefixCache.extend", "extend holds the old prefix, not the new pages",
+           "RequestMachine", _extend_drops_its_hold),
+    Mutant("request-wait-does-not-wait", "PrefixCache.wait", "wait returns with the load still pending",
+           "RequestMachine", _wait_does_not_wait),
+    Mutant("request-grow-repeats-a-token", "Request._grow", "extend converts from one token too early",
+           "RequestMachine", _grow_repeats_a_token),
+    Mutant("cache-land-drops-the-load", "PrefixCache._land", "a load that arrived is dropped (a silent miss)",
+           "TieredPrefixCacheMachine", _land_drops_the_load),
+]
+
+MUTANTS = TIER_MUTANTS + ENGINE_MUTANTS + REQUEST_MUTANTS
 
 
 def run_mutant(mutant: Mutant, tmp_path: Path) -> tuple[bool, str]:
