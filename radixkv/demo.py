@@ -78,6 +78,7 @@ def _serve(args: argparse.Namespace, process: str, plan: list[tuple[str, int]], 
         if label.startswith("after emptying the pool"):
             cache.flush()
             cache.evict(cache.pool.num_pages)
+            cache.flush()                # what the pool let go reaches the (exclusive) CPU tier
         prompt = np.concatenate([system, questions[q]])
         result = lm.prefill(prompt)
         source = ", ".join(f"{name} {n}" for name, n in result.levels.items()) or "-"
