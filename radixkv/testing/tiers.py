@@ -776,6 +776,9 @@ class TierContract(RuleBasedStateMachine):
         returned a blob put under its key, and the tier's check() and the model must hold."""
         self.step = f"threaded_burst(seed={seed})"
         tier = self.tier
+        # One write from this thread first: a tier that sets itself up on its first write (a slot
+        # size, a schema) does so the same way in every run, not as the race decides.
+        self._put(self.universe[0], self._fitting_size())
         allowed = {k: {self.values[k]} if k in self.held else set() for k in self.universe}
         plans = []
         rng = random.Random(seed)
