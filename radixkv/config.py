@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from radixkv.cache import PrefixCache
     from radixkv.tiers import TierStack
 
-__all__ = ["CacheConfig", "load_config"]
+__all__ = ["CacheConfig", "load_config", "read_mapping"]
 
 ENV_VAR = "RADIXKV_CONFIG"
 _GB = 10**9
@@ -211,10 +211,13 @@ class CacheConfig:
             tiers.append(S3Tier.from_url(self.remote_url, endpoint_url=self.remote_endpoint))
         return tiers
 
-    def make_stack(self, layout: KVLayout, namespace: Namespace | None = None) -> TierStack | None:
+    def make_stack(self, layout: KVLayout, namespace: Namespace | None = None, *, queue_size: int = 64,
+                   exclusive: bool | None = None) -> TierStack | None:
         """The ``TierStack`` of this config's tiers for ``layout`` KV (``None`` without tiers), with
         its secrets, encryption and remote timeout; ``namespace`` defaults to ``make_namespace()``
-        bound to ``layout``.  Used by ``build`` and by integrations whose engine owns the pool."""
+        bound to ``layout``; ``exclusive`` defaults to the config's (an integration whose engine owns
+        the pool, and tells radixkv nothing of its evictions, passes ``False``).  Used by ``build``
+        and by such integrations."""
         from radixkv.tiers import TierStack
 
         tiers = self.make_tiers(layout)
@@ -223,7 +226,8 @@ class CacheConfig:
         ns = namespace if namespace is not None else self.make_namespace().bind(layout)
         return TierStack(tiers, namespace=ns, layout=layout, chunk_size=self.chunk_size, promote=self.promote,
                          timeout_s=self.remote_timeout, secret=self.secret, previous_secret=self.previous_secret,
-                         encrypt=self.encrypt, exclusive=self.exclusive)
+                         encrypt=self.encrypt, queue_size=queue_size,
+                         exclusive=self.exclusive if exclusive is None else exclusive)
 
     def build(self, layout: KVLayout | None = None) -> PrefixCache:
         """The ``PrefixCache`` this config describes, tiers included (fastest first)."""
@@ -248,9 +252,16 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | None = None
         source = named
     if isinstance(source, Mapping):
         return CacheConfig.from_mapping(source)
+    return CacheConfig.from_mapping(read_mapping(source))
+
+
+def read_mapping(source: str | os.PathLike[str], name: str = "config") -> dict[str, Any]:
+    """The mapping in a ``.yaml``/``.yml``/``.json`` file, not yet validated (``ValueError`` naming
+    ``name`` for a missing file, another suffix or a file that holds no mapping).  YAML needs
+    ``pyyaml``.  Cost: one file read."""
     path = Path(source)
     if not path.is_file():
-        raise ValueError(f"config: no such file {str(path)!r}")
+        raise ValueError(f"{name}: no such file {str(path)!r}")
     text = path.read_text()
     if path.suffix == ".json":
         data = json.loads(text)
@@ -261,8 +272,10 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | None = None
             raise ImportError("YAML configs need pyyaml: pip install 'radixkv[yaml]'") from None
         data = yaml.safe_load(text) or {}
     else:
-        raise ValueError(f"config: {str(path)!r} is neither .yaml, .yml nor .json")
-    return CacheConfig.from_mapping(data)
+        raise ValueError(f"{name}: {str(path)!r} is neither .yaml, .yml nor .json")
+    if not isinstance(data, dict):
+        raise ValueError(f"{name}: {str(path)!r} does not hold a mapping")
+    return data
 
 
 def _is_redis(url: Any) -> bool:

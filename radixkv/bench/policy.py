@@ -13,7 +13,11 @@ pool-only LRU cache with the combined capacity (pool + CPU, + LMDB).  No model r
 
 The checks printed at the end are the ones the tiering must meet, per workload and write policy:
 with tiers at least the pool-only hit rate at the same pool size; never more than one point lower
-as the pool grows; the exclusive modes within two points of the combined-capacity bound (or above).
+as the pool grows; within two points of the combined-capacity bound (or above).  The last two are
+checked among the pools that hold the workload's longest request: a smaller pool cannot serve a
+request at all, and the replay then caches only its leading pages (which acts as an admission
+filter for the most shared prefix, and beats every policy at 1K tokens).  The replays are seeded:
+a rerun prints the same numbers.
 """
 
 from __future__ import annotations
@@ -77,15 +81,17 @@ def sweep(requests: list[Any], pools: tuple[int, ...], tiers: str, write_policy:
     return rows
 
 
-def checks(rows: dict[str, list[float]]) -> dict[str, tuple[bool, bool, bool]]:
-    """Per mode: (>= pool only everywhere, never more than 1 point lower as the pool grows, within
-    2 points of the bound everywhere)."""
+def checks(rows: dict[str, list[float]], pools: tuple[int, ...], longest: int) -> dict[str, tuple[bool, bool, bool]]:
+    """Per mode: (>= pool only everywhere; never more than 1 point lower as the pool grows, and
+    within 2 points of the bound, both among the pools of at least ``longest`` tokens)."""
+    first = next((i for i, p in enumerate(pools) if p >= longest), len(pools))
     out = {}
     for label in MODES:
         r = rows[label]
+        fit = r[first:]
         out[label] = (all(a >= b - 1e-9 for a, b in zip(r, rows["pool only"])),
-                      all(b >= a - 0.01 for a, b in zip(r, r[1:])),
-                      all(a >= b - 0.02 for a, b in zip(r, rows["bound: one LRU"])))
+                      all(b >= a - 0.01 for a, b in zip(fit, fit[1:])),
+                      all(a >= b - 0.02 for a, b in zip(fit, rows["bound: one LRU"][first:])))
     return out
 
 
@@ -103,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     verdicts = []
     for name, requests in workloads(args.requests).items():
+        longest = max(len(r) for r in requests)
+        say()
+        say(f"# {name}: longest request {longest} tokens")
         for tiers in args.tiers.split(","):
             for write_policy in ("write_through", "write_back"):
                 rows = sweep(requests, pools, tiers, write_policy)
@@ -111,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"{'pool tokens':<20}" + "".join(f"{p:>8}" for p in pools))
                 for label, r in rows.items():
                     say(f"{label:<20}" + "".join(f"{x:>8.3f}" for x in r))
-                for label, ok in checks(rows).items():
+                for label, ok in checks(rows, pools, longest).items():
                     verdicts.append((name, tiers, write_policy, label, ok))
     say()
-    say("checks: >= pool only | never falls > 1 point as the pool grows | within 2 points of the bound")
+    say("checks: >= pool only | never falls > 1 point as the pool grows | within 2 points of the bound "
+        "(the last two where the pool holds the longest request)")
     for label in MODES:
         mine = [v for v in verdicts if v[3] == label]
         passed = [sum(v[4][i] for v in mine) for i in range(3)]

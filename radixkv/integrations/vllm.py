@@ -48,15 +48,13 @@ Importing this module needs no vLLM; building the connector does (``pip install 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from radixkv.config import ENV_VAR, CacheConfig
+from radixkv.config import ENV_VAR, CacheConfig, read_mapping
 from radixkv.hashing import Namespace
 from radixkv.integrations._vllm_layout import block_views, split_of
 from radixkv.integrations._vllm_plan import Plan, Report, SchedulerSide
@@ -64,7 +62,7 @@ from radixkv.pool import KVLayout
 
 __all__ = ["RadixKVConnector", "RadixKVMetadata", "RadixKVStats", "RadixKVWorkerMetadata", "connector_config"]
 
-POOL_KEYS = ("page_size", "num_pages", "pool_tokens", "device", "layout")
+POOL_KEYS = ("page_size", "num_pages", "pool_tokens", "device", "layout", "exclusive")
 EXTRA_KEYS = ("radixkv_config", "radixkv_timeout_s")
 
 try:  # vLLM's names, looked up at run time (the module imports without vLLM, e.g. for its docs)
@@ -111,7 +109,7 @@ def connector_config(extra: Mapping[str, Any] | None, *, block_size: int, model:
         if not source:
             raise ValueError(f"radixkv_config: give kv_connector_extra_config={{'radixkv_config': "
                              f"{{...}} or a path}}, or set {ENV_VAR} to a YAML/JSON file")
-    mapping = dict(source) if isinstance(source, Mapping) else _read_mapping(source)
+    mapping = dict(source) if isinstance(source, Mapping) else read_mapping(source, "radixkv_config")
     pool = [k for k in POOL_KEYS if k in mapping]
     if mapping.get("write_policy", "write_through") != "write_through":
         pool.append("write_policy")
@@ -135,26 +133,6 @@ def connector_config(extra: Mapping[str, Any] | None, *, block_size: int, model:
         raise ValueError(f"radixkv_timeout_s must be a positive number of seconds, got {timeout!r}")
     cfg = CacheConfig.from_mapping({**mapping, "namespace": ns, "page_size": block_size, "num_pages": 1})
     return cfg, float(timeout)
-
-
-def _read_mapping(path: Any) -> dict[str, Any]:
-    p = Path(os.fspath(path))
-    if not p.is_file():
-        raise ValueError(f"radixkv_config: no such file {str(p)!r}")
-    text = p.read_text()
-    if p.suffix == ".json":
-        data = json.loads(text)
-    elif p.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise ImportError("YAML configs need pyyaml: pip install 'radixkv[yaml]'") from None
-        data = yaml.safe_load(text) or {}
-    else:
-        raise ValueError(f"radixkv_config: {str(p)!r} is neither .yaml, .yml nor .json")
-    if not isinstance(data, dict):
-        raise ValueError(f"radixkv_config: {str(p)!r} does not hold a mapping")
-    return data
 
 
 @dataclass
@@ -296,7 +274,6 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Read vLLM's KV tensors, bind the namespace, build the tiers.  O(layers)."""
         from radixkv.integrations._vllm_worker import WorkerSide
-        from radixkv.tiers import TierStack
 
         vllm_config = self._vllm_config
         layers = vllm_config.compilation_config.static_forward_context
@@ -320,9 +297,13 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
                               page_size=self.block_size, tp_rank=rank, tp_size=self.tp_size,
                               lora_id=base.lora_id, salt=base.salt)
         chunk_bytes = layout.token_bytes * self.config.chunk_size
-        stack = TierStack(self.config.make_tiers(layout), namespace=namespace, layout=layout,
-                          chunk_size=self.config.chunk_size, promote=self.config.promote,
-                          queue_size=max(64, (1 << 30) // chunk_bytes))
+        # vLLM owns the pool and says nothing of its evictions: every tier keeps copies (inclusive).
+        stack = self.config.make_stack(layout, namespace, queue_size=max(64, (1 << 30) // chunk_bytes),
+                                       exclusive=False)
+        if stack is None:                        # no tier configured: every lookup is a miss
+            from radixkv.tiers import TierStack
+
+            stack = TierStack([], namespace=namespace, layout=layout, chunk_size=self.config.chunk_size)
         self._worker = WorkerSide(stack, views, rank=rank)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
