@@ -25,6 +25,8 @@ class ExclusiveCpuRequestMachine(RequestMachine):
     """The same engine over an exclusive CPU tier ordered by S3-FIFO: chunks move between the pool
     and the tier (stored when evicted, deleted when loaded back) while requests hold their pages."""
 
+    exact_tier = False          # a bounded tier that holds only what the pool evicted
+
     def make_tiers(self) -> list:
         from radixkv.backends import CpuTier
 

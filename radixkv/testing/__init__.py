@@ -22,6 +22,7 @@ _NAMES = {
     "Clock": "tiers", "FaultyTier": "tiers", "PersistentTierContract": "tiers", "RecordingTier": "tiers",
     "TierContract": "tiers", "TierFault": "tiers", "blobs": "tiers", "key_universe": "tiers",
     "make_blob": "tiers", "namespace_ids": "tiers", "tier_keys": "tiers",
+    "GatedTier": "requests", "RequestMachine": "requests",
 }
 _MODULES = {"backends", "settings"}
 

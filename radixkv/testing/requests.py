@@ -101,6 +101,11 @@ class RequestMachine(RuleBasedStateMachine):
     nodes and unaligned tier loads in every run.
     """
 
+    #: The tier below keeps every chunk stored in it (the default ``MemoryTier`` never evicts and,
+    #: not being a victim tier, gets every chunk at insert): then a load that is waited for must bring
+    #: back every stored chunk the pool has room for (recall).  Set ``False`` for a bounded tier.
+    exact_tier = True
+
     def make_tiers(self) -> list[Tier]:
         return [MemoryTier()]
 
@@ -114,6 +119,7 @@ class RequestMachine(RuleBasedStateMachine):
         self.live: list[_Live] = []
         self.seen: list[list[int]] = []     # sequences cached before: re-requested with new suffixes
         self.pinned: dict[tuple[int, ...], list[int]] = {}
+        self.stored: set[tuple[int, ...]] = set()   # chunk-aligned prefixes cached so far
         self.pin_held: dict[tuple[int, ...], int] = {}
 
     def teardown(self) -> None:
@@ -135,6 +141,22 @@ class RequestMachine(RuleBasedStateMachine):
                 if pos < len(tokens):
                     self._write(page, k, tokens[pos], pos)
 
+    def _cached(self, tokens: list[int], num_cached: int) -> None:
+        """Remember the chunk-aligned prefixes of ``tokens[:num_cached]``: they went down to the tier."""
+        cs = self.cache.chunk_size
+        self.stored.update(tuple(tokens[:k * cs]) for k in range(1, num_cached // cs + 1))
+
+    def _recallable(self, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` (less the last) that a waited-for load must bring back: the leading
+        stored chunks, when the pool has room for all of them without touching held pages."""
+        self.cache.flush()
+        cs, ps = self.cache.chunk_size, self.ps
+        n = 0
+        while (n + 1) * cs <= len(tokens) - 1 and tuple(tokens[:(n + 1) * cs]) in self.stored:
+            n += 1
+        room = self.cache.pool.num_free + self.cache.tree.evictable_size // ps
+        return n * cs if room >= n * cs // ps else 0
+
     # ---------------------------------------------------------------- rules
 
     @rule(fresh=st.lists(st.integers(0, 2), max_size=10), reuse=st.booleans(), wait=st.booleans(),
@@ -148,9 +170,12 @@ class RequestMachine(RuleBasedStateMachine):
             return
         if wait:
             self.gated.gate.set()            # an engine that waits gets its answer
+        expect = self._recallable(tokens) if wait and self.exact_tier else 0
         req = self.cache.open(tokens, load="wait" if wait else "async")
         if wait:
             assert not req.pending, f"{req!r}: load='wait' returned with a load pending"
+            assert req.num_cached >= expect, \
+                f"{req!r}: {expect} tokens were stored below and fit in the pool, only {req.num_cached} came back"
         self.live.append(_Live(tokens, req))
 
     @rule(open_gate=st.booleans())
@@ -193,6 +218,7 @@ class RequestMachine(RuleBasedStateMachine):
             f"{req!r}: extend returned {len(table)} pages for {n} tokens"
         live.tail = new[full] if len(new) > full else None
         live.prefilled = True
+        self._cached(live.tokens, req.num_cached)
 
     @precondition(lambda self: any(x.prefilled for x in self.live))
     @rule(data=st.data(), token=st.integers(0, 2))
@@ -211,6 +237,7 @@ class RequestMachine(RuleBasedStateMachine):
             table = live.req.extend(live.tokens, [live.tail])
             assert len(table) == len(live.tokens) // self.ps, f"{live.req!r}: table of {len(table)} pages"
             live.tail = None
+            self._cached(live.tokens, live.req.num_cached)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -236,6 +263,7 @@ class RequestMachine(RuleBasedStateMachine):
         self.cache.insert(tokens, torch.cat([m.pages, new]))
         self.cache.release(m)
         self.seen.append(tokens)
+        self._cached(tokens, len(tokens) // self.ps * self.ps)
 
     @precondition(lambda self: self.seen)
     @rule(data=st.data())
