@@ -155,6 +155,7 @@ def test_a_failing_prefill_after_a_tier_load_keeps_the_loaded_pages_cached_and_u
         lm.prefill(prompt)
         assert cache.flush(30)
         cache.evict(cache.pool.num_pages)
+        assert cache.flush(30)                   # an exclusive CPU tier gets the evicted chunks now
         inject = Inject(mp, lm, "forward")
         with pytest.raises(Injected):
             lm.prefill(np.concatenate([prompt, tokens(3, seed=5)]))

@@ -219,6 +219,7 @@ def serve_into_the_tier(engine: PagedEngine, prompt: list[int]) -> EngineRequest
     run(engine)
     assert engine.cache.flush(30)
     engine.cache.evict(engine.cache.pool.num_pages)
+    assert engine.cache.flush(30)                # an exclusive CPU tier gets the evicted chunks now
     assert engine.cache.stats()["cached_tokens"] == 0
     return r
 

@@ -71,6 +71,15 @@ def serve(cache: rk.PrefixCache, tokens: list[int], **kw) -> Request:
     return req
 
 
+def stored_below(tokens: list[int]) -> MemoryTier:
+    """A memory tier that holds ``tokens``' chunks, served through another cache first."""
+    lower = MemoryTier()
+    with make(tiers=[lower]) as first:
+        serve(first, tokens).release()
+        first.flush()
+    return lower
+
+
 def test_extended_pages_are_held_under_pool_pressure():
     cache = make(num_pages=10)
     tokens = list(range(16))
@@ -133,11 +142,8 @@ def test_decoding_caches_generated_tokens_for_the_next_turn():
 
 
 def test_async_load_lands_while_the_engine_goes_on():
-    lower = MemoryTier()
     tokens = list(range(1, 18))
-    with make(tiers=[lower]) as first:
-        serve(first, tokens).release()
-        first.flush()
+    lower = stored_below(tokens)
     gated = GatedTier(lower)
     cache = make(tiers=[gated])
     gated.gate.clear()
@@ -160,11 +166,8 @@ def test_async_load_lands_while_the_engine_goes_on():
 
 @pytest.mark.parametrize("load", ["wait", "async"])
 def test_a_stalled_tier_costs_at_most_the_deadline(load):
-    lower = MemoryTier()
     tokens = list(range(1, 18))
-    with make(tiers=[lower]) as first:
-        serve(first, tokens).release()
-        first.flush()
+    lower = stored_below(tokens)
     gated = GatedTier(lower, max_wait=30)
     cache = make(tiers=[gated], load_timeout=0.3)
     gated.gate.clear()
@@ -188,11 +191,8 @@ def test_a_stalled_tier_costs_at_most_the_deadline(load):
 
 
 def test_release_with_a_load_pending_leaves_nothing_behind():
-    lower = MemoryTier()
     tokens = list(range(1, 18))
-    with make(tiers=[lower]) as first:
-        serve(first, tokens).release()
-        first.flush()
+    lower = stored_below(tokens)
     gated = GatedTier(lower)
     cache = make(tiers=[gated])
     gated.gate.clear()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -325,6 +326,12 @@ class RequestMachine(RuleBasedStateMachine):
                                      f"want {want.tolist()}")
             if live.tail is not None:
                 assert live.tail not in set(pages.tolist()), f"{req!r}: its tail page {live.tail} is cached"
+            mine = np.frombuffer(req.token_bytes(), dtype="<i4").tolist()
+            if mine != live.tokens[:len(mine)] or len(mine) > len(live.tokens):
+                raise AssertionError(f"{req!r}: the request's tokens {mine} are not the engine's {live.tokens}")
+            cached = self.cache.tree.prefix_tokens(req.node).tolist()
+            if cached != live.tokens[:req.num_cached]:
+                raise AssertionError(f"{req!r}: the tree caches {cached} for the engine's {live.tokens[:req.num_cached]}")
         s = self.cache.stats()
         tails = sum(live.tail is not None for live in self.live)
         assert s["pages_engine"] == tails, f"engine pages {s['pages_engine']} != {tails} tail pages in flight"
