@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from radixkv.backends import Tier
-    from radixkv.tiers import TierStack
+    from radixkv.tiers import ChunkRef, TierStack
 
 __all__ = ["Match", "PoolExhausted", "PrefixCache", "Request"]
 
@@ -574,14 +574,16 @@ class PrefixCache:
         return result.node, result.prefix_len
 
     def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int,
-                      tiers: frozenset[int] | None = None) -> None:
+                      tiers: frozenset[int] | None = None, refs: list[ChunkRef] | None = None) -> None:
         """Copy chunks ``first..last-1`` of a cached sequence out of the pool and queue them for
-        the tiers (all, or ``tiers``; the copy is synchronous: the pages may be reused right after)."""
+        the tiers (all, or ``tiers``; the copy is synchronous: the pages may be reused right after).
+        ``refs``: the sequence's chunk refs from chunk 0 when the caller has them (one hash pass)."""
         assert self.stack is not None
         per_chunk = self.chunk_size // self.page_size
-        refs = self.stack.refs_from_bytes(data[:last * self.chunk_size * 4])[first:]
+        if refs is None:
+            refs = self.stack.refs_from_bytes(data[:last * self.chunk_size * 4])
         items = []
-        for i, ref in enumerate(refs, start=first):
+        for i, ref in enumerate(refs[first:last], start=first):
             buf = torch.empty(self.layout.chunk_shape(self.chunk_size), dtype=self.layout.dtype)
             items.append((ref, ops.gather_pages(self.pool, pages[i * per_chunk:(i + 1) * per_chunk], buf)))
         queued = self.stack.store(items, tiers=tiers)
@@ -605,11 +607,11 @@ class PrefixCache:
         if first >= last:
             return
         into = None if self.write_policy == "write_back" else self.stack.victims
+        refs = self.stack.refs_from_bytes(data[:last * self.chunk_size * 4])   # one hash pass for both
         if into is None or into:
-            self._store_chunks(data, self.tree.prefix_pages(node), first, last, into)
+            self._store_chunks(data, self.tree.prefix_pages(node), first, last, into, refs)
         if into is not None and len(into) < len(self.stack.tiers):
-            keys = keys_from_token_bytes(data[:last * self.chunk_size * 4], self.chunk_size, self.namespace.root)
-            self.stack.touch(keys[first:], tiers=self._kept_tiers)
+            self.stack.touch([ref.key for ref in refs[first:]], tiers=self._kept_tiers)
 
     def evict(self, num_pages: int) -> int:
         """Evict least-recently-used unlocked prefixes until ``num_pages`` pages are freed (or

@@ -80,6 +80,13 @@ def stored_below(tokens: list[int]) -> MemoryTier:
     return lower
 
 
+def closed_gate_over(tokens: list[int], **kw) -> tuple[rk.PrefixCache, GatedTier]:
+    """A cache over a tier that holds ``tokens``' chunks, its reads held back (the gate closed)."""
+    gated = GatedTier(stored_below(tokens), max_wait=30)
+    gated.gate.clear()
+    return make(tiers=[gated], **kw), gated
+
+
 def test_extended_pages_are_held_under_pool_pressure():
     cache = make(num_pages=10)
     tokens = list(range(16))
@@ -143,10 +150,7 @@ def test_decoding_caches_generated_tokens_for_the_next_turn():
 
 def test_async_load_lands_while_the_engine_goes_on():
     tokens = list(range(1, 18))
-    lower = stored_below(tokens)
-    gated = GatedTier(lower)
-    cache = make(tiers=[gated])
-    gated.gate.clear()
+    cache, gated = closed_gate_over(tokens)
     req = cache.open(tokens, load="async", deadline_s=60)
     assert req.pending and req.num_cached == 0
     assert not req.poll()
@@ -167,10 +171,7 @@ def test_async_load_lands_while_the_engine_goes_on():
 @pytest.mark.parametrize("load", ["wait", "async"])
 def test_a_stalled_tier_costs_at_most_the_deadline(load):
     tokens = list(range(1, 18))
-    lower = stored_below(tokens)
-    gated = GatedTier(lower, max_wait=30)
-    cache = make(tiers=[gated], load_timeout=0.3)
-    gated.gate.clear()
+    cache, gated = closed_gate_over(tokens, load_timeout=0.3)
     t0 = time.monotonic()
     req = cache.open(tokens, load=load)
     if load == "async":
@@ -192,10 +193,7 @@ def test_a_stalled_tier_costs_at_most_the_deadline(load):
 
 def test_release_with_a_load_pending_leaves_nothing_behind():
     tokens = list(range(1, 18))
-    lower = stored_below(tokens)
-    gated = GatedTier(lower)
-    cache = make(tiers=[gated])
-    gated.gate.clear()
+    cache, gated = closed_gate_over(tokens)
     req = cache.open(tokens, load="async")
     req.release()
     gated.gate.set()
