@@ -145,10 +145,10 @@ BlockPlan plan_blocks(const OpNames& nm, at::TensorList layers, const at::Tensor
 
 BlockPlan plan_pool(const OpNames& nm, const at::Tensor& kv, const at::Tensor& ids, const at::Tensor& buf,
                     int64_t skip, bool writable) {
-  // kv: [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], contiguous
-  RKV_CHECK_DIM(nm.op, "kv", kv, 6, "[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]");
-  TORCH_CHECK_VALUE(kv.size(1) == 2, nm.op, ": kv must hold K and V on its 2nd axis (size 2), got shape ",
-                    kv.sizes());
+  // kv: [num_layers, sides, num_pages, page_size, heads, dim], contiguous; sides: K and V (2) or packed (1)
+  RKV_CHECK_DIM(nm.op, "kv", kv, 6, "[num_layers, sides, num_pages, page_size, num_kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(kv.size(1) == 1 || kv.size(1) == 2, nm.op,
+                    ": kv must hold K and V (2) or one packed side (1) on its 2nd axis, got shape ", kv.sizes());
   RKV_CHECK_CONTIGUOUS(nm.op, "kv", kv);
   TORCH_CHECK_VALUE(kv.size(0) >= 1 && kv.size(3) >= 1, nm.op, ": kv has no layers or page_size 0 (shape ",
                     kv.sizes(), ")");

@@ -59,9 +59,10 @@ from radixkv._checks import check_int
 from radixkv._exit import flush_at_exit
 from radixkv import ops
 from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
-from radixkv.pool import KVLayout, KVPool, as_page_ids, has_duplicates
+from radixkv.groups import KVGroups
+from radixkv.pool import KVLayout, KVPool, PagePool, as_page_ids, check_device, has_duplicates
 from radixkv.request import LOAD_MODES, PendingLoad, Request, fetch_chunks
-from radixkv.tree import RadixNode, RadixTree
+from radixkv.tree import MatchResult, RadixNode, RadixTree
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -134,7 +135,7 @@ class PrefixCache:
                  namespace: Namespace | None = None, tiers: Sequence[Tier] | TierStack = (),
                  chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True,
                  write_queue: int = 64, load_timeout: float = 5.0, load_workers: int = 4,
-                 exclusive: bool = True) -> None:
+                 exclusive: bool = True, window_pages: int | None = None) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if check_int(chunk_size, "chunk_size", 1) % layout.page_size:
@@ -156,7 +157,21 @@ class PrefixCache:
         self.chunk_size = chunk_size
         self.write_policy = write_policy
         self.namespace = (namespace or Namespace(model="unnamed")).bind(layout)
-        self.pool = KVPool(layout, num_pages, device)
+        self.device = check_device(device)
+        #: The KV groups of a layout with sliding-window layers (``radixkv.groups``), else ``None``.
+        self.groups: KVGroups | None = None
+        if window_pages is not None:
+            check_int(window_pages, "window_pages", 1)
+            if not layout.grouped:
+                raise ValueError("window_pages: the layout has no sliding-window layers")
+        if layout.grouped:
+            full = [g for g in layout.groups if not g.sliding]
+            self.pool: PagePool = (KVPool(layout.group_layout(full[0]), num_pages, device) if full
+                                   else PagePool(num_pages))
+            self.groups = KVGroups(layout, num_pages, window_pages or num_pages, self.device,
+                                   self.pool if full else None)
+        else:
+            self.pool = KVPool(layout, num_pages, device)
         self.tree = RadixTree(layout.page_size)
         self._state = np.zeros(num_pages, dtype=np.uint8)   # _FREE / _ENGINE / _TREE per page
         self._live: dict[int, Request] = {}
@@ -255,8 +270,10 @@ class PrefixCache:
         return self._open(data, len(data) - 4 if leave_last and data else len(data), load, deadline)
 
     def _open(self, data: bytes, usable: int, load: str, deadline: float, count: bool = True) -> Request:
-        result = self.tree._match(data[:usable])
+        result = self._usable_match(data[:usable])
         self.tree.lock(result.node)
+        if self.groups is not None:
+            self.groups.hold(result.node, 1)
         req = Request(self, data, usable, result.node, result.pages, result.num_tokens)
         self._live[req.id] = req
         if count:
@@ -270,6 +287,16 @@ class PrefixCache:
             if load == "wait":
                 self.wait(req)
         return req
+
+    def _usable_match(self, data: bytes) -> MatchResult:
+        """The tree's match of ``data``, cut (with groups) to the longest prefix whose every
+        sliding group holds its window (``KVGroups.usable``)."""
+        if self.groups is None:
+            return self.tree._match(data)
+        node, pos, path, cut = self.tree._walk(data[:len(data) - len(data) % (4 * self.page_size)])
+        parts = [n.pages for n in path] + ([cut[0].pages[:cut[1]]] if cut is not None else [])
+        pages = np.concatenate(parts) if parts else _NO_PAGES
+        return self.tree._match(data[:self.groups.usable(pages) * self.page_size * 4])
 
     def match(self, tokens: Any, *, leave_last: bool = True, deadline_s: float | None = None) -> Match:
         """The one-call path: ``open(tokens, load="wait")`` as a ``Match`` (see ``open``).
@@ -369,10 +396,9 @@ class PrefixCache:
         it still lacks is copied in; what the pool has no room for is left out."""
         cs, ps, per_chunk = self.chunk_size, self.page_size, self.chunk_size // self.page_size
         end = (first + len(chunks)) * cs
-        result = self.tree._match(req._data[:end * 4])
-        self.tree.lock(result.node)
-        self.tree.unlock(req.node)
-        req.node, req._pages, held = result.node, result.pages, req.num_cached
+        result = self._usable_match(req._data[:end * 4])
+        self._move_hold(req, result.node)
+        req._pages, held = result.pages, req.num_cached
         req.num_cached = result.num_tokens
         done, skip = divmod(result.num_tokens - first * cs, cs)    # chunks the tree has, pages into the next
         chunks, where, skip = chunks[done:], where[done:], skip // ps
@@ -388,17 +414,15 @@ class PrefixCache:
                                       skip_pages=skip if i == 0 else 0)
                     start += k
             except BaseException:
-                self.pool.free(new)
-                self._state[new] = _FREE
+                self._free_pages(new)
                 raise
             stop = result.num_tokens + len(new) * ps
             pages = np.concatenate([result.pages, new])
             inserted = self.tree._insert(req._data[:stop * 4], pages)
             assert inserted.prefix_len == result.num_tokens, "the held tree match changed under a load"
             self._state[new] = _TREE
-            self.tree.lock(inserted.node)
-            self.tree.unlock(result.node)
-            req.node, req._pages, req.num_cached = inserted.node, pages, stop
+            self._move_hold(req, inserted.node)
+            req._pages, req.num_cached = pages, stop
         # Count what the tiers served (tokens resident meanwhile count as pool hits).
         by_tier = [0] * len(self.stack.tiers)     # type: ignore[union-attr]
         for i, tier in enumerate(where[:len(chunks)]):
@@ -447,9 +471,8 @@ class PrefixCache:
                 req._pending.future.cancel()
                 req._pending = None
             node, _ = self._insert_pages(data[:full * self.page_size * 4], np.concatenate([req._pages, ids]))
-            self.tree.lock(node)
-            self.tree.unlock(req.node)
-            req.node, req._pages = node, self.tree.prefix_pages(node)
+            self._move_hold(req, node)
+            req._pages = self.tree.prefix_pages(node)
             req.num_cached = full * self.page_size
         return req.pages
 
@@ -469,6 +492,9 @@ class PrefixCache:
             req._pending = None
         req.released = True
         self.tree.unlock(req.node)
+        if self.groups is not None:
+            self.groups.hold(req.node, -1)
+            self._trim(req.node)
 
     def _held(self, req: Request) -> None:
         if not isinstance(req, Request):
@@ -491,26 +517,43 @@ class PrefixCache:
         return torch.from_numpy(ids)
 
     def _take_pages(self, num_pages: int) -> np.ndarray:
-        """Free pages, evicting LRU prefixes when short; marked engine-held."""
+        """Free pages, evicting LRU prefixes when short; marked engine-held (with a page in every
+        sliding group's pool)."""
         short = num_pages - self.pool.num_free
-        if short > 0:
+        groups_short = self.groups.short(num_pages) if self.groups is not None else 0
+        if short > 0 or groups_short > 0:
             evictable = self.tree.evictable_size // self.page_size
             if short > evictable:
                 raise PoolExhausted(
                     f"cannot allocate {num_pages} pages: {self.pool.num_free} free, {evictable} evictable, "
                     f"{self.tree.protected_size // self.page_size} locked by running requests, "
                     f"{int((self._state == _ENGINE).sum())} held by the engine")
-            self.evict(short)
+            if groups_short > 0 and groups_short > self.groups.reclaimable(self.tree):   # type: ignore[union-attr]
+                raise PoolExhausted(
+                    f"cannot allocate {num_pages} pages: a sliding group's pool is {groups_short} pages short "
+                    f"and eviction cannot free as many (window_pages={self.groups.pools[0].num_pages})")  # type: ignore[union-attr]
+            if short > 0:
+                self.evict(short)
+            while self.groups is not None and self.groups.short(num_pages) > 0:
+                self.evict(1)            # leaf by leaf until the sliding pools have room
         ids = self.pool.alloc(num_pages)
         self._state[ids] = _ENGINE
+        if self.groups is not None:
+            self.groups.attach(ids)
         return ids
+
+    def _free_pages(self, ids: np.ndarray) -> None:
+        """Give pages (validated, not free) back to the pool, with their sliding groups' pages."""
+        if ids.size:
+            self.pool.free(ids)
+            self._state[ids] = _FREE
+            if self.groups is not None:
+                self.groups.detach(ids)
 
     def free(self, pages: Any) -> None:
         """Give back pages from ``alloc`` that the engine will not insert (an aborted request, a
         finished request's partial tail page).  O(n)."""
-        ids = self._engine_pages(pages, "pages")
-        self.pool.free(ids)
-        self._state[ids] = _FREE
+        self._free_pages(self._engine_pages(pages, "pages"))
 
     def insert(self, tokens: Any, pages: Any) -> int:
         """Cache ``tokens`` with the KV in ``pages`` and take ownership of the pages.
@@ -557,10 +600,11 @@ class PrefixCache:
 
         result = self.tree._insert(data, ids, validate)
         known = result.prefix_len // self.page_size
+        if self.groups is not None and known:       # the engine's pages fill the tree's tombstones
+            mine = ~in_tree[:known]
+            self.groups.fill(np.concatenate(cached)[:known][mine], ids[:known][mine])
         duplicates = np.concatenate([ids[:known][~in_tree[:known]], tail])
-        if duplicates.size:
-            self.pool.free(duplicates)
-            self._state[duplicates] = _FREE
+        self._free_pages(duplicates)
         self._state[ids[known:]] = _TREE
         c = self._counters
         c["inserts"] += 1
@@ -571,6 +615,7 @@ class PrefixCache:
             last = len(ids) * self.page_size // self.chunk_size
             if first < last:
                 self._store_chunks(data, np.concatenate([*cached, ids[known:]]), first, last, self._kept_tiers)
+        self._trim(result.node)
         return result.node, result.prefix_len
 
     def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int,
@@ -619,13 +664,41 @@ class PrefixCache:
         stored (``write_back``) or refreshed in the tiers' LRU order (``write_through``): the tiers
         keep what the pool lets go.  O(log n) per evicted node, plus a hash pass over each evicted
         node's prefix with tiers."""
-        freed = self.tree.evict(num_pages, None if self.stack is None else self._spill)
+        parents: list[RadixNode] = []
+        on_evict = None if self.stack is None and self.groups is None else (
+            lambda node: self._on_evict(node, parents))
+        freed = self.tree.evict(num_pages, on_evict)
         if freed.size:
-            self.pool.free(freed)
-            self._state[freed] = _FREE
+            self._free_pages(freed)
             self._counters["evicted_pages"] += int(freed.size)
             self._counters["evictions"] += 1
+        for parent in parents:         # a parent left with one child may drop its window
+            if parent.parent is not None and self.tree._attached(parent):
+                self._trim(parent)
         return int(freed.size)
+
+    def _on_evict(self, node: RadixNode, parents: list[RadixNode]) -> None:
+        if self.stack is not None:
+            self._spill(node)
+        if self.groups is not None and node.parent is not None:
+            parents.append(node.parent)
+
+    def _trim(self, node: RadixNode) -> None:
+        """The window rule after ``node`` changed (``KVGroups.trim``); nothing without groups."""
+        if self.groups is not None:
+            self.groups.trim(self.tree, node)
+
+    def _move_hold(self, req: Request, node: RadixNode) -> None:
+        """Move ``req``'s hold (lock and, with groups, its end) to ``node``."""
+        self.tree.lock(node)
+        self.tree.unlock(req.node)
+        if self.groups is not None:
+            self.groups.hold(node, 1)
+            self.groups.hold(req.node, -1)
+            old, req.node = req.node, node
+            self._trim(old)
+        else:
+            req.node = node
 
     # ---------------------------------------------------------------- inspection
 
@@ -651,6 +724,9 @@ class PrefixCache:
             pages_engine=int(counts[_ENGINE]), pages_total=self.pool.num_pages,
             nodes=self.tree.num_nodes, live_matches=len(self._live) - len(self._pins), pins=len(self._pins),
             cached_tokens=self.tree.total_size, locked_tokens=self.tree.protected_size)
+        if self.groups is not None:
+            c["window_pages_held"] = self.groups.held_pages()        # per sliding group, tree and engine
+            c["window_pages_dropped"] = self.groups.dropped_pages
         levels = [{"level": "pool", "hit_tokens": c["pool_hit_tokens"], "evicted_pages": c["evicted_pages"],
                    "bytes_in": c["tier_hit_tokens"] * self.layout.token_bytes}]
         if self.stack is not None:
@@ -728,6 +804,9 @@ class PrefixCache:
         """
         self.pool.check()
         self.tree.check()
+        if self.groups is not None:
+            self.groups.check(self.tree, np.flatnonzero(self._state != _FREE),
+                              [(req.node, req._pages) for req in self._live.values()])
         if self.stack is not None:
             self.stack.check()
         state = self._state

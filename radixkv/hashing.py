@@ -24,12 +24,13 @@ import xxhash
 from radixkv._checks import check_int
 
 if TYPE_CHECKING:
-    from radixkv.pool import KVLayout
+    from radixkv.pool import KVGroup, KVLayout
 
 __all__ = ["MAX_TOKEN_ID", "Namespace", "as_token_bytes", "chunk_keys", "keys_from_token_bytes"]
 
 MAX_TOKEN_ID = 2**31 - 1
 _FORMAT_TAG = b"radixkv/namespace/v1"
+_LATER_FIELDS = frozenset({"v_head_dim", "kv_group"})
 
 
 def as_token_bytes(tokens: Any, name: str = "tokens") -> bytes:
@@ -129,6 +130,8 @@ class Namespace:
     tp_size: int = 1
     lora_id: str = ""
     salt: bytes = b""
+    v_head_dim: int = 0     # MLA: V's head size where it differs from K's; 0: equal
+    kv_group: str = ""      # a KV group's tag (``KVGroup.tag``) in a layout with sliding windows
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -151,6 +154,8 @@ class Namespace:
         parts = [_FORMAT_TAG]
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name in _LATER_FIELDS and value == f.default:
+                continue        # fields added after the first format leave the keys as they were
             raw = value if isinstance(value, bytes) else str(value).encode()
             parts.append(f.name.encode() + b"=" + len(raw).to_bytes(4, "little") + raw)
         return b"\0".join(parts)
@@ -165,17 +170,23 @@ class Namespace:
         """8-byte id that prefixes every stored key of this namespace (the first 8 bytes of ``root``)."""
         return self.root[:8]
 
-    def bind(self, layout: KVLayout) -> Namespace:
-        """This namespace with the layout fields filled from ``layout``.
+    def bind(self, layout: KVLayout, group: KVGroup | None = None) -> Namespace:
+        """This namespace with the layout fields filled from ``layout`` (of ``group``'s layers only,
+        and named by its tag, when a group is given: each KV group's chunks have keys of their own).
 
         Fields already set must agree with the layout (``ValueError`` names the field otherwise).
         """
-        wanted: dict[str, Any] = {"kv_dtype": str(layout.dtype).removeprefix("torch."), "num_layers": layout.num_layers,
-                  "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-                  "page_size": layout.page_size}
+        sub = layout if group is None else layout.group_layout(group)
+        v_dim = 0 if sub.v_head_dim is None or sub.v_head_dim == sub.head_dim else sub.v_head_dim
+        wanted: dict[str, Any] = {"kv_dtype": str(sub.dtype).removeprefix("torch."), "num_layers": sub.num_layers,
+                  "num_kv_heads": sub.num_kv_heads, "head_dim": sub.head_dim,
+                  "page_size": sub.page_size, "v_head_dim": v_dim}
+        if group is not None:
+            wanted["kv_group"] = group.tag()
         for key, value in wanted.items():
             have = getattr(self, key)
-            if have not in ("", 0) and have != value:
+            whole = key == "num_layers" and group is not None and have == layout.num_layers   # bound to the model
+            if have not in ("", 0) and have != value and not whole:
                 raise ValueError(f"namespace.{key} is {have!r} but the layout says {value!r}")
         return replace(self, **wanted)
 

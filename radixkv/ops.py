@@ -301,8 +301,9 @@ def _pool_geometry(pool: Any) -> _Geometry:
     kv = pool.kv if isinstance(pool, KVPool) else pool
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"pool must be a KVPool or its kv tensor, got {type(pool).__name__}")
-    if kv.dim() != 6 or kv.shape[1] != 2 or kv.shape[3] < 1:
-        raise ValueError("pool must be [num_layers, 2, num_pages, page_size >= 1, num_kv_heads, head_dim], "
+    if kv.dim() != 6 or kv.shape[1] not in (1, 2) or kv.shape[3] < 1:
+        raise ValueError("pool must be [num_layers, sides (1 or 2), num_pages, page_size >= 1, num_kv_heads, "
+                         "head_dim], "
                          f"got shape {tuple(kv.shape)}")
     if kv.layout != torch.strided or not kv.is_contiguous():
         raise ValueError("pool must be a contiguous dense tensor")

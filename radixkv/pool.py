@@ -2,11 +2,19 @@
 
 Level 0 of the cache is the engine's own paged KV memory.  ``KVPool`` owns it as a single tensor
 
-    kv: [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]      (K at 1st index 0, V at 1)
+    kv: [num_layers, sides, num_pages, page_size, side_heads, side_dim]
 
-so that one page id addresses the same slot in every layer, and hands pages out from a free list.
-The pool knows nothing about tokens: the radix tree (``radixkv.tree``) says which pages hold which
-prefix, and ``radixkv.cache.PrefixCache`` keeps the two consistent.
+so that one page id addresses the same slot in every layer, and hands pages out from a free list
+(``PagePool``, the allocator alone).  With K and V of one head size, ``sides`` is 2 (K at 0, V at 1)
+of ``num_kv_heads`` heads of ``head_dim``.  MLA models cache sides of different sizes (transformers'
+DeepSeek-V3 caches the compressed latent and the RoPE key: 512 and 64 wide); their layout packs
+each token's KV into one side of one "head": ``num_kv_heads * head_dim`` values of K, then
+``num_kv_heads * v_head_dim`` of V (``v_head_dim=0``: a single latent side), so nothing is padded.
+A ``KVLayout`` with
+sliding-window layers describes several *KV groups* (``KVLayout.groups``); each group has a pool of
+its own (``radixkv.groups``).  The pool knows nothing about tokens: the radix tree
+(``radixkv.tree``) says which pages hold which prefix, and ``radixkv.cache.PrefixCache`` keeps the
+two consistent.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import numpy as np
 import torch
 from radixkv._checks import check_int
 
-__all__ = ["KVLayout", "KVPool", "as_page_ids", "check_device", "has_duplicates"]
+__all__ = ["KVGroup", "KVLayout", "KVPool", "PagePool", "as_page_ids", "check_device", "has_duplicates"]
 
 # dtypes a pool may hold; fp8 and int8 pools are moved as raw bytes by the block-copy ops.
 _POOL_DTYPES = {
@@ -32,11 +40,39 @@ _POOL_DTYPES = {
 
 
 @dataclass(frozen=True, slots=True)
+class KVGroup:
+    """Layers that share one attention kind, and so one set of pages: ``window == 0`` for full
+    attention (a query sees every earlier token), else a sliding window of ``window`` tokens (a
+    query sees itself and the ``window - 1`` tokens before it, as transformers' masks do).  ``layers`` are model layer indices."""
+
+    window: int
+    layers: tuple[int, ...]
+
+    @property
+    def sliding(self) -> bool:
+        """Whether the group's layers see only the last ``window`` tokens."""
+        return self.window > 0
+
+    def tag(self) -> str:
+        """A canonical name of the group, part of its chunks' namespace: ``"w=1024;layers=0,1,2"``."""
+        return f"w={self.window};layers={','.join(map(str, self.layers))}"
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     """Shape and dtype of one model's KV cache, and the page size of its pool.
 
+    ``v_head_dim``: the V head size where it differs from K's (MLA models such as DeepSeek-V3),
+    ``0`` for a single latent side, ``None`` (default) for equal K and V heads; with a ``v_head_dim``
+    of its own a token's KV is stored packed, K then V, as one side (``num_sides == 1``).
+    ``windows``: one entry per layer, ``0`` for full attention or the sliding window in tokens
+    (Gemma-2/3, Mistral, Cohere2, Qwen2 with sliding layers); ``None`` means full attention in every
+    layer.  Layers of one window form a ``KVGroup`` (``groups``), full attention first.
+
     >>> KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype=torch.float16, page_size=16).page_bytes
     4096
+    >>> [g.tag() for g in KVLayout(3, 1, 8, windows=(4, 0, 4)).groups]
+    ['w=0;layers=1', 'w=4;layers=0,2']
     """
 
     num_layers: int
@@ -44,6 +80,8 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype = torch.float16
     page_size: int = 16
+    v_head_dim: int | None = None
+    windows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
@@ -52,6 +90,16 @@ class KVLayout:
         if self.dtype not in _POOL_DTYPES:
             allowed = ", ".join(sorted(str(d) for d in _POOL_DTYPES))
             raise TypeError(f"KVLayout.dtype must be one of {allowed}; got {self.dtype!r}")
+        if self.v_head_dim is not None:
+            check_int(self.v_head_dim, "KVLayout.v_head_dim")
+        if self.windows is not None:
+            if not isinstance(self.windows, tuple):
+                raise TypeError(f"KVLayout.windows must be a tuple of ints (one per layer), "
+                                f"got {type(self.windows).__name__}")
+            if len(self.windows) != self.num_layers:
+                raise ValueError(f"KVLayout.windows has {len(self.windows)} entries for {self.num_layers} layers")
+            for i, w in enumerate(self.windows):
+                check_int(w, f"KVLayout.windows[{i}]")
 
     @property
     def itemsize(self) -> int:
@@ -59,9 +107,31 @@ class KVLayout:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def packed(self) -> bool:
+        """Whether K and V differ in size, so that a token's KV is stored as one packed side."""
+        return self.v_head_dim is not None and self.v_head_dim != self.head_dim
+
+    @property
+    def num_sides(self) -> int:
+        """2 (K and V stored apart), or 1 when they are packed (``packed``)."""
+        return 1 if self.packed else 2
+
+    @property
+    def side_heads(self) -> int:
+        """Heads of each stored side: ``num_kv_heads``, or 1 when packed."""
+        return 1 if self.packed else self.num_kv_heads
+
+    @property
+    def side_dim(self) -> int:
+        """Values of each stored head: ``head_dim``, or when packed every head's K then V."""
+        if self.packed:
+            return self.num_kv_heads * (self.head_dim + (self.v_head_dim or 0))
+        return self.head_dim
+
+    @property
     def token_bytes(self) -> int:
         """Bytes of KV one token takes in all layers, K and V."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+        return self.num_layers * self.num_sides * self.side_heads * self.side_dim * self.itemsize
 
     @property
     def page_bytes(self) -> int:
@@ -70,7 +140,23 @@ class KVLayout:
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
         """Shape of a contiguous buffer holding ``num_tokens`` tokens of KV (the tiers' chunk layout)."""
-        return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.num_sides, num_tokens, self.side_heads, self.side_dim)
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The layers grouped by attention kind: full attention first, then windows ascending."""
+        windows = self.windows or (0,) * self.num_layers
+        return tuple(KVGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in sorted(set(windows)))
+
+    @property
+    def grouped(self) -> bool:
+        """Whether some layer has a sliding window (the layout then has several pools' worth of groups)."""
+        return bool(self.windows) and any(self.windows)
+
+    def group_layout(self, group: KVGroup) -> KVLayout:
+        """The single-group layout of ``group``'s layers (the shape of its pool and its chunks)."""
+        return KVLayout(len(group.layers), self.num_kv_heads, self.head_dim, self.dtype, self.page_size,
+                        self.v_head_dim)
 
 
 def check_device(device: Any, name: str = "device") -> torch.device:
@@ -133,47 +219,35 @@ def has_duplicates(ids: np.ndarray) -> bool:
     return bool((s[1:] == s[:-1]).any())
 
 
-class KVPool:
-    """A paged KV pool on one device, and the free list of its pages.
+class PagePool:
+    """The free list of ``num_pages`` page ids, without storage: ``KVPool`` adds the KV tensor.
 
-    ``kv`` is ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``; ``layer(i)`` is
-    the ``[2, num_pages, page_size, num_kv_heads, head_dim]`` view of one layer.  Pages are handed
-    out by ``alloc`` and given back by ``free``; a page freed twice, or an id outside the pool, is
-    an error that leaves the pool as it was.
+    Pages are handed out by ``alloc`` and given back by ``free``; a page freed twice, or an id
+    outside the pool, is an error that leaves the pool as it was.  A cache whose every layer has a
+    sliding window uses one for its token pages, whose KV lives in the groups' pools.
 
-    >>> pool = KVPool(KVLayout(1, 1, 4, torch.float32, page_size=2), num_pages=4)
+    >>> pool = PagePool(num_pages=4)
     >>> ids = pool.alloc(3); pool.num_free
     1
     >>> pool.free(ids); pool.num_free
     4
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu") -> None:
-        if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+    def __init__(self, num_pages: int) -> None:
         check_int(num_pages, "num_pages", 1)
-        self.layout = layout
         self.num_pages = num_pages
-        self.device = check_device(device)
-        shape = (layout.num_layers, 2, num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
-        self.kv = torch.zeros(shape, dtype=layout.dtype, device=self.device)
         # Free list as a stack; pages are handed out from the top.  The first alloc gets page 0.
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages
         self._is_free = np.ones(num_pages, dtype=bool)
 
     def __repr__(self) -> str:
-        return (f"KVPool({self.num_pages} pages x {self.layout.page_size} tokens, "
-                f"{self.num_free} free, {self.kv.dtype}, {self.device})")
+        return f"PagePool({self.num_pages} pages, {self.num_free} free)"
 
     @property
     def num_free(self) -> int:
         """Number of free pages.  O(1)."""
         return self._top
-
-    def layer(self, i: int) -> torch.Tensor:
-        """The ``[2, num_pages, page_size, num_kv_heads, head_dim]`` view of layer ``i``.  O(1)."""
-        return self.kv[i]
 
     def alloc(self, n: int) -> np.ndarray:
         """Take ``n`` free pages and return their ids (int64).  O(n).
@@ -218,5 +292,46 @@ class KVPool:
         assert np.unique(stacked).size == stacked.size, "a page is on the free list twice"
         assert int(self._is_free.sum()) == self._top, "free mask and free list disagree on the count"
         assert self._is_free[stacked].all(), "a page on the free list is not marked free"
-        assert tuple(self.kv.shape) == (self.layout.num_layers, 2, self.num_pages, self.layout.page_size,
-                                        self.layout.num_kv_heads, self.layout.head_dim), "pool tensor reshaped"
+
+
+class KVPool(PagePool):
+    """A paged KV pool on one device, and the free list of its pages (``PagePool``).
+
+    ``kv`` is ``[num_layers, sides, num_pages, page_size, side_heads, side_dim]`` (see ``KVLayout``);
+    ``layer(i)`` is the ``[sides, num_pages, page_size, side_heads, side_dim]`` view of one layer.  The layout
+    must be of one KV group (``KVLayout.group_layout`` gives a group's).
+
+    >>> pool = KVPool(KVLayout(1, 1, 4, torch.float32, page_size=2), num_pages=4)
+    >>> ids = pool.alloc(3); pool.num_free
+    1
+    >>> pool.free(ids); pool.num_free
+    4
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu") -> None:
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if layout.grouped:
+            raise ValueError("layout: it has sliding-window layers, whose groups need a pool each "
+                             "(KVPool(layout.group_layout(group), ...), or a PrefixCache, which makes them)")
+        super().__init__(num_pages)
+        self.layout = layout
+        self.device = check_device(device)
+        self.kv = torch.zeros(self._shape(), dtype=layout.dtype, device=self.device)
+
+    def _shape(self) -> tuple[int, ...]:
+        lay = self.layout
+        return (lay.num_layers, lay.num_sides, self.num_pages, lay.page_size, lay.side_heads, lay.side_dim)
+
+    def __repr__(self) -> str:
+        return (f"KVPool({self.num_pages} pages x {self.layout.page_size} tokens, "
+                f"{self.num_free} free, {self.kv.dtype}, {self.device})")
+
+    def layer(self, i: int) -> torch.Tensor:
+        """The ``[sides, num_pages, page_size, side_heads, side_dim]`` view of layer ``i``.  O(1)."""
+        return self.kv[i]
+
+    def check(self) -> None:
+        """Assert every invariant of the free list and the tensor's shape (O(num_pages))."""
+        super().check()
+        assert tuple(self.kv.shape) == self._shape(), "pool tensor reshaped"

@@ -309,11 +309,15 @@ class RadixTree:
     def _check_handle(self, node: Any, name: str) -> None:
         if not isinstance(node, RadixNode):
             raise TypeError(f"{name} must be a RadixNode, got {type(node).__name__}")
+        if not self._attached(node):
+            raise ValueError(f"{name} is not in this tree (evicted, or from another tree)")
+
+    def _attached(self, node: RadixNode) -> bool:
+        """Whether ``node`` is in this tree (not evicted, not another tree's).  O(depth)."""
         top = node
         while top.parent is not None:
             top = top.parent
-        if top is not self._root:
-            raise ValueError(f"{name} is not in this tree (evicted, or from another tree)")
+        return top is self._root
 
     # ---------------------------------------------------------------- eviction
 

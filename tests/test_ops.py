@@ -226,7 +226,7 @@ CPP_BAD = [
     (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), BUF.transpose(0, 1), 0), ValueError,
      "contiguous"),
     (lambda: torch.ops.radixkv.gather_pages(KV[0], torch.tensor([0]), BUF, 0), ValueError, "6-D"),
-    (lambda: torch.ops.radixkv.gather_pages(KV[:, :1], torch.tensor([0]), BUF, 0), ValueError, "K and V"),
+    (lambda: torch.ops.radixkv.gather_pages(torch.cat([KV, KV], 1), torch.tensor([0]), BUF, 0), ValueError, "K and V"),
     (lambda: torch.ops.radixkv.gather_pages(KV, torch.tensor([0]), KV.view(2, 2, 8, 3, 5), 0), ValueError,
      "share memory"),
     (lambda: torch.ops.radixkv.scatter_pages(BUF, KV, torch.tensor([2, 2]), 0), ValueError, "more than once"),

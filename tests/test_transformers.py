@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from radixkv import Namespace, PrefixCache  # noqa: E402
+from radixkv import KVLayout, Namespace, PrefixCache  # noqa: E402
 from radixkv.backends import MemoryTier  # noqa: E402
 from radixkv.integrations.transformers import (  # noqa: E402
     PrefixCachedLM,
@@ -280,8 +280,10 @@ def test_bad_inputs_are_refused(llama: Any) -> None:
     config = transformers.MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
     mistral = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(ValueError, match="sliding-window"):
-        PrefixCachedLM(mistral, PrefixCache(layout_for(mistral, page_size=PAGE), num_pages=8))
+    flat = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=PAGE)
+    with pytest.raises(ValueError, match="windows"):      # a sliding model needs its windows in the layout
+        PrefixCachedLM(mistral, PrefixCache(flat, num_pages=8))
+    PrefixCachedLM(mistral, PrefixCache(layout_for(mistral, page_size=PAGE), num_pages=8))
 
 
 def test_random_models_are_reproducible_and_named_apart() -> None:

@@ -21,11 +21,21 @@ forward, a copy, the cache) leaves every page where it was: pages from ``alloc``
 ``extend`` took them, and the request is released.
 
 Supported: decoder-only models whose per-layer KV is ``[batch, kv_heads, seq, head_dim]`` in
-transformers' ``DynamicCache`` with full attention in every layer (Llama, Qwen2, GPT-NeoX, Mistral
-without a sliding window, ...), one sequence at a time.  Sliding-window and hybrid models are
-refused: their cache drops tokens, so a page would no longer hold the KV of the tokens it is filed
-under.  Works with the ``cache=`` keyword of transformers 5 and the ``past_key_values=`` of 4.x
-(chosen from ``forward``'s signature).  Put the model in eval mode (dropout breaks exactness).
+transformers' ``DynamicCache`` (Llama, Qwen2, GPT-NeoX, ...), one sequence at a time, including
+
+* sliding-window and hybrid models (Gemma-2, Gemma-3, Mistral, Cohere2, Qwen2 with sliding
+  layers): ``layer_windows`` reads each layer's window from the config (``layer_types``,
+  ``sliding_window``), ``layout_for`` makes one KV group per window (``radixkv.groups``), and the
+  cache keeps a sliding layer's pages only for the last ``w - 1`` tokens before each point a match
+  can end at.  The prefix is handed to the model in a ``DynamicCache()`` of plain layers with the
+  dropped positions zero-filled: the model's own sliding masks exclude them, so the logits are
+  exact (checked against a full forward for every family), and the new tokens' KV stays readable;
+* MLA models (DeepSeek-V3), whose cache holds two sides of different widths per layer (the
+  compressed latent and the RoPE key): stored packed, one side per token (``KVLayout.v_head_dim``).
+
+A window at least as long as the model's ``max_position_embeddings`` is full attention.  Works with
+the ``cache=`` keyword of transformers 5 and the ``past_key_values=`` of 4.x (chosen from
+``forward``'s signature).  Put the model in eval mode (dropout breaks exactness).
 
 Example (random weights, nothing downloaded)::
 
@@ -58,10 +68,12 @@ from radixkv.pool import KVLayout
 from radixkv.request import Request
 
 __all__ = ["FAMILIES", "PrefixCachedLM", "Result", "check_full_attention", "check_layout", "layer_kv",
-           "layout_for", "namespace_for", "random_model", "weights_fingerprint"]
+           "layer_windows", "layout_for", "namespace_for", "random_model", "weights_fingerprint"]
 
-#: Architectures ``random_model`` builds: two grouped-query families and one multi-head one.
-FAMILIES = ("llama", "qwen2", "gpt_neox")
+#: Architectures ``random_model`` builds: full attention (Llama, Qwen2, GPT-NeoX), sliding-window
+#: and hybrid (Gemma-2, Gemma-3, Mistral, Cohere2; Qwen2 with ``sliding_window``), and MLA (DeepSeek-V3).
+FAMILIES = ("llama", "qwen2", "gpt_neox", "gemma2", "gemma3", "mistral", "cohere2", "deepseek_v3")
+_WINDOWED = ("gemma2", "gemma3", "mistral", "cohere2")
 
 
 def _transformers() -> Any:
@@ -79,19 +91,29 @@ def _transformers() -> Any:
 def random_model(family: str = "llama", seed: int = 0, *, num_layers: int = 2, hidden_size: int = 64,
                  num_heads: int = 4, num_kv_heads: int | None = None, intermediate_size: int | None = None,
                  vocab_size: int = 256, max_positions: int = 4096, initializer_range: float = 0.02,
-                 dtype: torch.dtype = torch.float32) -> Any:
+                 sliding_window: int | None = None, dtype: torch.dtype = torch.float32) -> Any:
     """A causal LM of ``family`` (see ``FAMILIES``) with random weights from ``seed``, in eval mode.
 
     Nothing is downloaded; the same arguments give the same weights in every process, and the
     caller's random state is left as it was.  ``num_kv_heads`` defaults to a quarter of the heads
     (at least 1) for the grouped-query families; ``gpt_neox`` is multi-head only (``num_kv_heads``
     must be ``None`` or ``num_heads``).  ``intermediate_size`` defaults to ``4 * hidden_size``.
-    The config's ``name_or_path`` names the family, sizes and seed, so ``namespace_for`` keeps
-    the KV of different random models apart.  Cost: one weight initialisation, O(parameters).
+    ``sliding_window`` (tokens; default 16 for the windowed families, none for the others) gives
+    the layers their configs make sliding a window: Gemma-2 every other layer from layer 0, Gemma-3
+    and Cohere2 all but every 6th / 4th layer (at least one full layer), Mistral every layer, Qwen2
+    the upper half (``max_window_layers``).  ``deepseek_v3`` is MLA with dense MLPs (tiny ranks).
+    The config's ``name_or_path`` names the family, sizes, window and seed, so ``namespace_for``
+    keeps the KV of different random models apart.  Cost: one weight initialisation, O(parameters).
     """
     tf = _transformers()
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    if sliding_window is not None:
+        check_int(sliding_window, "sliding_window", 1)
+        if family not in (*_WINDOWED, "qwen2"):
+            raise ValueError(f"sliding_window: {family} has no sliding-window layers")
+    elif family in _WINDOWED:
+        sliding_window = 16
     if family == "gpt_neox":
         if num_kv_heads not in (None, num_heads):
             raise ValueError(f"gpt_neox is multi-head attention: num_kv_heads must be None or {num_heads}")
@@ -103,14 +125,36 @@ def random_model(family: str = "llama", seed: int = 0, *, num_layers: int = 2, h
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
                   max_position_embeddings=max_positions, initializer_range=initializer_range,
                   tie_word_embeddings=False)
+    head_dim = hidden_size // num_heads
     if family == "llama":
         config = tf.LlamaConfig(num_key_value_heads=num_kv_heads, **common)
     elif family == "qwen2":
-        config = tf.Qwen2Config(num_key_value_heads=num_kv_heads, use_sliding_window=False, **common)
+        config = tf.Qwen2Config(num_key_value_heads=num_kv_heads, use_sliding_window=sliding_window is not None,
+                                sliding_window=sliding_window, max_window_layers=num_layers // 2, **common)
+    elif family == "gemma2":
+        config = tf.Gemma2Config(num_key_value_heads=num_kv_heads, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                                 sliding_window=sliding_window, **common)
+    elif family == "gemma3":
+        config = tf.Gemma3TextConfig(num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                                     query_pre_attn_scalar=head_dim, sliding_window=sliding_window,
+                                     sliding_window_pattern=min(6, num_layers), **common)
+    elif family == "mistral":
+        config = tf.MistralConfig(num_key_value_heads=num_kv_heads, head_dim=head_dim, sliding_window=sliding_window,
+                                  **common)
+    elif family == "cohere2":
+        config = tf.Cohere2Config(num_key_value_heads=num_kv_heads, sliding_window=sliding_window,
+                                  sliding_window_pattern=min(4, num_layers), pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, **common)
+    elif family == "deepseek_v3":
+        config = tf.DeepseekV3Config(num_key_value_heads=num_heads, q_lora_rank=32, kv_lora_rank=32,
+                                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                     first_k_dense_replace=num_layers, n_routed_experts=4, num_experts_per_tok=2,
+                                     n_group=1, topk_group=1, moe_intermediate_size=32, n_shared_experts=1, **common)
     else:
         config = tf.GPTNeoXConfig(**common)
+    window = f"-w{sliding_window}" if sliding_window is not None else ""
     config.name_or_path = (f"random/{family}-l{num_layers}-h{hidden_size}-a{num_heads}-kv{num_kv_heads}"
-                           f"-i{intermediate_size}-v{vocab_size}-init{initializer_range}-seed{seed}")
+                           f"-i{intermediate_size}-v{vocab_size}-init{initializer_range}{window}-seed{seed}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(config)
@@ -125,13 +169,54 @@ def _text_config(model: Any) -> Any:
 
 def layout_for(model: Any, page_size: int = 16, dtype: torch.dtype | None = None) -> KVLayout:
     """The ``KVLayout`` of ``model``'s KV cache: layers, KV heads and head size from its config,
-    ``dtype`` (default: the model's).  O(1)."""
+    each layer's window (``layer_windows``; KV groups when some layer slides), and for MLA models
+    (a ``kv_lora_rank`` in the config: DeepSeek-V3) the two sides transformers caches per layer,
+    the latent (``kv_lora_rank`` wide) and the RoPE key (``qk_rope_head_dim``), as one head with
+    ``v_head_dim`` of its own.  ``dtype`` defaults to the model's.  O(layers)."""
     config = _text_config(model)
+    windows = layer_windows(model)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    v_head_dim = None
+    if getattr(config, "kv_lora_rank", None):
+        kv_heads, head_dim, v_head_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
     return KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=dtype or model.dtype, page_size=page_size)
+                    dtype=dtype or model.dtype, page_size=page_size, v_head_dim=v_head_dim,
+                    windows=windows if any(windows) else None)
+
+
+def layer_windows(model: Any) -> tuple[int, ...]:
+    """One entry per layer of ``model``: 0 for full attention, else its sliding window ``w`` (a
+    query at position q sees the keys at q - w + 1 .. q, transformers' ``sliding_window_overlay``).
+    Read from ``layer_types`` and ``sliding_window`` (Qwen2's ``use_sliding_window`` switch
+    included); without ``layer_types`` a set ``sliding_window`` makes every layer slide (Mistral).
+    A window of at least ``max_position_embeddings`` tokens is full attention.  Raises
+    ``ValueError`` for layer kinds a prefix cache cannot serve this way (chunked or bidirectional
+    attention, linear attention).  O(layers)."""
+    config = _text_config(model)
+    n = config.num_hidden_layers
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("model: bidirectional attention: a token's KV depends on later tokens")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and not getattr(config, "use_sliding_window", True):
+        window = None
+    types = list(getattr(config, "layer_types", None) or
+                 ["sliding_attention" if window is not None else "full_attention"] * n)[:n]
+    if len(types) != n:
+        raise ValueError(f"model: layer_types has {len(types)} entries for {n} layers")
+    max_pos = getattr(config, "max_position_embeddings", None)
+    out = []
+    for i, kind in enumerate(types):
+        if kind == "full_attention":
+            out.append(0)
+        elif kind == "sliding_attention":
+            if not window or window < 1:
+                raise ValueError(f"model: layer {i} is sliding_attention but sliding_window is {window!r}")
+            out.append(0 if max_pos is not None and window >= max_pos else int(window))
+        else:
+            raise ValueError(f"model: layer {i} is {kind!r}; full and sliding-window attention are supported")
+    return tuple(out)
 
 
 def namespace_for(model: Any, *, name: str | None = None, revision: str = "main", salt: bytes = b"",
@@ -182,20 +267,23 @@ def weights_fingerprint(model: Any) -> str:
 
 def check_layout(model: Any, layout: KVLayout, name: str) -> None:
     """Raise ``ValueError`` (naming the argument ``name``) unless ``layout`` holds ``model``'s KV:
-    the same layers, KV heads and head size (``layout_for``; dtype and page size are free).  O(1)."""
+    the same layers, KV heads, head sizes and windows (``layout_for``; dtype and page size are
+    free).  O(layers)."""
     want = layout_for(model, layout.page_size)
     if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (want.num_layers, want.num_kv_heads,
                                                                      want.head_dim):
         raise ValueError(f"{name}: its layout holds {layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
                          f"{layout.head_dim}, the model's KV is {want.num_layers} x {want.num_kv_heads} x "
                          f"{want.head_dim} (build it with layout_for(model))")
+    if (layout.v_head_dim, layout.windows) != (want.v_head_dim, want.windows):
+        raise ValueError(f"{name}: its layout has v_head_dim={layout.v_head_dim}, windows={layout.windows}; the "
+                         f"model's are {want.v_head_dim}, {want.windows} (build it with layout_for(model))")
 
 
 def check_full_attention(model: Any) -> None:
-    """Raise ``ValueError`` unless every layer of ``model`` attends to every earlier token.
-
-    Sliding-window and hybrid models drop tokens from their cache, so a page would no longer hold
-    the KV of the tokens it is filed under.  O(layers).
+    """Raise ``ValueError`` unless every layer of ``model`` attends to every earlier token (for
+    engines that read the whole prefix from the pool, such as ``radixkv.integrations.paged``).
+    O(layers).
     """
     config = _text_config(model)
     layers = getattr(_new_dynamic_cache(model.config), "layers", None)
@@ -251,9 +339,10 @@ class Result:
 class PrefixCachedLM:
     """A Hugging Face causal LM served through ``cache``: see the module docstring.
 
-    ``cache.layout`` must match the model's KV (layers, KV heads, head size; ``layout_for``); its
-    dtype and device may differ from the model's (KV is converted on the way in and out).  Raises
-    ``ValueError`` for a mismatch or a model with sliding-window layers.  Used from one thread.
+    ``cache.layout`` must match the model's KV (layers, KV heads, head sizes, windows;
+    ``layout_for``); its dtype and device may differ from the model's (KV is converted on the way
+    in and out).  Raises ``ValueError`` for a mismatch or a layer kind it cannot serve
+    (``layer_windows``).  Used from one thread.
     """
 
     def __init__(self, model: Any, cache: PrefixCache) -> None:
@@ -269,7 +358,6 @@ class PrefixCachedLM:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self._cache_position = "cache_position" in params
-        check_full_attention(model)
 
     def __repr__(self) -> str:
         return f"PrefixCachedLM({type(self.model).__name__}, {self.cache!r})"
@@ -277,7 +365,13 @@ class PrefixCachedLM:
     # -- the model's side ----------------------------------------------------------------------
 
     def new_model_cache(self) -> Any:
-        """An empty cache object of the model's kind (``DynamicCache``).  O(layers)."""
+        """An empty cache object of the model's kind (``DynamicCache``).  O(layers).
+
+        With sliding-window layers, one of plain layers (``DynamicCache()``): a config-built one
+        would crop a sliding layer to its window, losing the new tokens' KV before it is cached;
+        the masks come from the model's config either way."""
+        if self.cache.layout.grouped:
+            return _transformers().DynamicCache()
         return _new_dynamic_cache(self.config)
 
     def forward(self, input_ids: torch.Tensor, model_cache: Any, *, start: int,
@@ -393,14 +487,27 @@ class PrefixCachedLM:
     # -- pages <-> the model's cache object ----------------------------------------------------
 
     def _model_cache_from(self, req: Request) -> Any:
-        """A model cache object holding the KV of ``req``'s pages (one gather, one copy per layer)."""
+        """A model cache object holding the KV of ``req``'s pages (one gather per KV group, one
+        copy per layer; a sliding group's dropped pages come back as zeros, which its mask hides)."""
         model_cache = self.new_model_cache()
         if req.num_cached:
-            kv = ops.gather_pages(self.cache.pool, req.pages).to(self.device, self.dtype)
-            for layer in range(kv.shape[0]):   # [2, tokens, heads, dim] -> [1, heads, tokens, dim]
-                model_cache.update(kv[layer, 0].transpose(0, 1).unsqueeze(0),
-                                   kv[layer, 1].transpose(0, 1).unsqueeze(0), layer)
+            layout = self.cache.layout
+            per_layer: list[torch.Tensor] = [torch.empty(0)] * layout.num_layers
+            for group, kv in self._group_buffers(req):
+                for j, layer in enumerate(group):
+                    per_layer[layer] = kv[j]
+            for layer, sides in enumerate(per_layer):
+                keys, values = _unpack(sides.to(self.device, self.dtype), layout)
+                model_cache.update(keys, values, layer)
         return model_cache
+
+    def _group_buffers(self, req: Request) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """``(layers, kv)`` per KV group: the group's model layers and the KV of ``req``'s pages,
+        ``[group layers, sides, tokens, heads, dim]``."""
+        cache = self.cache
+        if cache.groups is None:
+            return [(tuple(range(cache.layout.num_layers)), ops.gather_pages(cache.pool, req.pages))]
+        return [(g.layers, kv) for g, kv in zip(cache.layout.groups, cache.groups.gather(req.page_ids))]
 
     def _extend(self, req: Request, ids: Any, model_cache: Any) -> int:
         """Copy the KV of the full pages of ``ids`` (the request's sequence so far) past what
@@ -415,14 +522,22 @@ class PrefixCachedLM:
         except PoolExhausted:
             return 0
         start, end = have * ps, full * ps
-        pool = self.cache.pool
+        cache, layout = self.cache, self.cache.layout
         try:                                # from alloc to extend the pages are ours: free them on any error
-            buf = torch.empty(self.cache.layout.chunk_shape(end - start), dtype=pool.kv.dtype, device=pool.device)
-            for layer in range(buf.shape[0]):
-                keys, values = layer_kv(model_cache, layer)   # [1, heads, tokens, dim]
-                buf[layer, 0].copy_(keys[0, :, start:end].transpose(0, 1))
-                buf[layer, 1].copy_(values[0, :, start:end].transpose(0, 1))
-            ops.scatter_pages(buf, pool, new)
+            groups = layout.groups if cache.groups is not None else (None,)
+            bufs = []
+            for group in groups:
+                layers = group.layers if group is not None else range(layout.num_layers)
+                sub = layout.group_layout(group) if group is not None else layout
+                buf = torch.empty(sub.chunk_shape(end - start), dtype=layout.dtype, device=cache.device)
+                for j, layer in enumerate(layers):
+                    keys, values = layer_kv(model_cache, layer)   # [1, heads, tokens, dim]
+                    _pack(buf[j], keys[0, :, start:end], values[0, :, start:end], layout)
+                bufs.append(buf)
+            if cache.groups is None:
+                ops.scatter_pages(bufs[0], cache.pool, new)        # type: ignore[arg-type]
+            else:
+                cache.groups.scatter(bufs, new.numpy())
             table = req.extend(ids, new)
         except BaseException:
             self.cache.free(new)            # extend changes nothing when it raises
@@ -437,6 +552,31 @@ def layer_kv(model_cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     if layers is not None:
         return layers[layer].keys, layers[layer].values
     return model_cache.key_cache[layer], model_cache.value_cache[layer]
+
+
+def _pack(out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: KVLayout) -> None:
+    """Write one layer's ``keys`` / ``values`` (``[heads, tokens, dim]``) into ``out``, its pool
+    form ``[sides, tokens, side_heads, side_dim]`` (``KVLayout``: K and V apart, or packed)."""
+    if not layout.packed:
+        out[0].copy_(keys.transpose(0, 1))
+        out[1].copy_(values.transpose(0, 1))
+        return
+    k = keys.transpose(0, 1).reshape(keys.shape[1], -1)            # [tokens, heads * dim]
+    out[0, :, 0, :k.shape[1]].copy_(k)
+    if layout.v_head_dim:
+        out[0, :, 0, k.shape[1]:].copy_(values.transpose(0, 1).reshape(values.shape[1], -1))
+
+
+def _unpack(sides: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's pool form ``[sides, tokens, side_heads, side_dim]`` as the model's ``keys``,
+    ``values`` (``[1, heads, tokens, dim]``; an empty V for a single latent side)."""
+    if not layout.packed:
+        return sides[0].transpose(0, 1).unsqueeze(0), sides[1].transpose(0, 1).unsqueeze(0)
+    tokens, heads = sides.shape[1], layout.num_kv_heads
+    k_width = heads * layout.head_dim
+    keys = sides[0, :, 0, :k_width].reshape(tokens, heads, layout.head_dim)
+    values = sides[0, :, 0, k_width:].reshape(tokens, heads, layout.v_head_dim or 0)
+    return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 
 
 def _token_array(tokens: Any) -> np.ndarray:
