@@ -59,7 +59,7 @@ from radixkv._checks import check_int
 from radixkv._exit import flush_at_exit
 from radixkv import ops
 from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
-from radixkv.groups import KVGroups
+from radixkv.groups import GroupLoad, KVGroups, fetch_group_chunks
 from radixkv.pool import KVLayout, KVPool, PagePool, as_page_ids, check_device, has_duplicates
 from radixkv.request import LOAD_MODES, PendingLoad, Request, fetch_chunks
 from radixkv.tree import MatchResult, RadixNode, RadixTree
@@ -182,13 +182,22 @@ class PrefixCache:
             ("matches", "query_tokens", "hit_tokens", "pool_hit_tokens", "tier_hit_tokens", "inserts",
              "inserted_tokens", "duplicate_pages", "allocs", "allocated_pages", "evicted_pages", "evictions",
              "chunks_stored", "chunks_not_queued", "late_loads", "load_errors"), 0)
-        self.stack = self._make_stack(tiers, promote, write_queue, exclusive)
+        #: One ``TierStack`` per KV group over the same tiers (``layout.groups`` order; each group's
+        #: chunks have keys of their own namespace); ``stack`` is the first (the only one without groups).
+        self.stacks: list[TierStack] = self._make_stacks(tiers, namespace, promote, write_queue, exclusive)
+        self.stack = self.stacks[0] if self.stacks else None
         #: The tiers that keep copies of what the pool holds (written at insert under
         #: ``write_through``): all but the stack's victim tiers.
         self._kept_tiers: frozenset[int] = frozenset()
         if self.stack is not None:
             self._kept_tiers = frozenset(range(len(self.stack.tiers))) - self.stack.victims
-            flush_at_exit(self.stack)
+            for stack in self.stacks:
+                flush_at_exit(stack)
+            if self.groups is not None and chunk_size > layout.page_size:
+                # A tier match ends on a chunk boundary: keep up to a chunk more of each window, so
+                # that the chunks a tier match needs are whole in the pool when they are stored.
+                self.groups.keep = [-(-(g.window - 1 + chunk_size - layout.page_size) // layout.page_size)
+                                    for g in self.groups.sliding]
         self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
 
     @classmethod
@@ -201,31 +210,42 @@ class PrefixCache:
 
         return load_config(config).build(layout)
 
-    def _make_stack(self, tiers: Any, promote: bool, write_queue: int, exclusive: bool) -> TierStack | None:
+    def _make_stacks(self, tiers: Any, namespace: Namespace | None, promote: bool, write_queue: int,
+                     exclusive: bool) -> list[TierStack]:
         from radixkv.tiers import TierStack   # here, so that a cache without tiers needs no backend
 
         if isinstance(tiers, TierStack):
+            if self.groups is not None:
+                raise ValueError("tiers: a layout with sliding-window layers needs a stack per KV group; "
+                                 "pass the tiers themselves")
             if (tiers.namespace, tiers.layout, tiers.chunk_size) != (self.namespace, self.layout, self.chunk_size):
                 raise ValueError("tiers: the TierStack's namespace, layout or chunk_size differ from the cache's")
-            return tiers
+            return [tiers]
         tiers = list(tiers)
         if not tiers:
-            return None
-        return TierStack(tiers, namespace=self.namespace, layout=self.layout, chunk_size=self.chunk_size,
-                         promote=promote, queue_size=write_queue, exclusive=exclusive)
+            return []
+        if self.groups is None:
+            return [TierStack(tiers, namespace=self.namespace, layout=self.layout, chunk_size=self.chunk_size,
+                              promote=promote, queue_size=write_queue, exclusive=exclusive)]
+        base = namespace or Namespace(model="unnamed")
+        return [TierStack(tiers, namespace=base.bind(self.layout, group), layout=self.layout.group_layout(group),
+                          chunk_size=self.chunk_size, promote=promote, queue_size=write_queue, exclusive=exclusive)
+                for group in self.layout.groups]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued tier write is done (``False`` if ``timeout`` seconds passed
         first).  For tests, benchmarks and shutdown: an engine never needs to wait."""
-        return True if self.stack is None else self.stack.flush(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(stack.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                   for stack in self.stacks)
 
     def close(self) -> None:
         """Finish queued tier writes and close the tiers.  Idempotent.  Without it, queued writes
         are flushed at interpreter exit, for at most ``RADIXKV_EXIT_FLUSH_S`` seconds (10)."""
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
-        if self.stack is not None:
-            self.stack.close()
+        for stack in self.stacks:
+            stack.close()
 
     def __enter__(self) -> PrefixCache:
         return self
@@ -346,8 +366,26 @@ class PrefixCache:
             return
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=self.load_workers, thread_name_prefix="radixkv-load")
+        if self.groups is not None:
+            self._start_group_load(req, first, first + limit, deadline)
+            return
         req._pending = PendingLoad(self._loader.submit(fetch_chunks, self.stack, refs, limit, deadline),
                                    first, deadline, [ref.key for ref in refs])
+
+    def _start_group_load(self, req: Request, first: int, last: int, deadline: float) -> None:
+        """``_start_load`` of a grouped cache: refs per group, and which chunks before ``first``
+        each sliding group holds whole in the pool (``fetch_group_chunks`` plans the rest)."""
+        assert self.groups is not None and self._loader is not None
+        cs, per_chunk = self.chunk_size, self.chunk_size // self.page_size
+        refs = self._refs(req._data[:last * cs * 4])
+        window, pool_ok = [], []
+        for group in self.layout.groups:
+            ids = self.groups.pages_of(group, req._pages[:first * per_chunk]).reshape(first, per_chunk)
+            pool_ok.append((ids >= 0).all(axis=1))
+            window.append(-(-(group.window - 1) // cs) if group.sliding else 0)
+        future = self._loader.submit(fetch_group_chunks, self.stacks, self.layout.groups, refs, first, last,
+                                     window, pool_ok, deadline)
+        req._pending = PendingLoad(future, first, deadline, [])   # type: ignore[arg-type]
 
     def poll(self, req: Request) -> bool:
         """Land ``req``'s pending load if it has arrived: its chunks go into new pool pages and the
@@ -361,11 +399,16 @@ class PrefixCache:
         if pending.future.done():
             req._pending = None
             try:
-                where, chunks = pending.future.result()
+                result = pending.future.result()
             except Exception as exc:   # noqa: BLE001 - a fault below the pool is a miss
                 self._counters["load_errors"] += 1
                 _log_load_error(exc)
                 return True
+            if isinstance(result, GroupLoad):
+                if result.end > pending.first:
+                    self._land_groups(req, pending.first, result)
+                return True
+            where, chunks = result
             if chunks:
                 landed = self._land(req, pending.first, where, chunks)
                 if self.stack is not None and self.stack.victims:     # exclusive: moved up, not copied
@@ -437,6 +480,97 @@ class PrefixCache:
         req.tier_tokens += tier_tokens
         req.tier_tokens_by_tier = tuple(by_tier)
         return done + len(chunks)
+
+    def _land_groups(self, req: Request, first: int, load: GroupLoad) -> None:
+        """``_land`` of a grouped cache: the full groups' chunks ``first..load.end-1`` go into new
+        tree pages past what the tree holds, each sliding group's window chunks into its pages
+        (filling pages the tree had dropped), sliding pages no chunk covers are dropped, and the
+        request's hold moves to the longest usable prefix.  What the pools have no room for is a
+        miss."""
+        assert self.groups is not None and self.stack is not None
+        cs, ps, per_chunk = self.chunk_size, self.page_size, self.chunk_size // self.page_size
+        data = req._data[:load.end * cs * 4]
+        held = req.num_cached
+        result = self.tree._match(data)
+        self.tree.lock(result.node)                     # what the tree has stays while pages are taken
+        try:
+            end = self._land_group_chunks(data, result, load)
+        finally:
+            self.tree.unlock(result.node)
+        self._settle(req, held, load)
+        self._trim(end)                   # after the hold moved: the window it needs stays
+
+    def _land_group_chunks(self, data: bytes, result: MatchResult, load: GroupLoad) -> RadixNode:
+        """``_land_groups``' copies; returns the node that ends what the tree now holds of ``data``."""
+        assert self.groups is not None
+        ps, per_chunk = self.page_size, self.chunk_size // self.page_size
+        total = load.end * per_chunk
+        new = _NO_PAGES
+        if total > len(result.pages):
+            if total - len(result.pages) > self.pool.num_free + self.tree.evictable_size // ps:
+                return result.node
+            try:
+                new = self._take_pages(total - len(result.pages))
+            except PoolExhausted:
+                return result.node
+        pages = np.concatenate([result.pages, new])
+        covered = [np.zeros(total, dtype=bool) for _ in self.groups.sliding]
+        try:
+            for group, (need, _, chunks) in zip(self.layout.groups, load.parts):
+                if group.sliding:
+                    s = self.groups.sliding.index(group)
+                    pool, table = self.groups.pools[s], self.groups.maps[s]
+                else:
+                    pool, table = self.pool, None         # type: ignore[assignment]
+                for j, chunk in zip(need, chunks):
+                    ids = pages[j * per_chunk:(j + 1) * per_chunk]
+                    if table is not None:
+                        gone = ids[table[ids] < 0]
+                        if gone.size > pool.num_free:
+                            continue                      # no room in the group's pool: a shorter match
+                        table[gone] = pool.alloc(gone.size)
+                        covered[s][j * per_chunk:(j + 1) * per_chunk] = True
+                        ops.scatter_pages(chunk.to(pool.device), pool, table[ids])
+                    else:
+                        skip = max(0, len(result.pages) - j * per_chunk)
+                        if skip < per_chunk:
+                            ops.scatter_pages(chunk.to(pool.device), pool, ids[skip:], skip_pages=skip)
+            for s, table in enumerate(self.groups.maps):  # new pages no sliding chunk wrote hold nothing
+                junk = new[~covered[s][len(result.pages):]]
+                if junk.size:
+                    self.groups._drop(self.groups.pools[s], table, junk)
+        except BaseException:
+            self._free_pages(new)
+            raise
+        if not new.size:
+            return result.node
+        inserted = self.tree._insert(data[:total * ps * 4], pages)
+        assert inserted.prefix_len == len(result.pages) * ps, "the held tree match changed under a load"
+        self._state[new] = _TREE
+        return inserted.node
+
+    def _settle(self, req: Request, held: int, load: GroupLoad) -> None:
+        """Move ``req``'s hold to the longest usable prefix of what ``load`` brought (never less
+        than the ``held`` tokens) and count the tokens the tiers served beyond them."""
+        usable = self._usable_match(req._data[:load.end * self.chunk_size * 4])
+        if usable.num_tokens <= held:
+            return
+        self._move_hold(req, usable.node)
+        req._pages, req.num_cached = usable.pages, usable.num_tokens
+        gained = req.num_cached - held
+        if gained > 0:
+            c = self._counters
+            tier = next((where[0] for _, where, _ in load.parts if where), 0)
+            c["hit_tokens"] += gained
+            c["tier_hit_tokens"] += gained
+            self._tier_hit_tokens[tier] += gained
+            req.tier_tokens += gained
+            by_tier = [0] * len(self.stack.tiers)     # type: ignore[union-attr]
+            by_tier[tier] = gained
+            req.tier_tokens_by_tier = tuple(by_tier)
+        if self.stack is not None and self.stack.victims:
+            for stack, (need, _, _), refs in zip(self.stacks, load.parts, self._refs(req._data[:load.end * self.chunk_size * 4])):
+                stack.release([refs[j].key for j in need])      # exclusive: moved up, not copied
 
     def extend(self, req: Request, tokens: Any, pages: Any) -> torch.Tensor:
         """Cache the KV the engine computed for ``req`` and keep holding it (SGLang's
@@ -610,30 +744,45 @@ class PrefixCache:
         c["inserts"] += 1
         c["inserted_tokens"] += (len(ids) - known) * self.page_size
         c["duplicate_pages"] += int(duplicates.size)
+        self._trim(result.node)           # before the store: dropped sliding pages are not stored
         if self.stack is not None and self.write_policy == "write_through" and self._kept_tiers:
             first = result.prefix_len // self.chunk_size             # chunks not complete before
             last = len(ids) * self.page_size // self.chunk_size
             if first < last:
                 self._store_chunks(data, np.concatenate([*cached, ids[known:]]), first, last, self._kept_tiers)
-        self._trim(result.node)
         return result.node, result.prefix_len
 
     def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int,
-                      tiers: frozenset[int] | None = None, refs: list[ChunkRef] | None = None) -> None:
+                      tiers: frozenset[int] | None = None, refs: list[list[ChunkRef]] | None = None) -> None:
         """Copy chunks ``first..last-1`` of a cached sequence out of the pool and queue them for
-        the tiers (all, or ``tiers``; the copy is synchronous: the pages may be reused right after).
-        ``refs``: the sequence's chunk refs from chunk 0 when the caller has them (one hash pass)."""
-        assert self.stack is not None
+        the tiers (all, or ``tiers``; the copy is synchronous: the pages may be reused right after),
+        per KV group: a sliding group's chunk only where its pages are held (inside a window).
+        ``refs``: the sequence's chunk refs from chunk 0 per stack, when the caller has them."""
         per_chunk = self.chunk_size // self.page_size
         if refs is None:
-            refs = self.stack.refs_from_bytes(data[:last * self.chunk_size * 4])
-        items = []
-        for i, ref in enumerate(refs[first:last], start=first):
-            buf = torch.empty(self.layout.chunk_shape(self.chunk_size), dtype=self.layout.dtype)
-            items.append((ref, ops.gather_pages(self.pool, pages[i * per_chunk:(i + 1) * per_chunk], buf)))
-        queued = self.stack.store(items, tiers=tiers)
-        self._counters["chunks_stored"] += queued
-        self._counters["chunks_not_queued"] += len(items) - queued
+            refs = self._refs(data[:last * self.chunk_size * 4])
+        for g, stack in enumerate(self.stacks):
+            pool: KVPool = self.pool               # type: ignore[assignment]
+            ids, lo = pages[:last * per_chunk], first
+            if self.groups is not None:
+                group = self.layout.groups[g]
+                pool, ids = self.groups.pool_of(group), self.groups.pages_of(group, ids)
+                if group.sliding:    # the window before `first` too: pages an insert filled, a new branch point's
+                    lo = max(0, first - (group.window - 1 + self.chunk_size - 1) // self.chunk_size)
+            items = []
+            for i, ref in enumerate(refs[g][lo:last], start=lo):
+                chunk_ids = ids[i * per_chunk:(i + 1) * per_chunk]
+                if chunk_ids.size and chunk_ids.min() < 0:
+                    continue                       # dropped: outside every window
+                buf = torch.empty(stack.shape, dtype=self.layout.dtype)
+                items.append((ref, ops.gather_pages(pool, chunk_ids, buf)))
+            queued = stack.store(items, tiers=tiers)
+            self._counters["chunks_stored"] += queued
+            self._counters["chunks_not_queued"] += len(items) - queued
+
+    def _refs(self, data: bytes) -> list[list[ChunkRef]]:
+        """The chunk refs of ``data`` in every stack (one hash pass per KV group)."""
+        return [stack.refs_from_bytes(data) for stack in self.stacks]
 
     def _chunks_ending_in(self, node: RadixNode) -> tuple[bytes, int, int]:
         """The tokens from the root to the end of ``node`` (int32 bytes) and the range
@@ -652,11 +801,12 @@ class PrefixCache:
         if first >= last:
             return
         into = None if self.write_policy == "write_back" else self.stack.victims
-        refs = self.stack.refs_from_bytes(data[:last * self.chunk_size * 4])   # one hash pass for both
+        refs = self._refs(data[:last * self.chunk_size * 4])    # one hash pass for both
         if into is None or into:
             self._store_chunks(data, self.tree.prefix_pages(node), first, last, into, refs)
         if into is not None and len(into) < len(self.stack.tiers):
-            self.stack.touch([ref.key for ref in refs[first:]], tiers=self._kept_tiers)
+            for stack, stack_refs in zip(self.stacks, refs):
+                stack.touch([ref.key for ref in stack_refs[first:]], tiers=self._kept_tiers)
 
     def evict(self, num_pages: int) -> int:
         """Evict least-recently-used unlocked prefixes until ``num_pages`` pages are freed (or
@@ -764,8 +914,8 @@ class PrefixCache:
             raise ValueError(f"tokens: pinning {req.num_cached} more tokens would hold {held + req.num_cached} "
                              f"in the pool, over pin_budget={self.pin_budget}")
         self._pins[data] = req
-        if self.stack is not None:
-            self.stack.pin(keys_from_token_bytes(data, self.chunk_size, self.namespace.root))
+        for stack in self.stacks:
+            stack.pin(keys_from_token_bytes(data, self.chunk_size, stack.namespace.root))
         return req.num_cached
 
     @property
@@ -781,8 +931,8 @@ class PrefixCache:
         if req is None:
             return False
         self.release(req)
-        if self.stack is not None:
-            self.stack.unpin(keys_from_token_bytes(data, self.chunk_size, self.namespace.root))
+        for stack in self.stacks:
+            stack.unpin(keys_from_token_bytes(data, self.chunk_size, stack.namespace.root))
         return True
 
     def drop_namespace(self, namespace: Namespace | None = None) -> int:
@@ -793,7 +943,9 @@ class PrefixCache:
             return 0
         if namespace is not None and not isinstance(namespace, Namespace):
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
-        return self.stack.drop_namespace(None if namespace is None else namespace.id)
+        if namespace is None:
+            return sum(stack.drop_namespace(None) for stack in self.stacks)
+        return self.stack.drop_namespace(namespace.id)
 
     def check(self) -> None:
         """Assert every invariant of the cache, its tree and its pool (O(n + num_pages)).
@@ -807,8 +959,8 @@ class PrefixCache:
         if self.groups is not None:
             self.groups.check(self.tree, np.flatnonzero(self._state != _FREE),
                               [(req.node, req._pages) for req in self._live.values()])
-        if self.stack is not None:
-            self.stack.check()
+        for stack in self.stacks:
+            stack.check()
         state = self._state
         assert np.array_equal(self.pool._is_free, state == _FREE), "pool free list != pages marked free"
         tree_pages = np.sort(self.tree.all_pages())

@@ -293,8 +293,8 @@ def encode_chunk(namespace_id: bytes, key: bytes, parent_key: bytes, tokens: byt
         raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     code = _dtype_code(kv.dtype)
     num_tokens = len(tokens) // 4
-    if kv.dim() != _NDIM or kv.shape[1] != 2 or kv.shape[2] != num_tokens:
-        raise ValueError(f"kv must be [num_layers, 2, {num_tokens}, num_kv_heads, head_dim] for "
+    if kv.dim() != _NDIM or kv.shape[1] not in (1, 2) or kv.shape[2] != num_tokens:
+        raise ValueError(f"kv must be [num_layers, sides (2, or 1 packed), {num_tokens}, num_kv_heads, head_dim] for "
                          f"{num_tokens} tokens, got {tuple(kv.shape)}")
     if any(d >= 2**32 for d in kv.shape):
         raise ValueError(f"kv dimensions must be below 2**32, got {tuple(kv.shape)}")
@@ -345,8 +345,9 @@ def decode_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, parent_key: byt
     code = _dtype_code(dtype)
     shape = tuple(int(d) for d in shape)
     num_tokens = len(tokens) // 4
-    if len(shape) != _NDIM or shape[1] != 2 or shape[2] != num_tokens:
-        raise ValueError(f"shape must be [num_layers, 2, {num_tokens}, num_kv_heads, head_dim], got {shape}")
+    if len(shape) != _NDIM or shape[1] not in (1, 2) or shape[2] != num_tokens:
+        raise ValueError(f"shape must be [num_layers, sides (2, or 1 packed), {num_tokens}, num_kv_heads, "
+                         f"head_dim], got {shape}")
     if out is not None and (out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}, got "
                          f"{out.dtype} {tuple(out.shape)}")

@@ -32,7 +32,9 @@ group's chunk is stored only while its pages are held (inside a window).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -41,9 +43,12 @@ from radixkv import ops
 from radixkv.pool import KVGroup, KVLayout, KVPool
 
 if TYPE_CHECKING:
+    from radixkv.tiers import ChunkRef, TierStack
     from radixkv.tree import RadixNode, RadixTree
 
-__all__ = ["KVGroups", "gather_present", "scatter_present"]
+__all__ = ["GroupLoad", "KVGroups", "fetch_group_chunks", "gather_present", "scatter_present"]
+
+_PROBES = 3      # window probes of one tier load before it gives up (each is a lookup round trip)
 
 
 class KVGroups:
@@ -53,7 +58,7 @@ class KVGroups:
     ``full`` is the full-attention group's pool (the cache's ``pool``) or ``None`` when every
     layer slides; ``sliding[i]`` is the ``i``-th sliding group, ``pools[i]`` its pool of
     ``window_pages`` pages, ``maps[i]`` the int64 map from tree page ids to its page ids (``-1``:
-    none), ``keep[i]`` its window in pages.
+    none), ``need[i]`` the pages of its window a match needs, ``keep[i]`` those kept.
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, window_pages: int, device: torch.device,
@@ -64,7 +69,11 @@ class KVGroups:
         self.pools = [KVPool(layout.group_layout(g), window_pages, device) for g in self.sliding]
         self.maps = [np.full(num_pages, -1, dtype=np.int64) for _ in self.sliding]
         ps = layout.page_size
-        self.keep = [-(-(g.window - 1) // ps) for g in self.sliding]   # pages of the last w - 1 tokens
+        #: Pages of the last ``w - 1`` tokens, per sliding group: what a match needs.
+        self.need = [-(-(g.window - 1) // ps) for g in self.sliding]
+        #: Pages kept before each reuse point (``need``, or more: ``PrefixCache`` with tiers keeps
+        #: up to a chunk more, so that a match on a chunk boundary finds whole chunks stored).
+        self.keep = list(self.need)
         self.ends: dict[RadixNode, int] = {}      # requests whose held prefix ends at the node
         self.dropped_pages = 0                    # pages freed outside every window (a counter)
 
@@ -117,9 +126,9 @@ class KVGroups:
             return 0
         ok = np.ones(m + 1, dtype=bool)
         ends = np.arange(m + 1)
-        for table, keep in zip(self.maps, self.keep):
+        for table, need in zip(self.maps, self.need):
             absent = np.concatenate(([0], np.cumsum(table[pages] < 0)))
-            ok &= absent[ends] == absent[np.maximum(0, ends - keep)]
+            ok &= absent[ends] == absent[np.maximum(0, ends - need)]
         return int(np.flatnonzero(ok)[-1])
 
     # ------------------------------------------------------------- holds and the window rule
@@ -226,8 +235,8 @@ class KVGroups:
                 counts[node] = counts.get(node, 0) + 1
         assert counts == self.ends, "the requests' ends differ from the held prefixes"
         for _, pages in held:
-            for group, table, keep in zip(self.sliding, self.maps, self.keep):
-                window = pages[max(0, len(pages) - keep):]
+            for group, table, need in zip(self.sliding, self.maps, self.need):
+                window = pages[max(0, len(pages) - need):]
                 assert (table[window] >= 0).all(), \
                     f"group {group.tag()}: a page a live request holds in its window was dropped"
         # Nothing kept outside every window: walk the tree, nearest reuse point below each node.
@@ -275,3 +284,62 @@ def scatter_present(src: torch.Tensor, pool: KVPool, ids: np.ndarray) -> None:
         rows = torch.from_numpy((present[:, None] * ps + np.arange(ps)).reshape(-1)).to(src.device)
         ops.scatter_pages(src.index_select(2, rows).contiguous(), pool, ids[present])
 
+
+
+@dataclass(slots=True)
+class GroupLoad:
+    """What a tier load of a grouped cache fetched: chunks up to ``end`` (exclusive) are served.
+    ``parts[g]`` for each group of ``layout.groups``: ``(chunk indices, serving tiers, tensors)``."""
+
+    end: int
+    parts: list[tuple[list[int], list[int], list[torch.Tensor]]]
+
+
+def fetch_group_chunks(stacks: Sequence[TierStack], groups: Sequence[KVGroup], refs: Sequence[Sequence[ChunkRef]],
+                       first: int, last: int, window: Sequence[int], pool_ok: Sequence[np.ndarray],
+                       deadline: float) -> GroupLoad:
+    """The worker's half of a grouped load (``request.fetch_chunks``' counterpart): find the
+    longest ``end <= last`` such that the full groups' chunks ``first..end-1`` are in the tiers and
+    every sliding group has the ``window[g]`` chunks before ``end`` in the pool (``pool_ok[g][j]``,
+    for ``j < first``) or in the tiers; fetch those, all by ``deadline``.  A sliding chunk missing
+    moves ``end`` back to it (at most ``_PROBES`` times).  ``refs[g]`` are group ``g``'s refs from
+    chunk 0.  Touches neither the pool nor the tree; a fault is a miss.  Cost: one lookup per group
+    per probe, then the loads."""
+    miss = GroupLoad(first, [])
+    end = last
+    full_where: list[int] = []
+    for g, group in enumerate(groups):
+        if not group.sliding:
+            full_where = stacks[g].lookup([r.key for r in refs[g][first:last]], deadline=deadline)
+            end = first + len(full_where)
+    plans: dict[int, tuple[list[int], list[int]]] = {}
+    for _ in range(_PROBES):
+        if end <= first or time.monotonic() >= deadline:
+            return miss
+        plans, back = {}, end
+        for g, group in enumerate(groups):
+            if not group.sliding:
+                continue
+            need = [j for j in range(max(0, end - window[g]), end) if j >= first or not pool_ok[g][j]]
+            found = stacks[g].lookup([refs[g][j].key for j in need], deadline=deadline) if need else []
+            if len(found) < len(need):
+                back = min(back, need[len(found)])      # the window must end before the missing chunk
+            plans[g] = (need, found)
+        if back == end:
+            break
+        end = back
+    else:
+        return miss
+    if end <= first:
+        return miss
+    parts = []
+    for g, group in enumerate(groups):
+        if group.sliding:
+            need, where = plans[g]
+        else:
+            need, where = list(range(first, end)), full_where[:end - first]
+        chunks = stacks[g].load([refs[g][j] for j in need], where=where, deadline=deadline) if need else []
+        if len(chunks) < len(need):
+            return miss                                   # a fault or the deadline: all or nothing
+        parts.append((need, list(where), chunks))
+    return GroupLoad(end, parts)
