@@ -546,3 +546,39 @@ def test_random_arrivals_aborts_and_a_short_pool(llama: Any, tiered: bool) -> No
     churn()
     assert sum(preempted) > 0                                # the short pools did bite
     assert sum(loaded) > 0 or not tiered                     # and tier loads landed
+
+
+# -- a sliding-window model: KV groups -------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_a_sliding_window_model_decodes_from_its_groups_pages_exactly(family: str) -> None:
+    """Mistral (every layer sliding) and Qwen2 (the upper half sliding), window 6: requests that
+    share a system prompt, decode past the window and start a second turn are exact, while each
+    sliding group holds only the pages inside the windows (``cache.groups``)."""
+    model = random_model(family, seed=0, num_layers=2, num_kv_heads=2, vocab_size=VOCAB, sliding_window=6)
+    layout = layout_for(model, page_size=PAGE)
+    assert layout.grouped
+    cache = PrefixCache(layout, num_pages=128, chunk_size=CHUNK, namespace=namespace_for(model))
+    engine = PagedEngine(model, cache, keep_logits=True)
+    system = tokens(21, seed=20)
+    first = engine.add(system + tokens(3, seed=21), max_new_tokens=12)
+    run(engine)
+    others = [engine.add(system + tokens(2 + i, seed=22 + i), max_new_tokens=10) for i in range(2)]
+    run(engine)                             # two at once: neither finds the system prompt's window
+    last = engine.add(system + tokens(5, seed=25), max_new_tokens=10)
+    run(engine)
+    for r in (first, *others, last):
+        assert_exact(model, r)
+    # The second request diverged after the system prompt: the branch made there is a reuse
+    # point whose window its own pages filled, so the last request reuses the system prompt.
+    assert others[0].cached_at_start == [0] and last.cached_at_start == [20]
+    held = cache.stats()["window_pages_held"]
+    nodes = cache.tree.nodes()
+    reuse_points = sum(len(n.children) != 1 for n in nodes)     # leaves and branch points
+    assert all(n <= reuse_points * -(-5 // PAGE) for n in held)  # their windows, not every page
+    assert cache.stats()["pages_cached"] > max(held)
+    turn2 = engine.add(first.tokens + tokens(4, seed=30), max_new_tokens=5)
+    run(engine)
+    assert_exact(model, turn2)
+    assert turn2.cached_at_start[0] >= len(first.tokens) // PAGE * PAGE - PAGE
+    cache.check()

@@ -5,7 +5,7 @@ once from a ``PrefixCache``, the way vLLM and SGLang do, at toy scale: every req
 pool pages that the cache hands out, attention reads them through a per-request *block table*
 (page ids in token order), and the cache is told about each page as soon as it is full.  The
 model is a Hugging Face Llama-family model whose weights ``PagedLlama`` runs with its own forward;
-no KV is kept anywhere but ``cache.pool.kv``.
+no KV is kept anywhere but the cache's pools (``cache.pool.kv``; a KV group's pool for sliding-window layers).
 
 One engine step, as ``PagedEngine.step`` does it:
 
@@ -43,9 +43,12 @@ itself).  Only when the oldest request alone cannot get its pages does ``step`` 
 the pages this step allocated are freed and every request is as it was before the step, so the
 step can be retried; ``abort``/``close`` release everything.  ``check()`` asserts it.
 
-Supported models: Llama, Qwen2 and Mistral without a sliding window (the Llama decoder layout:
-RMSNorm, q/k/v/o projections with rotary embeddings, grouped-query attention, gated MLP).  The
-pool may hold another dtype than the model (K/V are converted on the way in and out).
+Supported models: Llama, Qwen2 and Mistral (the Llama decoder layout: RMSNorm, q/k/v/o
+projections with rotary embeddings, grouped-query attention, gated MLP), including their
+sliding-window layers (Mistral's window, Qwen2's sliding layers): a sliding layer writes and reads
+its KV group's pages (``cache.groups``), whose pages outside the window the cache drops as the
+request moves on, and its queries see only the last ``window`` positions.  The pool may hold
+another dtype than the model (K/V are converted on the way in and out).
 
 Example (random weights, nothing downloaded)::
 
@@ -74,7 +77,7 @@ import torch
 from radixkv._checks import check_int
 from radixkv.cache import PoolExhausted, PrefixCache
 from radixkv.hashing import as_token_bytes
-from radixkv.integrations.transformers import check_full_attention, check_layout
+from radixkv.integrations.transformers import check_layout
 from radixkv.pool import KVPool
 from radixkv.request import LOAD_MODES, Request
 
@@ -109,24 +112,39 @@ class PagedLlama:
     from ``pool`` pages through each chunk's block table.
 
     Uses the model's own modules for the embedding, norms, projections, rotary embedding, MLP and
-    head, and does the attention itself.  Raises ``ValueError`` for a model of another family, a
-    sliding-window model, or a pool whose layout is not the model's (``layout_for``).
+    head, and does the attention itself.  ``pool`` is a ``KVPool`` (full attention) or the
+    ``PrefixCache`` whose pools hold the KV (required for a model with sliding-window layers: each
+    KV group's pages, ``cache.groups``).  Raises ``ValueError`` for a model of another family, or
+    a pool whose layout is not the model's (``layout_for``).
     """
 
-    def __init__(self, model: Any, pool: KVPool) -> None:
-        if not isinstance(pool, KVPool):
-            raise TypeError(f"pool must be a KVPool, got {type(pool).__name__}")
+    def __init__(self, model: Any, pool: KVPool | PrefixCache) -> None:
+        groups = pool.groups if isinstance(pool, PrefixCache) else None
+        layout = pool.layout
+        if isinstance(pool, PrefixCache):
+            pool = pool.pool                                        # type: ignore[assignment]
+        elif not isinstance(pool, KVPool):
+            raise TypeError(f"pool must be a KVPool or a PrefixCache, got {type(pool).__name__}")
         model_type = getattr(model.config, "model_type", None)
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model: PagedLlama runs {', '.join(MODEL_TYPES)} models, got {model_type!r}")
-        check_full_attention(model)
-        check_layout(model, pool.layout, "pool")
+        check_layout(model, layout, "pool")
         self.model = model
         self.pool = pool
+        self.groups = groups
         self.inner = model.model
-        self.page_size = pool.layout.page_size
-        self.num_kv_heads, self.head_dim = pool.layout.num_kv_heads, pool.layout.head_dim
+        self.page_size = layout.page_size
+        self.num_kv_heads, self.head_dim = layout.num_kv_heads, layout.head_dim
         self.device = next(model.parameters()).device
+        # Per layer: the pool tensor holding it, its window (0: full), the tree -> group page map.
+        self._layers: list[tuple[torch.Tensor, int, np.ndarray | None]] = []
+        for i in range(layout.num_layers):
+            if groups is None:
+                self._layers.append((pool.layer(i), 0, None))       # type: ignore[union-attr]
+                continue
+            group = next(g for g in layout.groups if i in g.layers)
+            table = groups.maps[groups.sliding.index(group)] if group.sliding else None
+            self._layers.append((groups.pool_of(group).layer(group.layers.index(i)), group.window, table))
 
     @torch.no_grad()
     def forward(self, batch: Sequence[Chunk]) -> torch.Tensor:
@@ -154,8 +172,15 @@ class PagedLlama:
         for c, table, n in zip(batch, tables, lengths):
             if len(table) < -(-(c.start + n) // ps):
                 raise ValueError(f"batch: a table of {len(table)} pages for {c.start + n} tokens")
-        slots = torch.cat([t[p // ps] * ps + p % ps for t, p in
-                           zip(tables, torch.split(positions, lengths))]).to(self.pool.device)
+        split = torch.split(positions, lengths)
+        slots = {}                            # per page map (None: the tree's ids): the new tokens' slots
+        for _, _, mapping in self._layers:
+            key = id(mapping)
+            if key not in slots:
+                mapped = tables if mapping is None else [torch.from_numpy(mapping[t.numpy()]) for t in tables]
+                slots[key] = torch.cat([t[p // ps] * ps + p % ps for t, p in zip(mapped, split)])
+                if mapping is not None and bool((slots[key] < 0).any()):
+                    raise ValueError("batch: a new token's page has no page in a sliding group (not from alloc)")
         positions = positions.to(self.device)
         offsets = list(itertools.accumulate(lengths, initial=0))
 
@@ -171,32 +196,44 @@ class PagedLlama:
             v = attn.v_proj(x).view(total, kvh, dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            kv = self.pool.layer(i)                                      # [2, pages, page_size, kvh, dim]
+            kv, window, mapping = self._layers[i]                        # [2, pages, page_size, kvh, dim]
             flat = kv.view(2, -1, kvh, dim)                              # [2, pages * page_size, kvh, dim]
-            flat[0, slots] = k.to(flat.device, flat.dtype)
-            flat[1, slots] = v.to(flat.device, flat.dtype)
+            where = slots[id(mapping)].to(flat.device)
+            flat[0, where] = k.to(flat.device, flat.dtype)
+            flat[1, where] = v.to(flat.device, flat.dtype)
             out = torch.empty_like(q)
             for c, table, lo, hi in zip(batch, tables, offsets, offsets[1:]):
                 end = c.start + hi - lo
-                pages = table[:-(-end // ps)].to(self.pool.device)
-                keys = kv[0, pages].reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
-                values = kv[1, pages].reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
-                out[lo:hi] = _attend(q[lo:hi], keys, values, c.start, attn.scaling)
+                pages = table[:-(-end // ps)]
+                if mapping is not None:      # a sliding group: pages outside the window may be dropped
+                    pages = torch.from_numpy(mapping[pages.numpy()])
+                dropped = (pages < 0).to(kv.device)
+                pages = pages.clamp(min=0).to(kv.device)
+                keys = kv[0, pages].masked_fill(dropped[:, None, None, None], 0)
+                values = kv[1, pages].masked_fill(dropped[:, None, None, None], 0)
+                keys = keys.reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
+                values = values.reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
+                out[lo:hi] = _attend(q[lo:hi], keys, values, c.start, attn.scaling, window)
             hidden = hidden + attn.o_proj(out.reshape(1, total, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = torch.tensor([hi - 1 for hi in offsets[1:]], device=self.device)
         return self.model.lm_head(self.inner.norm(hidden[0, last]))
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
+            window: int = 0) -> torch.Tensor:
     """Causal grouped-query attention of queries ``q`` ``[n, heads, dim]`` at positions
-    ``start .. start + n - 1`` over ``keys``/``values`` ``[start + n, kv_heads, dim]``."""
+    ``start .. start + n - 1`` over ``keys``/``values`` ``[start + n, kv_heads, dim]``; with a
+    ``window``, a query at ``p`` sees only the keys at ``p - window + 1 .. p``."""
     n, heads, dim = q.shape
     kvh = keys.shape[1]
     grouped = q.view(n, kvh, heads // kvh, dim)                # query head h reads KV head h // group
     scores = torch.einsum("nhgd,lhd->hgnl", grouped, keys) * scale
     key_pos = torch.arange(keys.shape[0], device=q.device)
-    visible = key_pos[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]   # [n, keys]
+    query_pos = torch.arange(start, start + n, device=q.device)[:, None]
+    visible = key_pos[None, :] <= query_pos                    # [n, keys]
+    if window:
+        visible &= key_pos[None, :] > query_pos - window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return torch.einsum("hgnl,lhd->nhgd", probs, values).reshape(n, heads, dim)
 
@@ -271,7 +308,7 @@ class PagedEngine:
         if load not in LOAD_MODES:
             raise ValueError(f"load must be one of {LOAD_MODES}, got {load!r}")
         self.max_running = check_int(max_running, "max_running", 1)
-        self.model = PagedLlama(model, cache.pool)
+        self.model = PagedLlama(model, cache)
         self.cache = cache
         self.page_size = cache.page_size
         self.load = load
