@@ -210,6 +210,11 @@ class Tier(abc.ABC):
         """Let pinned ``keys`` be evicted again; the number that were pinned.  Default: 0."""
         return 0
 
+    def expect(self, blob_bytes: int) -> None:
+        """A hint before the first ``put``: blobs of up to ``blob_bytes`` will come (a cache whose
+        KV groups store chunks of several sizes gives its largest).  Tiers of fixed slots size
+        them by it; the default ignores it.  O(1)."""
+
     def close(self) -> None:
         """Release resources (files, memory, connections).  Idempotent; other methods may raise
         afterwards.  Durable tiers keep their entries for the next open."""

@@ -87,6 +87,13 @@ class CpuTier(Tier):
         self._counts = Counter({"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0,
                                 "not_admitted": 0})
 
+    def expect(self, blob_bytes: int) -> None:
+        """Size the slots for blobs of up to ``blob_bytes`` if no slot size is set yet (given or
+        taken from a first blob); later hints are ignored.  O(slots) once."""
+        with self._lock:
+            if not self._slot_bytes and blob_bytes > 0:
+                self._carve(blob_bytes)
+
     def _carve(self, slot_bytes: int) -> None:
         self._slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
         self._num_slots = self._max_bytes // self._slot_bytes

@@ -1,0 +1,156 @@
+"""KV groups through the tiers: sliding-window and MLA models served exactly from the CPU tier
+after the pool is emptied, and from LMDB in a restarted process.
+
+Each sliding group's chunks are stored under keys of its own namespace (``Namespace.bind(layout,
+group)``) and only inside windows; a tier load finds the longest chunk boundary whose windows the
+pool or the tiers hold.  Logits are checked at every computed position against one plain forward
+(fp32, <= 1e-4); page size 4, chunk 8, window 8, so that every edge is a few tokens away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from radixkv import PrefixCache  # noqa: E402
+from radixkv.backends import CpuTier, MemoryTier  # noqa: E402
+from radixkv.integrations.transformers import PrefixCachedLM, layout_for, namespace_for, random_model  # noqa: E402
+
+TOL = 1e-4
+PAGE, CHUNK, WINDOW, VOCAB = 4, 8, 8, 256
+FAMILIES = ("gemma2", "gemma3", "mistral", "cohere2", "qwen2", "deepseek_v3")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def build(family: str) -> Any:
+    window = None if family == "deepseek_v3" else WINDOW
+    return random_model(family, seed=0, num_layers=4, num_kv_heads=2, vocab_size=VOCAB, sliding_window=window)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request: pytest.FixtureRequest) -> Any:
+    return build(request.param)
+
+
+def make_cache(model: Any, tiers: Any) -> PrefixCache:
+    return PrefixCache(layout_for(model, page_size=PAGE), num_pages=128, chunk_size=CHUNK,
+                       namespace=namespace_for(model), tiers=tiers)
+
+
+def tokens(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, n)
+
+
+def diff(model: Any, result: Any, ids: np.ndarray) -> float:
+    with torch.no_grad():
+        full = model(input_ids=torch.from_numpy(ids).long()[None]).logits[0]
+    return float((result.logits - full[result.match_tokens:]).abs().max())
+
+
+def test_from_the_cpu_tier_after_the_pool_is_emptied(model: Any) -> None:
+    cache = make_cache(model, [CpuTier(max_bytes=1 << 22)])
+    lm = PrefixCachedLM(model, cache)
+    prompt = tokens(37, seed=1)                    # ends mid-page and mid-chunk
+    lm.prefill(prompt)
+    cache.check()
+    cache.evict(10**6)                             # the pool is empty: the chunks went to the CPU tier
+    cache.flush()
+    assert cache.stats()["pages_cached"] == 0
+    follow = np.concatenate([prompt, tokens(6, seed=2)])
+    result = lm.prefill(follow, logits_to_keep=0)
+    cache.check()
+    assert result.match_tokens == 32 and result.levels == {"cpu": 32}
+    assert diff(model, result, follow) <= TOL
+    cache.close()
+
+
+def test_a_branch_point_is_served_from_the_tiers(model: Any) -> None:
+    """Two requests share a system prompt and diverge: the branch keeps the system prompt's window,
+    which is stored; after the pool is emptied a third request loads the system prompt's chunks."""
+    cache = make_cache(model, [MemoryTier()])
+    lm = PrefixCachedLM(model, cache)
+    system = tokens(37, seed=3)
+    for seed in (4, 5):
+        lm.prefill(np.concatenate([system, tokens(9, seed=seed)]))
+        cache.check()
+    cache.evict(10**6)
+    cache.flush()
+    third = np.concatenate([system, tokens(9, seed=6)])
+    result = lm.prefill(third, logits_to_keep=0)
+    cache.check()
+    assert result.match_tokens == 32 and result.tier_tokens == 32
+    assert diff(model, result, third) <= TOL
+    cache.close()
+
+
+def test_sliding_chunks_are_stored_only_inside_windows_under_keys_of_their_group() -> None:
+    model = build("gemma3")
+    tier = MemoryTier()
+    cache = make_cache(model, [tier])
+    lm = PrefixCachedLM(model, cache)
+    prompt = tokens(200, seed=7)                   # 25 chunks; the window is one chunk
+    lm.prefill(prompt)
+    cache.flush()
+    full_stack, sliding_stack = cache.stacks
+    assert full_stack.namespace.id != sliding_stack.namespace.id
+    assert sliding_stack.namespace.kv_group == "w=8;layers=0,1,2"
+    stored = tier.stats()["entries"]
+    assert stored == 25 + 1        # every full chunk; of the sliding ones, the chunk of the last 7 tokens
+    cache.close()
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np, torch
+    torch.set_num_threads(1)
+    from radixkv import PrefixCache
+    from radixkv.backends.lmdb import LmdbTier
+    from radixkv.integrations.transformers import PrefixCachedLM, layout_for, namespace_for, random_model
+    family, path, phase = sys.argv[1], sys.argv[2], sys.argv[3]
+    window = None if family == "deepseek_v3" else 8
+    model = random_model(family, seed=0, num_layers=4, num_kv_heads=2, vocab_size=256, sliding_window=window)
+    cache = PrefixCache(layout_for(model, page_size=4), num_pages=128, chunk_size=8,
+                        namespace=namespace_for(model), tiers=[LmdbTier(path, max_bytes=1 << 26)])
+    lm = PrefixCachedLM(model, cache)
+    prompt = np.random.default_rng(8).integers(0, 256, 45)
+    ids = prompt if phase == "write" else np.concatenate([prompt, np.random.default_rng(9).integers(0, 256, 5)])
+    result = lm.prefill(ids, logits_to_keep=0)
+    cache.check()
+    with torch.no_grad():
+        full = model(input_ids=torch.from_numpy(ids).long()[None]).logits[0]
+    cache.close()
+    print(json.dumps({"match": result.match_tokens, "levels": result.levels,
+                      "diff": float((result.logits - full[result.match_tokens:]).abs().max())}))
+""")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "deepseek_v3"])
+def test_from_lmdb_in_a_restarted_process(family: str, tmp_path: Path) -> None:
+    pytest.importorskip("lmdb")
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def phase(name: str) -> dict[str, Any]:
+        out = subprocess.run([sys.executable, str(script), family, str(tmp_path / "db"), name], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])   # type: ignore[no-any-return]
+
+    wrote = phase("write")
+    assert wrote["match"] == 0 and wrote["diff"] <= TOL
+    read = phase("read")
+    assert read["match"] == 40 and read["levels"] == {"lmdb": 40}
+    assert read["diff"] <= TOL
