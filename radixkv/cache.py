@@ -198,11 +198,10 @@ class PrefixCache:
 
                 for i, tier in enumerate(self.stack.tiers):
                     tier.expect(max(encoded_size(st.shape, layout.dtype, st.seals[i]) for st in self.stacks))
-            if self.groups is not None and chunk_size > layout.page_size:
+            if self.groups is not None:
                 # A tier match ends on a chunk boundary: keep up to a chunk more of each window, so
                 # that the chunks a tier match needs are whole in the pool when they are stored.
-                self.groups.keep = [-(-(g.window - 1 + chunk_size - layout.page_size) // layout.page_size)
-                                    for g in self.groups.sliding]
+                self.groups.keep = self.groups.keep_for(chunk_size)
         self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
 
     @classmethod
@@ -609,8 +608,8 @@ class PrefixCache:
             if req._pending is not None:       # the engine computed those tokens itself
                 req._pending.future.cancel()
                 req._pending = None
-            node, _ = self._insert_pages(data[:full * self.page_size * 4], np.concatenate([req._pages, ids]))
-            self._move_hold(req, node)
+            node, _ = self._insert_pages(data[:full * self.page_size * 4], np.concatenate([req._pages, ids]),
+                                         hold=req)
             req._pages = self.tree.prefix_pages(node)
             req.num_cached = full * self.page_size
         return req.pages
@@ -718,10 +717,12 @@ class PrefixCache:
             raise ValueError("pages: the same page id is given more than once")
         return self._insert_pages(data[:full * self.page_size * 4], ids[:full], ids[full:])[1]
 
-    def _insert_pages(self, data: bytes, ids: np.ndarray, tail: np.ndarray = _NO_PAGES) -> tuple[RadixNode, int]:
+    def _insert_pages(self, data: bytes, ids: np.ndarray, tail: np.ndarray = _NO_PAGES,
+                      hold: Request | None = None) -> tuple[RadixNode, int]:
         """Insert whole pages ``ids`` for ``data`` (page-aligned), freeing duplicates and ``tail``;
-        return the node that ends the sequence and how many tokens were cached already.
-        Validates before changing anything."""
+        return the node that ends the sequence and how many tokens were cached already.  ``hold``:
+        the request whose hold moves to that node (before the window rule runs, so the window it
+        needs stays).  Validates before changing anything."""
         state = self._state[ids]
         if (state == _FREE).any():
             raise ValueError(f"pages: page {int(ids[state == _FREE][0])} is free; pass pages from "
@@ -749,6 +750,8 @@ class PrefixCache:
         c["inserts"] += 1
         c["inserted_tokens"] += (len(ids) - known) * self.page_size
         c["duplicate_pages"] += int(duplicates.size)
+        if hold is not None:
+            self._move_hold(hold, result.node)
         self._trim(result.node)           # before the store: dropped sliding pages are not stored
         if self.stack is not None and self.write_policy == "write_through" and self._kept_tiers:
             first = result.prefix_len // self.chunk_size             # chunks not complete before

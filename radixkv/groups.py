@@ -15,10 +15,11 @@ is dropped (vLLM's hybrid KV cache manager frees sliding blocks outside the wind
   children (where cached sequences diverge: a shared system prompt), and of a prefix a live
   request holds (it decodes on from there).
 * A sliding group with a window of ``w`` tokens (a query sees itself and the ``w - 1`` tokens
-  before it) keeps, before each reuse point, the pages that cover its last ``w - 1`` tokens; every other page of the group is freed as soon as it is outside
+  before it) keeps, before each reuse point, the pages that cover its last ``w - 1`` tokens and
+  one page more (a match stops a page short of a prefix it repeats, to compute its last token); every other page of the group is freed as soon as it is outside
   every such window.  A conversation that grows turn by turn is one chain of nodes with one reuse
-  point at its end, so it holds ``ceil((w - 1) / page_size)`` pages per sliding group, not one per
-  page.
+  point at its end, so it holds ``ceil((w - 1) / page_size) + 1`` pages per sliding group, not
+  one per page.
 * A match of ``n`` tokens is a hit when the full groups hold the prefix (the tree) and each sliding
   group holds the pages of its last ``w - 1`` tokens; the cache serves the longest such ``n``.
 * A request that computes tokens whose KV the tree has dropped gives the dropped pages back:
@@ -71,11 +72,18 @@ class KVGroups:
         ps = layout.page_size
         #: Pages of the last ``w - 1`` tokens, per sliding group: what a match needs.
         self.need = [-(-(g.window - 1) // ps) for g in self.sliding]
-        #: Pages kept before each reuse point (``need``, or more: ``PrefixCache`` with tiers keeps
-        #: up to a chunk more, so that a match on a chunk boundary finds whole chunks stored).
-        self.keep = list(self.need)
+        #: Pages kept before each reuse point: a page more than ``need``, so that a match that stops
+        #: a page short of it (one that leaves the last token to compute) finds its window; with
+        #: tiers ``PrefixCache`` keeps a chunk more instead (see ``keep_for``).
+        self.keep = self.keep_for(ps)
         self.ends: dict[RadixNode, int] = {}      # requests whose held prefix ends at the node
         self.dropped_pages = 0                    # pages freed outside every window (a counter)
+
+    def keep_for(self, margin: int) -> list[int]:
+        """Pages to keep before a reuse point so that a match ending up to ``margin`` tokens
+        before it still finds its window: ``ceil((w - 1 + margin) / page_size)`` per group."""
+        ps = self.layout.page_size
+        return [-(-(g.window - 1 + margin) // ps) for g in self.sliding]
 
     # ------------------------------------------------------------- pages
 
