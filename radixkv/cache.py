@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 
 import numpy as np
 import torch
@@ -166,8 +166,10 @@ class PrefixCache:
                 raise ValueError("window_pages: the layout has no sliding-window layers")
         if layout.grouped:
             full = [g for g in layout.groups if not g.sliding]
-            self.pool: PagePool = (KVPool(layout.group_layout(full[0]), num_pages, device) if full
-                                   else PagePool(num_pages))
+            # The token pages: the full-attention group's pool, or, when every layer slides, a free
+            # list with no KV of its own (its ``kv`` is never read then: only full groups are).
+            self.pool: KVPool = (KVPool(layout.group_layout(full[0]), num_pages, device) if full
+                                 else cast(KVPool, PagePool(num_pages)))
             self.groups = KVGroups(layout, num_pages, window_pages or num_pages, self.device,
                                    self.pool if full else None)
         else:
@@ -382,10 +384,11 @@ class PrefixCache:
         assert self.groups is not None and self._loader is not None
         cs, per_chunk = self.chunk_size, self.chunk_size // self.page_size
         refs = self._refs(req._data[:last * cs * 4])
-        window, pool_ok = [], []
+        window: list[int] = []
+        pool_ok: list[np.ndarray] = []
         for group in self.layout.groups:
             ids = self.groups.pages_of(group, req._pages[:first * per_chunk]).reshape(first, per_chunk)
-            pool_ok.append((ids >= 0).all(axis=1))
+            pool_ok.append(np.asarray((ids >= 0).all(axis=1)))
             window.append(-(-(group.window - 1) // cs) if group.sliding else 0)
         future = self._loader.submit(fetch_group_chunks, self.stacks, self.layout.groups, refs, first, last,
                                      window, pool_ok, deadline)

@@ -151,7 +151,7 @@ class KVLayout:
     @property
     def grouped(self) -> bool:
         """Whether some layer has a sliding window (the layout then has several pools' worth of groups)."""
-        return bool(self.windows) and any(self.windows)
+        return self.windows is not None and any(self.windows)
 
     def group_layout(self, group: KVGroup) -> KVLayout:
         """The single-group layout of ``group``'s layers (the shape of its pool and its chunks)."""
