@@ -9,18 +9,36 @@ Storage contract:
   ``0700`` and the files ``0600`` (``dir_mode``/``file_mode``), since cached KV reveals prompts.  Writers are serialised by LMDB (one write transaction at a time,
   across processes); readers never block and never see a half-written chunk.  Entries survive a
   restart of the process (and, with ``sync=True``, of the machine).
-* **Four named databases**: ``chunks`` (key → blob), ``meta`` (key → size, last access, expiry),
-  ``lru`` (last access ‖ key, oldest first) and ``expiry`` (expiry ‖ key); plus ``info``, which
-  holds the byte total.  All of them change in the same transaction, so they always agree.
+* **Five named databases**: ``chunks`` (key → blob), ``meta`` (key → size, last access, expiry),
+  ``lru`` (last access ‖ key, oldest first), ``expiry`` (expiry ‖ key) and ``pins`` (pinned key →
+  its size); plus ``info``, which holds the byte total and the pinned byte total.  All of them
+  change in the same transaction, so they always agree (``check``).
 * **LRU by bytes**: a write evicts the least recently accessed entries until the blob fits in
   ``max_bytes`` (blob bytes; LMDB's page overhead comes on top, see ``map_size``).  Accesses are
   batched: ``get``/``read`` record them in memory and one write transaction applies every
   ``touch_every`` of them (or after ``touch_seconds``, or at the next write), never one write per
   read.  ``contains_prefix`` is not an access.
+* **Pins** (``pin``/``unpin``) are stored in the environment, so they hold for every process that
+  opens the path and survive a restart.  A pinned entry is never evicted — not to make room, not
+  to free map pages after ``MDB_MAP_FULL`` — and keeps its pin when it is put again.  Only
+  entries held now can be pinned (a pin is bounded in bytes, and an absent key has no size yet),
+  and pinned bytes stay within ``max_pinned`` (default half of ``max_bytes``), so pins cannot fill
+  the tier.  A pin is a mark, not a count: one ``unpin`` undoes any number of ``pin``.  It goes
+  with its entry: ``delete``, ``drop_namespace``, a refused put, expiry and a map reset remove it.
+* **Admission** (``admission="second_hit"``): a put of a key the tier does not hold is stored
+  only the second time the key is seen by this tier object (as ``radixkv.policy.SecondHit``: the
+  last ``admission_memory`` distinct keys seen once are remembered in memory, per object, not
+  shared between processes; about 100 bytes a key).  Seen means offered to ``put`` or asked for
+  by a read that missed (``get``/``get_many``/``read``: a reader wanted it, so the put that
+  follows is its second sighting); ``contains_prefix`` is a probe and does not count.  Refused puts count as
+  ``not_admitted`` and ``rejected``.  The default (``None``) admits every put.
 * **TTL**: with ``ttl`` seconds, an entry expires ``ttl`` after it was written, however often it
-  is read; an expired entry is a miss at once and is deleted by the next write.  The expiry is
-  stored with the entry, so it holds for every process, whatever ``ttl`` they opened with.  ``clock``
-  (seconds, wall time shared by the processes) is injectable for tests.
+  is read, pinned or not; an expired entry is a miss at once and is deleted by the next write,
+  with its pin.  TTL wins over a pin on purpose: a TTL bounds how long cached KV (which reveals
+  prompts) and possibly stale chunks live, a promise about the data; a pin only keeps an entry
+  from capacity eviction, a hint about performance.  The expiry is stored with the entry, so it
+  holds for every process, whatever ``ttl`` they opened with.  ``clock`` (seconds, wall time
+  shared by the processes) is injectable for tests.
 * **map_size is a ceiling** on the file (default ``2 * max_bytes + 8 MiB``, sparse), and the tier
   never stops caching when the map fills before ``max_bytes`` of blobs does (page overhead: a
   2 KiB blob takes a 4 KiB page; pages still held by old readers).  Every write keeps a quarter
@@ -29,7 +47,8 @@ Storage contract:
   commit.  A write that still hits ``MDB_MAP_FULL`` (a map filled by another process or an older
   version) evicts in small transactions that each commit, down to one entry at a time, then
   retries; a map so full that not even that commits is emptied (``map_resets``), which loses the
-  cache, never its integrity.
+  cache and every pin, never its integrity.  Recovery evicts no pinned entry; if only pinned
+  entries are left and the map stays full, the write raises (a fault) rather than drop a pin.
 * **Durability, chosen deliberately**: ``sync=True`` (the default) fsyncs the data of every commit
   and ``metasync=False`` leaves the meta page to the next commit's sync, so a power cut loses at
   most the last committed write, and LMDB's copy-on-write B-tree comes back at a consistent
@@ -54,7 +73,7 @@ import struct
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
@@ -67,6 +86,8 @@ T = TypeVar("T")
 _META = struct.Struct("<QQQ")  # blob size, last access (µs), expiry (µs, 0: never)
 _STAMP = struct.Struct(">Q")  # big-endian, so that index keys sort by time
 _TOTAL = b"total"
+_PINNED = b"pinned"  # info: bytes of the pinned entries
+_SIZE = struct.Struct("<Q")  # pins: the pinned entry's size
 _PURGE_PER_WRITE = 256  # expired entries deleted per write transaction, at most
 _WRITE_ATTEMPTS = 4
 
@@ -168,12 +189,15 @@ class _Writer:
         self.txn = txn
         raw = txn.get(_TOTAL, db=tier._info)
         self.total = 0 if raw is None else int.from_bytes(raw, "little")
+        raw = txn.get(_PINNED, db=tier._info)
+        self.pinned = 0 if raw is None else int.from_bytes(raw, "little")
         self.now = tier._now_us()
         self.counts: Counter[str] = Counter()
 
     def remove(self, key: bytes) -> int | None:
-        """Delete ``key`` from every database; its size, or ``None`` if absent."""
+        """Delete ``key`` from every database, its pin included; its size, or ``None`` if absent."""
         tier, txn = self.tier, self.txn
+        self.drop_pin(key)
         raw = txn.get(key, db=tier._meta)
         if raw is None:
             return None
@@ -197,14 +221,57 @@ class _Writer:
             txn.put(_STAMP.pack(expiry) + key, b"", db=tier._expiry)
         self.total += len(view)
 
-    def make_room(self, need: int, limit: int, need_pages: int = 0) -> bool:
-        """Evict least recently accessed entries until ``need`` more bytes fit in ``limit`` and
-        ``need_pages`` more pages in the map's headroom limit."""
-        if need > limit or need_pages > self.tier._page_limit:
+    # -- pins ---------------------------------------------------------------------------------
+
+    def pinned_live(self, key: bytes) -> bool:
+        """Whether ``key`` is pinned and held unexpired."""
+        tier, txn = self.tier, self.txn
+        return txn.get(key, db=tier._pins) is not None and tier._live(txn.get(key, db=tier._meta), self.now)
+
+    def add_pin(self, key: bytes, size: int) -> None:
+        """Pin held ``key`` of ``size`` bytes (not pinned yet)."""
+        self.txn.put(key, _SIZE.pack(size), db=self.tier._pins)
+        self.pinned += size
+
+    def drop_pin(self, key: bytes) -> bool:
+        """Unpin ``key``; whether it was pinned."""
+        raw = self.txn.pop(key, db=self.tier._pins)
+        if raw is None:
             return False
+        self.pinned -= _SIZE.unpack(raw)[0]
+        return True
+
+    def drop_all_pins(self) -> None:
+        self.txn.drop(self.tier._pins, delete=False)
+        self.pinned = 0
+
+    # -- eviction ------------------------------------------------------------------------------
+
+    def victims(self) -> Iterator[bytes]:
+        """Unpinned keys, least recently accessed first; the caller removes each one it is given
+        before asking for the next.  Skips each pinned key once per call (pins are bounded)."""
         cursor = self.txn.cursor(db=self.tier._lru)
-        while (self.total + need > limit or self.pages() + need_pages > self.tier._page_limit) and cursor.first():
-            self.remove(bytes(cursor.key()[_STAMP.size:]))
+        start = b""
+        while cursor.set_range(start):
+            stamp = bytes(cursor.key())
+            key = stamp[_STAMP.size:]
+            if self.txn.get(key, db=self.tier._pins) is not None:
+                start = stamp + b"\0"  # the next record after this one (records are fixed-length)
+                continue
+            yield key
+            start = stamp
+
+    def make_room(self, need: int, limit: int, need_pages: int = 0) -> bool:
+        """Evict least recently accessed unpinned entries until ``need`` more bytes fit in ``limit``
+        and ``need_pages`` more pages in the map's headroom limit."""
+        if need + self.pinned > limit or need_pages > self.tier._page_limit:
+            return False
+        victims = self.victims()
+        while self.total + need > limit or self.pages() + need_pages > self.tier._page_limit:
+            key = next(victims, None)
+            if key is None:
+                break
+            self.remove(key)
             self.counts["evictions"] += 1
         return self.total + need <= limit and self.pages() + need_pages <= self.tier._page_limit
 
@@ -217,11 +284,12 @@ class _Writer:
         return total
 
     def evict_some(self, count: int) -> int:
-        """Evict up to ``count`` least recently accessed entries; how many."""
-        cursor = self.txn.cursor(db=self.tier._lru)
+        """Evict up to ``count`` least recently accessed unpinned entries; how many."""
         done = 0
-        while done < count and cursor.first():
-            self.remove(bytes(cursor.key()[_STAMP.size:]))
+        for key in self.victims():
+            if done >= count:
+                break
+            self.remove(key)
             done += 1
         self.counts["evictions"] += done
         return done
@@ -254,6 +322,31 @@ class _Writer:
 
     def finish(self) -> None:
         self.txn.put(_TOTAL, self.total.to_bytes(8, "little"), db=self.tier._info)
+        self.txn.put(_PINNED, self.pinned.to_bytes(8, "little"), db=self.tier._info)
+
+
+class _SecondHit:
+    """The keys seen once, the last ``memory`` of them: ``radixkv.policy.SecondHit``'s filter
+    without its ordering (the databases keep the order), plus a sighting that admits nothing (a
+    read miss).  Not thread-safe.  O(1) per call."""
+
+    def __init__(self, memory: int) -> None:
+        self.memory = memory
+        self.seen: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+
+    def saw(self, key: bytes) -> None:
+        """Remember a sighting of ``key``."""
+        self.seen[key] = None
+        self.seen.move_to_end(key)
+        while len(self.seen) > self.memory:
+            self.seen.popitem(last=False)
+
+    def admit(self, key: bytes) -> bool:
+        """Whether ``key`` was seen before (then it is forgotten); otherwise remember it."""
+        if self.seen.pop(key, False) is None:
+            return True
+        self.saw(key)
+        return False
 
 
 def _pages_of(size: int) -> int:
@@ -271,6 +364,10 @@ class LmdbTier(Tier):
     commit (durable across power loss; ``False`` keeps integrity across process crashes only).
     ``clock``: wall-clock seconds.  ``touch_every``/``touch_seconds``: access-time batching.
     ``file_mode``/``dir_mode``: permissions of the files and of the directory when this creates it.
+    ``max_pinned``: bound on pinned bytes, a fraction of ``max_bytes`` (a float in ``[0, 1]``,
+    default ``0.5``) or bytes (an int); each process enforces its own when it pins.
+    ``admission``: ``None`` (store every put) or ``"second_hit"`` (store a new key the second time
+    it is seen, remembering the last ``admission_memory`` keys seen; see the module docstring).
     """
 
     name = "lmdb"
@@ -278,7 +375,9 @@ class LmdbTier(Tier):
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, ttl: float | None = None,
                  map_size: int | None = None, max_readers: int = 512, sync: bool = True,
                  clock: Callable[[], float] = time.time, touch_every: int = 64,
-                 touch_seconds: float = 1.0, file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
+                 touch_seconds: float = 1.0, file_mode: int = 0o600, dir_mode: int = 0o700,
+                 max_pinned: float | int | None = None, admission: str | None = None,
+                 admission_memory: int = 4096) -> None:
         self._lmdb = _import_lmdb()
         check_int(max_bytes, "max_bytes")
         if ttl is not None and not ttl > 0:
@@ -291,6 +390,18 @@ class LmdbTier(Tier):
         for name, mode in (("file_mode", file_mode), ("dir_mode", dir_mode)):
             if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
                 raise ValueError(f"{name} must be permission bits like 0o600, got {mode!r}")
+        if max_pinned is None:
+            max_pinned = 0.5
+        if isinstance(max_pinned, float) and 0.0 <= max_pinned <= 1.0:
+            self._max_pinned = int(max_pinned * max_bytes)
+        elif isinstance(max_pinned, float):
+            raise ValueError(f"max_pinned must be a fraction in [0, 1] or an int of bytes, got {max_pinned!r}")
+        else:
+            self._max_pinned = min(check_int(max_pinned, "max_pinned"), max_bytes)
+        if admission not in (None, "second_hit"):
+            raise ValueError(f"admission must be None or 'second_hit', got {admission!r}")
+        check_int(admission_memory, "admission_memory", 1)
+        self._admission = None if admission is None else _SecondHit(admission_memory)
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
             os.makedirs(self.path, mode=dir_mode, exist_ok=True)
@@ -313,7 +424,13 @@ class LmdbTier(Tier):
         self._environment()
         _OPEN_TIERS.add(self)
         if self.used_bytes > max_bytes:  # reopened with a smaller budget
-            self._write(lambda w: w.make_room(0, max_bytes))
+            self._write(self._shrink)
+
+    def _shrink(self, writer: _Writer) -> None:
+        """Fit the entries in ``max_bytes``, unpinning them all if the pins alone do not fit."""
+        if not writer.make_room(0, self._max_bytes):
+            writer.drop_all_pins()
+            writer.make_room(0, self._max_bytes)
 
     # -- environment --------------------------------------------------------------------------
 
@@ -321,6 +438,7 @@ class LmdbTier(Tier):
         """Fresh per-process state; in a forked child the inherited environment was closed by the
         at-fork hook (or is dropped here), and the tier opens its own on first use."""
         self._lock = threading.Lock()
+        self._admit_lock = threading.Lock()  # _SecondHit is not thread-safe
         self._pending: dict[bytes, int] = {}
         self._last_flush = time.monotonic()
         self._env = None
@@ -339,7 +457,7 @@ class LmdbTier(Tier):
         with self._lock:
             if self._env is None:
                 shared = self._acquire()
-                self._data, self._meta, self._lru, self._expiry, self._info = shared.dbs
+                self._data, self._meta, self._lru, self._expiry, self._info, self._pins = shared.dbs
                 self._dbs = shared.dbs
                 psize = shared.env.stat()["psize"]
                 self._page_limit = int(shared.env.info()["map_size"] // psize * _HEADROOM)
@@ -356,13 +474,14 @@ class LmdbTier(Tier):
                 old_umask = os.umask(0o777 & ~self._file_mode)  # LMDB creates its files with this mask
                 try:
                     env = self._lmdb.open(self.path, map_size=self._map_size, max_readers=self._max_readers,
-                                          max_dbs=5, subdir=True, lock=True, readahead=False, meminit=False,
+                                          max_dbs=6, subdir=True, lock=True, readahead=False, meminit=False,
                                           sync=self._sync, metasync=False, mode=self._file_mode)
                 finally:
                     os.umask(old_umask)
                 self._counts["stale_readers_cleared"] += env.reader_check()
                 with env.begin(write=True) as txn:
-                    dbs = tuple(env.open_db(name, txn=txn) for name in (b"chunks", b"meta", b"lru", b"expiry", b"info"))
+                    dbs = tuple(env.open_db(name, txn=txn) for name in (b"chunks", b"meta", b"lru", b"expiry", b"info",
+                                                                          b"pins"))
                 shared = _ENVS[real] = _SharedEnv(env, dbs)
             shared.users += 1
             return shared
@@ -463,7 +582,8 @@ class LmdbTier(Tier):
             freed += done
 
     def _reset_map(self) -> None:
-        """Empty every database in one transaction (dropping a database needs almost no pages)."""
+        """Empty every database in one transaction (dropping a database needs almost no pages),
+        ``pins`` and the totals in ``info`` included: no pin outlives its entry."""
         with self._begin(write=True) as txn:
             for db in self._dbs:
                 txn.drop(db, delete=False)
@@ -471,9 +591,10 @@ class LmdbTier(Tier):
             self._counts["map_resets"] += 1
 
     def put(self, key: bytes, blob: Blob) -> bool:
-        """Store ``blob`` (one write transaction; evicts LRU entries to fit).  A blob over the
-        budget is not stored and any older blob under ``key`` is removed.  Raises on a map that
-        stays full after evicting."""
+        """Store ``blob`` (one write transaction; evicts unpinned LRU entries to fit).  A blob over
+        the budget (or refused by ``admission``) is not stored and any older blob under ``key`` is
+        removed.  A pinned key stays pinned (unless its new size would pass ``max_pinned``:
+        ``pins_dropped``).  Raises on a map that stays full after evicting."""
         return self.put_many([(key, blob)]) == 1
 
     def put_many(self, items: Iterable[tuple[bytes, Blob]]) -> int:
@@ -482,15 +603,31 @@ class LmdbTier(Tier):
         prepared = [(check_key(key), blob_view(blob)) for key, blob in items]
         if not prepared:
             return 0
+        admitted: dict[int, bool] = {}  # decided once, so that a retried transaction decides alike
 
         def body(writer: _Writer) -> int:
             stored = 0
-            for key, view in prepared:
+            for i, (key, view) in enumerate(prepared):
+                if self._admission is not None and not self._live(writer.txn.get(key, db=self._meta), writer.now):
+                    if i not in admitted:
+                        with self._admit_lock:
+                            admitted[i] = self._admission.admit(key)
+                    if not admitted[i]:
+                        writer.remove(key)  # an expired entry
+                        writer.counts["rejected"] += 1
+                        writer.counts["not_admitted"] += 1
+                        continue
+                pinned = writer.pinned_live(key)
                 writer.remove(key)
                 if not writer.make_room(len(view), self._max_bytes, _pages_of(len(view))):
                     writer.counts["rejected"] += 1
                     continue
                 writer.insert(key, view)
+                if pinned:
+                    if writer.pinned + len(view) <= self._max_pinned:
+                        writer.add_pin(key, len(view))
+                    else:
+                        writer.counts["pins_dropped"] += 1
                 stored += 1
             writer.counts["puts"] += len(prepared)
             return stored
@@ -519,6 +656,42 @@ class LmdbTier(Tier):
             return len(doomed)
 
         return self._write(body)
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Pin the leading ``keys`` the tier holds (unexpired), in the ``pins`` database: never
+        evicted, for every process, until ``unpin``; the number of leading keys pinned now
+        (already pinned ones count).  It stops at the first key not held, or whose bytes would take
+        the pinned bytes past ``max_pinned`` (counted in ``pins_refused``) — fewer than
+        ``len(keys)`` says so.  Not an access.  One write transaction (none for no keys);
+        O(len(keys)) lookups."""
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return 0
+
+        def body(writer: _Writer) -> int:
+            for n, key in enumerate(keys):
+                meta = writer.txn.get(key, db=self._meta)
+                if not self._live(meta, writer.now):
+                    return n
+                if writer.txn.get(key, db=self._pins) is not None:
+                    continue
+                size = _META.unpack(meta)[0]
+                if writer.pinned + size > self._max_pinned:
+                    writer.counts["pins_refused"] += 1
+                    return n
+                writer.add_pin(key, size)
+            return len(keys)
+
+        return self._write(body)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Let ``keys`` be evicted again; how many of them were pinned.  One read transaction, and
+        one write transaction if any was.  O(len(keys))."""
+        keys = [check_key(k) for k in keys]
+        with self._begin() as txn:
+            if not any(txn.get(key, db=self._pins) is not None for key in keys):
+                return 0
+        return self._write(lambda writer: sum(writer.drop_pin(key) for key in dict.fromkeys(keys)))
 
     def purge_expired(self) -> int:
         """Delete every expired entry now, in one write transaction; how many (besides those
@@ -562,8 +735,16 @@ class LmdbTier(Tier):
                                         else None for key in keys]
         found = [key for key, blob in zip(keys, blobs) if blob is not None]
         self._count(len(found), len(keys) - len(found))
+        self._seen([key for key, blob in zip(keys, blobs) if blob is None])
         self._touched(found)
         return blobs
+
+    def _seen(self, missed: Sequence[bytes]) -> None:
+        """Reads missed ``missed``: with ``admission``, their next put is their second sighting."""
+        if self._admission is not None and missed:
+            with self._admit_lock:
+                for key in missed:
+                    self._admission.saw(key)
 
     def read(self, key: bytes, consume: Callable[[memoryview], T]) -> T | None:
         """``consume`` on the mapped page itself (no copy), inside one read transaction.  Keep it
@@ -581,6 +762,8 @@ class LmdbTier(Tier):
             self._count(found, not found)
             if found:
                 self._touched([key])
+            else:
+                self._seen([key])
         return result
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
@@ -609,8 +792,12 @@ class LmdbTier(Tier):
         used = self.used_bytes
         with self._begin() as txn:
             entries = txn.stat(self._meta)["entries"]
+            pinned = txn.stat(self._pins)["entries"]
+            raw = txn.get(_PINNED, db=self._info)
         with self._lock:
-            return {**self._counts, "entries": entries, "used_bytes": used, "capacity_bytes": self._max_bytes,
+            return {**self._counts, "entries": entries, "pinned": pinned,
+                    "pinned_bytes": 0 if raw is None else int.from_bytes(raw, "little"),
+                    "max_pinned_bytes": self._max_pinned, "used_bytes": used, "capacity_bytes": self._max_bytes,
                     "page_limit": self._page_limit,
                     "limit_bytes": min(self._max_bytes, self._page_limit * 4096), "map_size": self._map_size, "pending_touches": len(self._pending)}
 
@@ -630,8 +817,9 @@ class LmdbTier(Tier):
             self._env = None
 
     def check(self) -> None:
-        """Every entry has its blob, size, LRU and expiry records, and the total adds up.
-        O(entries), one read transaction."""
+        """Every entry has its blob, size, LRU and expiry records, and the total adds up; every
+        pin is of an entry, of its size, and the pinned total adds up.  O(entries), one read
+        transaction."""
         super().check()
         with self._begin() as txn:
             raw = txn.get(_TOTAL, db=self._info)
@@ -652,3 +840,13 @@ class LmdbTier(Tier):
             assert txn.stat(self._data)["entries"] == entries, "blobs without metadata"
             assert txn.stat(self._lru)["entries"] == entries, "stale LRU records"
             assert txn.stat(self._expiry)["entries"] == expiring, "stale expiry records"
+            raw = txn.get(_PINNED, db=self._info)
+            pinned_total = 0 if raw is None else int.from_bytes(raw, "little")
+            pinned_sum = 0
+            for key, value in txn.cursor(db=self._pins):
+                meta = txn.get(key, db=self._meta)
+                assert meta is not None, f"{key.hex()}: a pin without an entry"
+                assert _SIZE.unpack(value)[0] == _META.unpack(meta)[0], f"{key.hex()}: pinned at another size"
+                pinned_sum += _SIZE.unpack(value)[0]
+            assert pinned_sum == pinned_total, f"pinned total {pinned_total} != sum of pinned sizes {pinned_sum}"
+            assert pinned_total <= total, f"pinned bytes {pinned_total} over the byte total {total}"
