@@ -174,6 +174,7 @@ class TierStack:
         self._prefix = namespace.id
         self._log = _BurstLog(log_interval)
         self._stats_lock = threading.Lock()
+        self._pinned: set[bytes] = set()     # full keys pinned through this stack (see pin)
         n = len(self.tiers)
         self._per_tier = {k: [0] * n for k in ("tier_lookups", "hits", "corrupt", "forged", "errors", "timeouts",
                                                "stored", "touched", "refreshed", "refresh_misses", "released",
@@ -465,11 +466,15 @@ class TierStack:
         stored later, until ``unpin``); per tier, how many leading keys it pinned (a tier bounds
         its pins; one that cannot pin says 0).  A fault counts as 0.  O(len(keys)) per tier."""
         keys = [self._prefix + k for k in _chunk_keys(keys)]
+        with self._stats_lock:
+            self._pinned.update(keys)    # re-pinned as the writer stores them (tiers that pin held keys only)
         return [self._call(i, 0, tier.pin, keys) if tier.local else 0 for i, tier in enumerate(self.tiers)]
 
     def unpin(self, keys: Sequence[bytes]) -> list[int]:
         """Undo ``pin``; per tier, how many of the keys were pinned.  O(len(keys)) per tier."""
         keys = [self._prefix + k for k in _chunk_keys(keys)]
+        with self._stats_lock:
+            self._pinned.difference_update(keys)
         return [self._call(i, 0, tier.unpin, keys) if tier.local else 0 for i, tier in enumerate(self.tiers)]
 
     def release(self, keys: Sequence[bytes]) -> int:
@@ -583,6 +588,10 @@ class TierStack:
                 if not writes:
                     continue
                 stored = self._call(i, None, tier.put_many, writes)
+                with self._stats_lock:
+                    repin = [k for k, _ in writes if k in self._pinned] if tier.local else []
+                if repin:
+                    self._call(i, 0, tier.pin, repin)
             if stored is not None:
                 nbytes = sum(len(b) for _, b in writes)
                 with self._stats_lock:

@@ -199,3 +199,24 @@ def test_second_hit_admission(tmp_path: Path) -> None:
         tier_at(tmp_path / "bad", admission="s3fifo")
     with tier_at(tmp_path / "all") as plain:                    # the default admits every put
         assert plain.put(key(0), blob(0)) and plain.stats().get("not_admitted", 0) == 0
+
+
+def test_a_prefix_pinned_before_its_chunks_reach_lmdb_is_pinned_there_when_they_land(tmp_path: Path) -> None:
+    """``PrefixCache.pin`` pins the chunks in every local tier, also those the writer stores later:
+    the stack re-pins them in LMDB (which pins held entries only) once they are written."""
+    import torch
+
+    from radixkv import KVLayout, PrefixCache
+
+    tier = LmdbTier(tmp_path / "db", max_bytes=1 << 22)
+    cache = PrefixCache(KVLayout(1, 1, 2, torch.float32, page_size=4), num_pages=64, chunk_size=8, tiers=[tier])
+    tokens = list(range(40))
+    with cache.open(tokens) as req:
+        req.extend(tokens, cache.alloc(10))
+    assert cache.pin(tokens) == 40
+    assert cache.flush(10)
+    assert tier.stats()["pinned"] == 5
+    tier.check()
+    cache.unpin(tokens)
+    assert tier.stats()["pinned"] == 0
+    cache.close()
