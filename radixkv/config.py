@@ -14,6 +14,7 @@ that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's wh
     local_disk: /nvme/radixkv    # an LmdbTier at this path (file:// allowed) ...
     max_local_disk_size: 200     # ... of this many GB
     local_disk_ttl: 86400        # seconds, optional
+    local_disk_admission: second_hit   # store a chunk on disk only the second time it comes (or none)
     remote_url: s3://bucket/kv   # an S3Tier, shared by every instance of the namespace ...
     remote_endpoint: http://127.0.0.1:9000   # optional (MinIO, Ceph, a test server)
     # remote_url: redis://cache-host:6379/0  # ... or a RedisTier (redis:// or rediss:// for TLS)
@@ -84,6 +85,7 @@ class CacheConfig:
     promote: bool = True
     exclusive: bool = True
     cache_policy: str = "lru"
+    local_disk_admission: str = "none"
     namespace: Mapping[str, Any] = field(default_factory=dict)
     layout: Mapping[str, Any] | None = None
 
@@ -103,6 +105,8 @@ class CacheConfig:
 
         if self.cache_policy not in POLICY_NAMES:
             raise ValueError(f"cache_policy must be one of {sorted(POLICY_NAMES)}, got {self.cache_policy!r}")
+        if self.local_disk_admission not in ("none", "second_hit"):
+            raise ValueError(f"local_disk_admission must be 'none' or 'second_hit', got {self.local_disk_admission!r}")
         for name in ("local_cpu", "promote", "encrypt", "exclusive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -118,8 +122,9 @@ class CacheConfig:
             raise ValueError(f"local_disk must be a path, got {self.local_disk!r}")
         if self.local_disk and self.max_local_disk_size is None:
             raise ValueError("max_local_disk_size: required when local_disk is set (GB)")
-        if not self.local_disk and (self.max_local_disk_size is not None or self.local_disk_ttl is not None):
-            raise ValueError("max_local_disk_size / local_disk_ttl: set, but local_disk is not")
+        if not self.local_disk and (self.max_local_disk_size is not None or self.local_disk_ttl is not None
+                                    or self.local_disk_admission != "none"):
+            raise ValueError("max_local_disk_size / local_disk_ttl / local_disk_admission: set, but local_disk is not")
         if self.remote_endpoint is not None and self.remote_url is None:
             raise ValueError("remote_endpoint: set, but remote_url is not")
         if self.remote_url is not None:
@@ -200,7 +205,8 @@ class CacheConfig:
         if self.local_disk:
             assert self.max_local_disk_size is not None
             path = self.local_disk.removeprefix("file://")
-            tiers.append(LmdbTier(path, int(self.max_local_disk_size * _GB), ttl=self.local_disk_ttl))
+            tiers.append(LmdbTier(path, int(self.max_local_disk_size * _GB), ttl=self.local_disk_ttl,
+                                  admission=None if self.local_disk_admission == "none" else "second_hit"))
         if self.remote_url and _is_redis(self.remote_url):
             from radixkv.backends.redis import RedisTier
 

@@ -114,3 +114,14 @@ def test_cache_policy_and_exclusive_reach_the_cpu_tier_and_the_stack():
         rk.PrefixCache.from_config({**base, "cache_policy": "lfu"}, layout)
     with pytest.raises(ValueError, match="exclusive"):
         rk.PrefixCache.from_config({**base, "exclusive": "yes"}, layout)
+
+
+def test_local_disk_admission_builds_a_second_hit_lmdb_tier(tmp_path):
+    disk = {"local_disk": str(tmp_path / "db"), "max_local_disk_size": 0.01}
+    cache = rk.PrefixCache.from_config(base(**disk, local_disk_admission="second_hit"), layout=LAYOUT)
+    assert cache.stack.tiers[0]._admission is not None      # a new chunk is remembered, not stored
+    cache.close()
+    with pytest.raises(ValueError, match="local_disk_admission"):
+        rk.PrefixCache.from_config(base(**disk, local_disk_admission="lfu"), layout=LAYOUT)
+    with pytest.raises(ValueError, match="local_disk_admission"):
+        rk.PrefixCache.from_config(base(local_disk_admission="second_hit"), layout=LAYOUT)
