@@ -725,28 +725,37 @@ class PrefixCache:
         """Insert whole pages ``ids`` for ``data`` (page-aligned), freeing duplicates and ``tail``;
         return the node that ends the sequence and how many tokens were cached already.  ``hold``:
         the request whose hold moves to that node (before the window rule runs, so the window it
-        needs stays).  Validates before changing anything."""
-        state = self._state[ids]
-        if (state == _FREE).any():
-            raise ValueError(f"pages: page {int(ids[state == _FREE][0])} is free; pass pages from "
-                             "alloc() or a match")
-        in_tree = state == _TREE
+        needs stays); its held pages lead ``ids`` and the rest are checked engine pages, so there
+        is nothing to validate.  Otherwise validates before changing anything."""
         cached: list[np.ndarray] = []
+        if hold is not None:
+            in_tree = np.zeros(len(ids), dtype=bool)
+            in_tree[:len(hold._pages)] = True
+            result = self.tree._insert(data, ids, lambda _, path_pages: cached.extend(path_pages))
+        else:
+            state = self._state[ids]
+            if (state == _FREE).any():
+                raise ValueError(f"pages: page {int(ids[state == _FREE][0])} is free; pass pages from "
+                                 "alloc() or a match")
+            in_tree = state == _TREE
 
-        def validate(prefix_bytes: int, path_pages: list[np.ndarray]) -> None:
-            known = prefix_bytes // (4 * self.page_size)
-            if in_tree[known:].any():
-                raise ValueError("pages: a cached page is passed for tokens it does not hold")
-            cached.extend(path_pages)
-            if known and in_tree[:known].any() and (in_tree[:known] & (ids[:known] != np.concatenate(path_pages))).any():
-                raise ValueError("pages: a cached page is passed for tokens it does not hold")
+            def validate(prefix_bytes: int, path_pages: list[np.ndarray]) -> None:
+                known = prefix_bytes // (4 * self.page_size)
+                if in_tree[known:].any():
+                    raise ValueError("pages: a cached page is passed for tokens it does not hold")
+                cached.extend(path_pages)
+                if known and in_tree[:known].any() and \
+                        (in_tree[:known] & (ids[:known] != np.concatenate(path_pages))).any():
+                    raise ValueError("pages: a cached page is passed for tokens it does not hold")
 
-        result = self.tree._insert(data, ids, validate)
+            result = self.tree._insert(data, ids, validate)
         known = result.prefix_len // self.page_size
         if self.groups is not None and known:       # the engine's pages fill the tree's tombstones
             mine = ~in_tree[:known]
             self.groups.fill(np.concatenate(cached)[:known][mine], ids[:known][mine])
-        duplicates = np.concatenate([ids[:known][~in_tree[:known]], tail])
+        duplicates = ids[:known][~in_tree[:known]]
+        if tail.size:
+            duplicates = np.concatenate([duplicates, tail])
         self._free_pages(duplicates)
         self._state[ids[known:]] = _TREE
         c = self._counters

@@ -159,6 +159,9 @@ class KVLayout:
                         self.v_head_dim)
 
 
+_SMALL = 64     # up to this many ids, checks run on a Python list (a tolist is cheaper than a reduction)
+
+
 def check_device(device: Any, name: str = "device") -> torch.device:
     """``device`` as a ``torch.device`` that this process can allocate on: ``ValueError`` naming
     ``name`` for a malformed string or a device type without a usable accelerator ("cuda" on a
@@ -193,9 +196,14 @@ def as_page_ids(pages: Any, num_pages: int, name: str = "pages") -> np.ndarray:
     Cost: O(n), vectorised.
     """
     if isinstance(pages, torch.Tensor):
-        if pages.dtype.is_floating_point or pages.dtype == torch.bool or pages.is_complex():
+        if pages.dtype == torch.int64 and pages.device.type == "cpu" and not pages.requires_grad:
+            arr = pages.numpy()                     # what alloc hands out: no conversion
+        elif pages.dtype.is_floating_point or pages.dtype == torch.bool or pages.is_complex():
             raise TypeError(f"{name} must hold integer page ids, got a {pages.dtype} tensor")
-        arr = pages.detach().to("cpu", torch.int64).numpy()
+        else:
+            arr = pages.detach().to("cpu", torch.int64).numpy()
+    elif isinstance(pages, np.ndarray) and pages.dtype == np.int64:
+        arr = pages
     else:
         arr = np.asarray(pages)
         if arr.size == 0:
@@ -205,6 +213,10 @@ def as_page_ids(pages: Any, num_pages: int, name: str = "pages") -> np.ndarray:
         arr = arr.astype(np.int64, copy=False)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.size <= _SMALL:                          # a few ids: Python's min/max beat two reductions
+        values = arr.tolist()
+        if not values or (min(values) >= 0 and max(values) < num_pages):
+            return arr
     if arr.size and (arr.min() < 0 or arr.max() >= num_pages):
         bad = arr[(arr < 0) | (arr >= num_pages)][0]
         raise ValueError(f"{name} holds page id {int(bad)}, outside the pool's [0, {num_pages})")
@@ -215,6 +227,8 @@ def has_duplicates(ids: np.ndarray) -> bool:
     """Whether a 1-D id array repeats an id.  O(n log n), a sort and one comparison."""
     if ids.size < 2:
         return False
+    if ids.size <= _SMALL:
+        return len(set(ids.tolist())) < ids.size
     s = np.sort(ids)
     return bool((s[1:] == s[:-1]).any())
 
