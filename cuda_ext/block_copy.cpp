@@ -174,8 +174,11 @@ void check_ids(const OpNames& nm, const at::Tensor& ids_cpu, int64_t num_blocks,
 
 namespace {
 
-// Below this many bytes per thread a copy stays on one thread: forking costs more than it saves.
-constexpr int64_t kMinBytesPerThread = 256 << 10;
+// Below this many bytes per thread a copy stays on one thread.  Forking costs a few microseconds
+// on an idle machine, but a whole scheduler time slice (milliseconds) when another thread holds
+// the core the second OpenMP thread waits for: inside vLLM's engine process, 256 KiB per thread
+// made a 512 KiB chunk load take 2-8 ms instead of 0.1 ms (benchmarks/results/vllm_cpu.txt).
+constexpr int64_t kMinBytesPerThread = 4 << 20;
 
 // Starts the page walks and first DRAM reads of a block row that is copied next, one cache line in
 // each 4 KiB page: rows are random blocks of a large pool, and the hardware prefetcher, which stops
