@@ -29,11 +29,12 @@ from radixkv.backends import MemoryTier, blob_view, check_key, count_leading
 from radixkv.backends.cpu import CpuTier
 from radixkv.backends.lmdb import LmdbTier, _Writer
 from radixkv.cache import PrefixCache
+from radixkv.groups import KVGroups
 from radixkv.pool import KVPool, as_page_ids
 from radixkv.testing import (FaultyPrefixCacheMachine, PrefixCacheMachine, RadixTreeMachine,
                              TieredPrefixCacheMachine)
 from radixkv.testing.backends import CpuTierContract, LmdbTierContract, LmdbTtlTierContract, MemoryTierContract
-from radixkv.testing.requests import RequestMachine
+from radixkv.testing.requests import RequestMachine, SlidingRequestMachine
 from radixkv.testing.settings import MUTATION
 from radixkv.tiers import TierStack
 from radixkv.tree import RadixTree
@@ -60,7 +61,7 @@ HARNESSES: dict[str, Any] = {
     "LmdbTtlContract": LmdbTtlTierContract, "RadixTreeMachine": RadixTreeMachine,
     "PrefixCacheMachine": PrefixCacheMachine, "TieredPrefixCacheMachine": TieredPrefixCacheMachine,
     "WriteBackMachine": WriteBackMachine, "FaultyPrefixCacheMachine": FaultyPrefixCacheMachine,
-    "RequestMachine": RequestMachine,
+    "RequestMachine": RequestMachine, "SlidingRequestMachine": SlidingRequestMachine,
 }
 
 
@@ -788,6 +789,51 @@ def _land_drops_the_load(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(PrefixCache, "_land", lambda self, req, *args, **kw: 0)
 
 
+def _trim_one_page_too_many(mp: pytest.MonkeyPatch) -> None:
+    def make(trim: Callable[..., None]) -> Callable[..., None]:
+        def bad(self: KVGroups, tree: Any, node: Any) -> None:
+            keep = self.keep
+            self.keep = [k - 1 for k in keep]      # the window starts one page late
+            try:
+                trim(self, tree, node)
+            finally:
+                self.keep = keep
+        return bad
+    wrap(mp, KVGroups, "trim", make)
+
+
+def _release_keeps_window(mp: pytest.MonkeyPatch) -> None:
+    def release(self: PrefixCache, request: Any) -> None:
+        req = self._live.pop(request.id, None)
+        if req is None:
+            raise ValueError("match: already released")
+        if req._pending is not None:
+            req._pending.future.cancel()
+            req._pending = None
+        req.released = True
+        self.tree.unlock(req.node)
+        self._trim(req.node)                       # forgets groups.hold(req.node, -1)
+    mp.setattr(PrefixCache, "release", release)
+
+
+def _detach_keeps_pages(self: KVGroups, ids: Any) -> None:
+    for table in self.maps:
+        table[ids] = -1                            # forgets to give the pages back to the pool
+
+
+GROUP_MUTANTS = [
+    Mutant("groups-trim-one-page-too-many", "KVGroups.trim", "the window starts one page late (keep - 1)",
+           "SlidingRequestMachine", _trim_one_page_too_many),
+    Mutant("groups-usable-ignores-window", "KVGroups.usable", "a match is served without its window",
+           "SlidingRequestMachine", lambda mp: mp.setattr(KVGroups, "usable", lambda self, pages: len(pages))),
+    Mutant("groups-fill-noop", "KVGroups.fill", "dropped window pages are never refilled by an engine's duplicates",
+           "SlidingRequestMachine", lambda mp: mp.setattr(KVGroups, "fill", lambda self, tree_pages, engine_pages: None)),
+    Mutant("groups-release-keeps-window", "PrefixCache.release", "release forgets groups.hold(node, -1)",
+           "SlidingRequestMachine", _release_keeps_window),
+    Mutant("groups-detach-keeps-pages", "KVGroups.detach", "freed tree pages leak their sliding pages",
+           "SlidingRequestMachine", lambda mp: mp.setattr(KVGroups, "detach", _detach_keeps_pages)),
+]
+
 REQUEST_MUTANTS = [
     Mutant("request-extend-keeps-old-hold", "PrefixCache.extend", "extend never drops the hold on the old prefix",
            "RequestMachine", _extend_keeps_old_hold),
@@ -801,7 +847,7 @@ REQUEST_MUTANTS = [
            "TieredPrefixCacheMachine", _land_drops_the_load),
 ]
 
-MUTANTS = TIER_MUTANTS + ENGINE_MUTANTS + REQUEST_MUTANTS
+MUTANTS = TIER_MUTANTS + ENGINE_MUTANTS + REQUEST_MUTANTS + GROUP_MUTANTS
 
 
 def run_mutant(mutant: Mutant, tmp_path: Path) -> tuple[bool, str]:

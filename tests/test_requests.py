@@ -14,11 +14,12 @@ import torch
 import radixkv as rk
 from radixkv.backends import MemoryTier
 from radixkv.request import Request
-from radixkv.testing.requests import GatedTier, RequestMachine
+from radixkv.testing.requests import GatedTier, RequestMachine, SlidingRequestMachine
 
 LAYOUT = rk.KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
 
 TestRequestMachine = RequestMachine.TestCase
+TestSlidingRequestMachine = SlidingRequestMachine.TestCase      # sliding-window layers in every run
 
 
 class ExclusiveCpuRequestMachine(RequestMachine):

@@ -8,6 +8,18 @@ steps.  The "engine" writes each token's id and position into its KV slot, so af
 the machine checks that every page a live request holds still holds that request's tokens: a held
 page that was freed, reused or overwritten fails the run, as does a wrong ``check()``.
 
+Two runs in three use a layout with sliding-window layers (``layer_windows``: a full layer and one or
+two sliding ones, or every layer sliding, windows of 2–8 tokens; sometimes a small
+``window_pages``), so the KV groups are covered too: the engine writes every group's pages (a
+sliding group's through ``cache.groups``), and each live request must hold, in every sliding group,
+the pages of its window (the last ``cache.groups.need[i]`` of its pages) with the right KV; its
+pages outside the window may be dropped, and those that are not still hold the right KV.  No
+sliding page is kept outside the window of every reuse point the engine knows of (a leaf, a branch
+point, the end of a live request or a pin), and no sliding pool hands out more pages than the tree
+and the engine hold.  A request whose pages end at a leaf or a branch point that comes straight
+back (a retry) gets all of them but its last token's page from the pool: the window of a match that
+stops a page short of a reuse point is kept.
+
 Run it as it is (``TestRequests = RequestMachine.TestCase``) or subclass it and override
 ``make_tiers`` to put your own backend below the same checks.
 """
@@ -24,10 +36,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from radixkv.backends import Blob, MemoryTier, Tier
 from radixkv.cache import PoolExhausted, PrefixCache
-from radixkv.pool import KVLayout
+from radixkv.pool import KVGroup, KVLayout
 from radixkv.request import Request
 
-__all__ = ["GatedTier", "RequestMachine"]
+__all__ = ["GatedTier", "RequestMachine", "SlidingRequestMachine", "layer_windows"]
+
+
+def layer_windows(max_window: int = 8, plain: bool = True) -> st.SearchStrategy[tuple[int, ...] | None]:
+    """``KVLayout.windows`` for a tiny model: ``None`` (full attention only) a third of the time
+    (never without ``plain``), else 2 or 3 layers with a full-attention layer and sliding ones of
+    2..``max_window`` tokens (one or two windows), or every layer sliding (Mistral)."""
+    w = st.integers(2, max_window)
+    grouped = st.one_of(st.tuples(st.just(0), w), st.tuples(w, st.just(0), w), st.tuples(w, w))
+    return st.integers(0 if plain else 1, 2).flatmap(lambda g: grouped if g else st.none())
 
 
 class GatedTier(Tier):
@@ -98,8 +119,9 @@ class RequestMachine(RuleBasedStateMachine):
     """Requests in flight through ``open`` / ``alloc`` / ``extend`` / ``poll`` / ``release``.
 
     Override ``make_tiers`` (the backends below the pool; wrapped in a ``GatedTier``) to test your
-    own.  Pools of 6–16 pages of 1–3 tokens and chunks of two pages keep evictions, splits of held
-    nodes and unaligned tier loads in every run.
+    own.  Pools of 6–16 pages of 1–3 tokens and chunks of two pages (one or two with sliding
+    layers) keep evictions, splits of held nodes and unaligned tier loads in every run.  ``layouts``
+    draws each run's layer windows (``layer_windows``); ``SlidingRequestMachine`` always slides.
     """
 
     #: The tier below keeps every chunk stored in it (the default ``MemoryTier`` never evicts and,
@@ -110,13 +132,27 @@ class RequestMachine(RuleBasedStateMachine):
     def make_tiers(self) -> list[Tier]:
         return [MemoryTier()]
 
-    @initialize(page_size=st.integers(1, 3), num_pages=st.integers(6, 16))
-    def setup(self, page_size: int, num_pages: int) -> None:
-        layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=page_size)
+    #: ``KVLayout.windows`` of each run (``None``: full attention only).
+    layouts: st.SearchStrategy[tuple[int, ...] | None] = layer_windows()
+
+    @initialize(page_size=st.integers(1, 3), num_pages=st.integers(6, 16), data=st.data())
+    def setup(self, page_size: int, num_pages: int, data: st.DataObject) -> None:
+        windows = data.draw(self.layouts, label="windows")
+        layout = KVLayout(num_layers=len(windows) if windows else 1, num_kv_heads=1, head_dim=2,
+                          dtype=torch.float32, page_size=page_size, windows=windows)
+        window_pages, chunk_pages = None, 2
+        if layout.grouped:        # sliding pools short of the main one; chunks of one page: keep == need
+            window_pages = data.draw(st.one_of(st.none(), st.integers(max(2, num_pages // 3), num_pages)),
+                                     label="window_pages")
+            chunk_pages = data.draw(st.integers(1, 2), label="chunk_pages")
         self.gated = GatedTier(*self.make_tiers())
-        self.cache = PrefixCache(layout, num_pages=num_pages, chunk_size=2 * page_size, tiers=[self.gated],
-                                 load_timeout=30.0)
+        self.cache = PrefixCache(layout, num_pages=num_pages, chunk_size=chunk_pages * page_size,
+                                 tiers=[self.gated], load_timeout=30.0, window_pages=window_pages)
         self.ps = page_size
+        groups = self.cache.groups
+        #: Every KV group and the pool that holds its KV (``None``: the layout has no groups).
+        self.parts = ([(g, groups.pool_of(g)) for g in layout.groups] if groups is not None
+                      else [(None, self.cache.pool)])
         self.live: list[_Live] = []
         self.seen: list[list[int]] = []     # sequences cached before: re-requested with new suffixes
         self.pinned: dict[tuple[int, ...], list[int]] = {}
@@ -130,9 +166,19 @@ class RequestMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- the engine's KV
 
+    def _ids(self, group: KVGroup | None, pages: Any) -> np.ndarray:
+        """The page ids in ``group``'s pool of tree (or engine) pages ``pages``; ``-1``: dropped."""
+        if group is None:
+            return np.array(pages, dtype=np.int64)
+        return self.cache.groups.pages_of(group, pages)   # type: ignore[union-attr]
+
     def _write(self, page: int, slot: int, token: int, pos: int) -> None:
-        self.cache.pool.kv[:, :, page, slot, :, 0] = token
-        self.cache.pool.kv[:, :, page, slot, :, 1] = pos
+        """The KV of ``token`` at ``pos`` into slot ``slot`` of ``page``, in every group's pool."""
+        for group, pool in self.parts:
+            (gid,) = self._ids(group, [page])
+            assert gid >= 0, f"engine page {page} has no page in group {group.tag()}"   # type: ignore[union-attr]
+            pool.kv[:, :, gid, slot, :, 0] = token
+            pool.kv[:, :, gid, slot, :, 1] = pos
 
     def _fill(self, tokens: list[int], start: int, pages: list[int]) -> None:
         """Prefill: the KV of token t at position i is (t, i)."""
@@ -158,20 +204,40 @@ class RequestMachine(RuleBasedStateMachine):
         room = self.cache.pool.num_free + self.cache.tree.evictable_size // ps
         return n * cs if room >= n * cs // ps else 0
 
+    def _recallable_grouped(self, tokens: list[int]) -> int:
+        """``_recallable`` of a grouped cache, a weaker property: a sliding group's chunks are stored
+        only while inside a window, and a load probes a few ends only, so exact recall is not
+        modelled.  When the tier holds every chunk of every group of ``tokens`` (less the last) and
+        every pool has that many pages free (no eviction needed), a waited-for load must bring all
+        of it back; otherwise nothing is required."""
+        self.cache.flush()
+        cs, ps = self.cache.chunk_size, self.ps
+        n = (len(tokens) - 1) // cs
+        if n == 0:
+            return 0
+        for stack in self.cache.stacks:
+            keys = [stack.namespace.id + ref.key for ref in stack.refs(tokens[:n * cs])]
+            if self.gated.inner.contains_prefix(keys) < n:
+                return 0
+        pools = [self.cache.pool, *self.cache.groups.pools]          # type: ignore[union-attr]
+        return n * cs if min(pool.num_free for pool in pools) >= n * cs // ps else 0
+
     # ---------------------------------------------------------------- rules
 
     @rule(fresh=st.lists(st.integers(0, 2), max_size=10), reuse=st.booleans(), wait=st.booleans(),
           data=st.data())
     def open(self, fresh: list[int], reuse: bool, wait: bool, data: st.DataObject) -> None:
         tokens = fresh
-        if reuse and self.seen:              # a seen prefix, cut anywhere, and a new suffix
+        if reuse and self.seen:              # a seen prefix, cut anywhere or whole (the next turn), and a new suffix
             old = data.draw(st.sampled_from(self.seen))
-            tokens = old[:data.draw(st.integers(0, len(old)))] + fresh
+            tokens = old[:data.draw(st.one_of(st.just(len(old)), st.integers(0, len(old))))] + fresh
         if not tokens:
             return
         if wait:
             self.gated.gate.set()            # an engine that waits gets its answer
-        expect = self._recallable(tokens) if wait and self.exact_tier else 0
+        expect = 0
+        if wait and self.exact_tier:
+            expect = self._recallable(tokens) if self.cache.groups is None else self._recallable_grouped(tokens)
         req = self.cache.open(tokens, load="wait" if wait else "async")
         if wait:
             assert not req.pending, f"{req!r}: load='wait' returned with a load pending"
@@ -202,7 +268,9 @@ class RequestMachine(RuleBasedStateMachine):
         todo = [x for x in self.live if not x.prefilled]
         if not todo:
             return
-        live = data.draw(st.sampled_from(todo))
+        self._prefill(data.draw(st.sampled_from(todo)))
+
+    def _prefill(self, live: _Live) -> None:
         req = live.req
         if req.pending:
             self.gated.gate.set()
@@ -241,30 +309,81 @@ class RequestMachine(RuleBasedStateMachine):
             self._cached(live.tokens, live.req.num_cached)
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), again=st.booleans())
+    def release(self, data: st.DataObject, again: bool) -> None:
+        """Finish a request; with ``again`` the same tokens come straight back (a retry): where its
+        held prefix ends at a leaf or a branch point, the pool alone must serve all of it but the
+        page of the last token (with sliding groups: the window of a match that stops a page short
+        of a reuse point is kept too)."""
         live = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
-        live.req.release()
+        req = live.req
+        req.release()
         if live.tail is not None:
             self.cache.free([live.tail])
         if live.prefilled:
             self.seen.append(list(live.tokens))
+        if again and live.prefilled and req.num_cached and len(req.node.children) != 1:
+            tokens = live.tokens[:data.draw(st.sampled_from([req.num_cached, len(live.tokens)]), label="retry")]
+            want = min(req.num_cached, (len(tokens) - 1) // self.ps * self.ps)
+            retry = self.cache.open(tokens, load="none")
+            self.live.append(_Live(list(tokens), retry))
+            assert retry.num_cached >= want, \
+                f"{retry!r}: {req!r} ended at a reuse point and was released; the same tokens again got " \
+                f"{retry.num_cached} tokens from the pool, not {want}"
 
-    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=10))
-    def one_call(self, tokens: list[int]) -> None:
-        """A request through the one-call path (``match``, ``insert``, ``release``) in between."""
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=10), again=st.booleans())
+    def one_call(self, tokens: list[int], again: bool) -> None:
+        """A request through the one-call path (``match``, ``insert``, ``release``) in between; with
+        ``again`` the same request comes straight back and, where its pages end at a leaf or a branch
+        point, must get all of them but the page of its last token from the pool."""
+        if not self._one_call(tokens) or not again:
+            return
+        full = len(tokens) // self.ps * self.ps
+        node = self._node_ending(tokens, full)
+        if full and node is not None and len(node.children) != 1:
+            m = self.cache.match(tokens)
+            self.cache.release(m)
+            want = (len(tokens) - 1) // self.ps * self.ps
+            assert m.num_tokens >= want, \
+                f"{tokens} was just cached up to a reuse point; the same request again got {m.num_tokens} tokens, not {want}"
+
+    def _node_ending(self, tokens: list[int], n: int) -> Any:
+        """The tree node that ends exactly at ``tokens[:n]`` (page-aligned), or ``None``; walks the
+        tree without touching it.  O(n)."""
+        data = np.asarray(tokens[:n], dtype="<i4").tobytes()
+        pb, node, pos = 4 * self.ps, self.cache.tree.root, 0
+        while pos < len(data):
+            child = node.children.get(data[pos:pos + pb])
+            if child is None or data[pos:pos + len(child.key)] != child.key:
+                return None
+            node, pos = child, pos + len(child.key)
+        return node if pos == len(data) else None
+
+    @precondition(lambda self: any(not x.prefilled for x in self.live))
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), min_size=1, max_size=12))
+    def share_a_prompt(self, data: st.DataObject, extra: list[int]) -> None:
+        """Another request with the prompt of a live one that has not run yet, and more, runs first
+        (one call), then the live one prefills: its pages duplicate pages the tree has, and with
+        sliding groups must give the tree back the window pages it had dropped (``KVGroups.fill``)."""
+        live = data.draw(st.sampled_from([x for x in self.live if not x.prefilled]))
+        self._one_call(live.tokens + extra)
+        self._prefill(live)
+
+    def _one_call(self, tokens: list[int]) -> bool:
+        """One request through ``match``, ``insert``, ``release``; ``False`` if the pool was full."""
         self.gated.gate.set()
         m = self.cache.match(tokens)
         try:
             new = self.cache.alloc(-(-len(tokens) // self.ps) - len(m.pages))
         except PoolExhausted:
             self.cache.release(m)
-            return
+            return False
         self._fill(tokens, m.num_tokens, new.tolist())
         self.cache.insert(tokens, torch.cat([m.pages, new]))
         self.cache.release(m)
         self.seen.append(tokens)
         self._cached(tokens, len(tokens) // self.ps * self.ps)
+        return True
 
     @precondition(lambda self: self.seen)
     @rule(data=st.data())
@@ -296,7 +415,9 @@ class RequestMachine(RuleBasedStateMachine):
             pages = self.cache.alloc(num_pages)
         except PoolExhausted:
             return
-        self.cache.pool.kv[:, :, pages] = -1.0       # what a reused page would be overwritten with
+        for group, pool in self.parts:               # what a reused page would be overwritten with
+            ids = self._ids(group, pages.numpy())
+            pool.kv[:, :, torch.from_numpy(ids[ids >= 0])] = -1.0
         self.cache.free(pages)
 
     # ---------------------------------------------------------------- invariants
@@ -306,7 +427,6 @@ class RequestMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         self.cache.check()
-        kv = self.cache.pool.kv
         pins = self.cache.pins
         assert len(pins) == len(self.pinned), f"{len(pins)} pins, {len(self.pinned)} pinned"
         lives = [_Live(tokens, pins[torch.tensor(tokens, dtype=torch.int32).numpy().tobytes()])
@@ -318,12 +438,7 @@ class RequestMachine(RuleBasedStateMachine):
         for live in self.live + lives:
             req = live.req
             pages = req.page_ids
-            got = kv[0, 0, torch.from_numpy(pages.copy())].reshape(-1, 2)
-            want = torch.tensor([[t, i] for i, t in enumerate(live.tokens[:req.num_cached])],
-                                dtype=torch.float32).reshape(-1, 2)
-            if not torch.equal(got, want):
-                raise AssertionError(f"{req!r}: held pages {pages.tolist()} hold {got.tolist()}, "
-                                     f"want {want.tolist()}")
+            self._holds(live.tokens, req, pages)
             if live.tail is not None:
                 assert live.tail not in set(pages.tolist()), f"{req!r}: its tail page {live.tail} is cached"
             mine = np.frombuffer(req.token_bytes(), dtype="<i4").tolist()
@@ -334,6 +449,12 @@ class RequestMachine(RuleBasedStateMachine):
                 raise AssertionError(f"{req!r}: the tree caches {cached} for the engine's {live.tokens[:req.num_cached]}")
         s = self.cache.stats()
         tails = sum(live.tail is not None for live in self.live)
+        if self.cache.groups is not None:
+            self._windows_only([live.req for live in self.live + lives])
+            for group, held in zip(self.cache.groups.sliding, s["window_pages_held"]):
+                assert held <= s["pages_cached"] + s["pages_engine"], \
+                    f"group {group.tag()}: {held} pages handed out for {s['pages_cached']} tree and " \
+                    f"{s['pages_engine']} engine pages (a page lost)"
         assert s["pages_engine"] == tails, f"engine pages {s['pages_engine']} != {tails} tail pages in flight"
         assert s["live_matches"] == len(self.live), f"live {s['live_matches']} != {len(self.live)} requests"
         assert s["hit_tokens"] == s["pool_hit_tokens"] + s["tier_hit_tokens"], f"hit tokens do not add up: {s}"
@@ -344,3 +465,59 @@ class RequestMachine(RuleBasedStateMachine):
             if not self.pinned:
                 assert self.cache.tree.protected_size == 0, \
                     f"{self.cache.tree.protected_size} tokens locked with no request in flight"
+
+    def _holds(self, tokens: list[int], req: Request, pages: np.ndarray) -> None:
+        """``req``'s pages hold the KV of ``tokens[:req.num_cached]``: all of them in a full group;
+        in a sliding group those of its window (the last ``need`` pages) are present and every
+        present one holds the right KV."""
+        ps = self.ps
+        want = torch.tensor([[t, i] for i, t in enumerate(tokens[:req.num_cached])],
+                            dtype=torch.float32).reshape(-1, ps, 2)
+        groups = self.cache.groups
+        for group, pool in self.parts:
+            ids = self._ids(group, pages)
+            name = "" if group is None else f"group {group.tag()}: "
+            if group is not None and group.sliding:
+                need = min(len(pages), groups.need[groups.sliding.index(group)])   # type: ignore[union-attr]
+                if (ids[len(pages) - need:] < 0).any():
+                    raise AssertionError(f"{req!r}: {name}tree pages {pages.tolist()} map to {ids.tolist()}: a page "
+                                         f"of the window (the last {need}) was dropped while the request holds it")
+            present = np.flatnonzero(ids >= 0)
+            if group is not None and not group.sliding and present.size != len(pages):
+                raise AssertionError(f"{req!r}: {name}a held page is missing: {ids.tolist()}")
+            got = pool.kv[0, 0, torch.from_numpy(ids[present])].reshape(-1, ps, 2)
+            if not torch.equal(got, want[torch.from_numpy(present)]):
+                raise AssertionError(f"{req!r}: {name}held pages {pages.tolist()} (pool pages {ids.tolist()}) hold "
+                                     f"{got.reshape(-1, 2).tolist()}, want {want.reshape(-1, 2).tolist()} "
+                                     f"in pages {present.tolist()}")
+
+    def _windows_only(self, held: list[Request]) -> None:
+        """No sliding page of a tree page is kept outside the window (``keep`` pages) of every reuse
+        point the engine knows of: a leaf, a node with two or more children, the end of a live
+        request or a pin (``held``).  O(nodes + pages)."""
+        groups = self.cache.groups
+        assert groups is not None
+        ends = {id(req.node) for req in held}
+        tree = self.cache.tree
+        order, stack = [], [(c, 0) for c in tree.root.children.values()]
+        while stack:
+            node, start = stack.pop()
+            order.append((node, start))
+            stack.extend((c, start + len(node.pages)) for c in node.children.values())
+        near: dict[int, int] = {}
+        for node, start in reversed(order):           # children before parents
+            end = start + len(node.pages)
+            reuse = len(node.children) != 1 or id(node) in ends
+            near[id(node)] = end if reuse else near[id(next(iter(node.children.values())))]
+            for group, table, keep in zip(groups.sliding, groups.maps, groups.keep):
+                cut = min(near[id(node)] - keep, end) - start
+                if cut > 0 and (table[node.pages[:cut]] >= 0).any():
+                    raise AssertionError(f"group {group.tag()}: {node!r} (tokens {tree.prefix_tokens(node).tolist()}) "
+                                         f"keeps sliding pages {table[node.pages[:cut]].tolist()} outside the window "
+                                         f"of every leaf, branch point and live request's end")
+
+
+class SlidingRequestMachine(RequestMachine):
+    """``RequestMachine`` with sliding-window layers in every run (``layer_windows(plain=False)``)."""
+
+    layouts = layer_windows(plain=False)
