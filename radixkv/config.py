@@ -189,6 +189,8 @@ class CacheConfig:
             if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
                 raise ValueError(f"layout.dtype: unknown dtype {dtype!r}")
             dtype = getattr(torch, str(dtype))
+        if isinstance(spec.get("windows"), list):        # YAML and JSON give lists
+            spec["windows"] = tuple(spec["windows"])
         return KVLayout(dtype=dtype, page_size=self.page_size, **spec)
 
     def make_tiers(self, layout: KVLayout) -> list[Tier]:

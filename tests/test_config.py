@@ -125,3 +125,10 @@ def test_local_disk_admission_builds_a_second_hit_lmdb_tier(tmp_path):
         rk.PrefixCache.from_config(base(**disk, local_disk_admission="lfu"), layout=LAYOUT)
     with pytest.raises(ValueError, match="local_disk_admission"):
         rk.PrefixCache.from_config(base(local_disk_admission="second_hit"), layout=LAYOUT)
+
+
+def test_a_layout_with_sliding_windows_from_a_mapping():
+    cfg = base(layout={"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "windows": [8, 0]})
+    cache = rk.PrefixCache.from_config(cfg)
+    assert cache.layout.windows == (8, 0) and cache.groups is not None
+    cache.check()
