@@ -58,7 +58,7 @@ __all__ = ["CacheConfig", "load_config", "read_mapping"]
 ENV_VAR = "RADIXKV_CONFIG"
 _GB = 10**9
 _NAMESPACE_KEYS = {"model", "revision", "tp_rank", "tp_size", "lora_id", "salt"}
-_LAYOUT_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype"}
+_LAYOUT_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype", "v_head_dim", "windows"}
 
 
 @dataclass(frozen=True)
