@@ -163,3 +163,30 @@ def test_from_lmdb_in_a_restarted_process(tmp_path: Path) -> None:
         assert wrote[family]["match"] == 0 and wrote[family]["diff"] <= TOL, (family, wrote[family])
         assert read[family]["match"] == 40 and read[family]["levels"] == {"lmdb": 40}, (family, read[family])
         assert read[family]["diff"] <= TOL, (family, read[family])
+
+
+def test_from_s3_in_a_second_cache() -> None:
+    """Gemma-3's groups through a real S3 server (moto's, on loopback): one cache stores, a second
+    cache on the same bucket (another instance) serves the prefix exactly, each group's chunks
+    under its own keys."""
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto")
+    from radixkv.backends.s3 import S3Tier
+    from radixkv.testing.s3server import CREDENTIALS, MotoServer
+
+    model = build("gemma3")
+    prompt = tokens(45, seed=10)
+    follow = np.concatenate([prompt, tokens(5, seed=11)])
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in CREDENTIALS.items():
+            mp.setenv(name, value)
+        with MotoServer() as server:
+            server.client().create_bucket(Bucket="radixkv-hybrid")
+            with make_cache(model, [S3Tier("radixkv-hybrid", "kv", endpoint_url=server.endpoint_url)]) as cache:
+                PrefixCachedLM(model, cache).prefill(prompt)
+                cache.flush()
+            with make_cache(model, [S3Tier("radixkv-hybrid", "kv", endpoint_url=server.endpoint_url)]) as cache:
+                result = PrefixCachedLM(model, cache).prefill(follow, logits_to_keep=0)
+                cache.check()
+    assert result.match_tokens == 40 and result.levels == {"s3": 40}
+    assert diff(model, result, follow) <= TOL
