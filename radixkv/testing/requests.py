@@ -27,6 +27,7 @@ Run it as it is (``TestRequests = RequestMachine.TestCase``) or subclass it and 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -92,6 +93,9 @@ class GatedTier(Tier):
 
     def used_bytes(self) -> int:
         return self.inner.used_bytes()
+
+    def expect(self, blob_bytes: int) -> None:
+        self.inner.expect(blob_bytes)
 
     def stats(self) -> dict[str, int | float]:
         return self.inner.stats()
@@ -257,6 +261,11 @@ class RequestMachine(RuleBasedStateMachine):
     def poll(self, data: st.DataObject) -> None:
         live = data.draw(st.sampled_from(self.live))
         before = live.req.num_cached
+        pending = live.req._pending
+        if pending is not None and self.gated.gate.is_set():
+            # The gate is open: let the worker finish first, so that what poll finds (and so the
+            # rest of the run) does not depend on thread timing; a closed gate holds it pending.
+            futures_wait([pending.future], timeout=self.gated.max_wait)
         done = live.req.poll()
         assert done == (not live.req.pending), f"{live.req!r}: poll said {done}"
         assert live.req.num_cached >= before, f"{live.req!r}: poll shrank the held prefix from {before}"
