@@ -435,6 +435,9 @@ class RequestMachine(RuleBasedStateMachine):
     def held_pages_hold_their_tokens(self) -> None:
         if not hasattr(self, "cache"):
             return
+        # Queued tier writes land after every step, so that what the tier holds at the next step
+        # (and so the run's path) does not depend on the writer thread's timing.
+        assert self.cache.flush(30.0), "the tier writes did not land within 30 s"
         self.cache.check()
         pins = self.cache.pins
         assert len(pins) == len(self.pinned), f"{len(pins)} pins, {len(self.pinned)} pinned"
