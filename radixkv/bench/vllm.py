@@ -26,6 +26,10 @@ the prefill and the first token.  Each configuration is its own process (one eng
   ``reset_prefix_cache()`` and loaded.  It then computes under one block of the prompt, where
   the radixkv rows compute the 256-token question; "radixkv lmdb same prompt" is the like-for-like row.
 
+Before each timed radixkv round the process pauses ``--settle`` seconds (0.5): stores are
+asynchronous, and on this 2-core machine the previous round's writes to LMDB and to the S3 server
+(moto, a Python process) would otherwise run during the next round's timing.
+
 A row's "of resident" is its speedup over no cache as a share of the resident speedup, i.e.
 ``resident TTFT / row TTFT`` measured in the row's own process.  Targets (issue): CPU tier >= 90%,
 LMDB >= 75%, and faster than ExampleConnector at every size (compared on the like-for-like
@@ -56,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefixes", default="2048,4096,8192", help="prefix lengths in tokens (default 2048,4096,8192)")
     p.add_argument("--question", type=int, default=256, help="question length in tokens (default 256)")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds per prefix and row (default 3)")
+    p.add_argument("--settle", type=float, default=0.5,
+                   help="seconds before each timed radixkv round, for the writes of the one before (default 0.5)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -157,8 +163,13 @@ def _tier_rounds(args: argparse.Namespace, label: str, *, store: bool, same_prom
             rounds.append({"prompt": prefix + qs[-1], "sleep": 0})
             rounds.append({"prompt": _warmup(args)[0]["prompt"], "sleep": 2.0})   # let the writes land
         for i in range(args.repeat):
-            rounds.append({"prompt": prefix + qs[2 * i], "reset": True, "label": label, "size": size})
-            rounds.append({"prompt": prefix + qs[2 * i + 1], "label": f"resident ({label})", "size": size})
+            # A pause before each timed round lets the previous round's stores (its question's chunk,
+            # to LMDB and to moto's S3 server, a Python process on the same cores) finish, so that a
+            # round times its own lookups and loads, not another round's background writes.
+            rounds.append({"prompt": prefix + qs[2 * i], "reset": True, "label": label, "size": size,
+                           "sleep": args.settle})
+            rounds.append({"prompt": prefix + qs[2 * i + 1], "label": f"resident ({label})", "size": size,
+                           "sleep": args.settle})
         if same_prompt:                  # the prompt the storing process warmed up with, whole
             stored = _prompts(args, size, "radixkv cpu tier")[1][-1]
             for _ in range(args.repeat):
