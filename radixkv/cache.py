@@ -676,7 +676,9 @@ class PrefixCache:
             if short > 0:
                 self.evict(short)
             while self.groups is not None and self.groups.short(num_pages) > 0:
-                self.evict(1)            # leaf by leaf until the sliding pools have room
+                if not self.evict(1):    # leaf by leaf until the sliding pools have room
+                    raise PoolExhausted(f"cannot allocate {num_pages} pages: a sliding group's pool is short "
+                                        "and nothing more is evictable")
         ids = self.pool.alloc(num_pages)
         self._state[ids] = _ENGINE
         if self.groups is not None:
