@@ -669,7 +669,7 @@ class PrefixCache:
                     f"cannot allocate {num_pages} pages: {self.pool.num_free} free, {evictable} evictable, "
                     f"{self.tree.protected_size // self.page_size} locked by running requests, "
                     f"{int((self._state == _ENGINE).sum())} held by the engine")
-            if groups_short > 0 and groups_short > self.groups.reclaimable(self.tree):   # type: ignore[union-attr]
+            if groups_short > 0 and self.groups.unreachable(self.tree, num_pages):   # type: ignore[union-attr]
                 raise PoolExhausted(
                     f"cannot allocate {num_pages} pages: a sliding group's pool is {groups_short} pages short "
                     f"and eviction cannot free as many (window_pages={self.groups.pools[0].num_pages})")  # type: ignore[union-attr]

@@ -114,14 +114,12 @@ class KVGroups:
                 table[tree_pages[move]] = table[engine_pages[move]]
                 table[engine_pages[move]] = -1
 
-    def reclaimable(self, tree: RadixTree) -> int:
-        """Sliding pages that eviction could free: the fewest over the groups of those held by
-        unlocked nodes.  O(nodes); only asked when a sliding pool is short."""
-        nodes = [n for n in tree.nodes() if n.lock_ref == 0]
-        if not nodes:
-            return 0
-        pages = np.concatenate([n.pages for n in nodes])
-        return min(int((table[pages] >= 0).sum()) for table in self.maps)
+    def unreachable(self, tree: RadixTree, n: int) -> bool:
+        """Whether some sliding pool stays short of ``n`` free pages even after evicting every
+        unlocked node (whose sliding pages eviction frees).  O(nodes); only asked when short."""
+        nodes = [node for node in tree.nodes() if node.lock_ref == 0]
+        pages = np.concatenate([node.pages for node in nodes]) if nodes else np.empty(0, dtype=np.int64)
+        return any(n - pool.num_free > int((table[pages] >= 0).sum()) for pool, table in zip(self.pools, self.maps))
 
     # ------------------------------------------------------------- matching
 
