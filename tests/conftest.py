@@ -1,5 +1,8 @@
-"""Shared test settings: radixkv's hypothesis profiles (``HYPOTHESIS_PROFILE=ci`` is what CI uses)."""
+"""Shared test settings: radixkv's hypothesis profiles (``HYPOTHESIS_PROFILE=ci`` is what CI uses),
+and this directory on ``sys.path`` for the helper modules the tests share (``hf_cases``)."""
 
+import sys
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -8,6 +11,7 @@ import torch
 from radixkv.testing import settings
 
 settings.load_profile()
+sys.path.insert(0, str(Path(__file__).parent))      # --import-mode=importlib does not add it
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ import torch
 pytest.importorskip("transformers")
 
 from radixkv import KVLayout, PoolExhausted, PrefixCache, ops  # noqa: E402
+from hf_cases import TOL, full_logits, prefill_exact  # noqa: E402
 from radixkv.integrations.transformers import (  # noqa: E402
     PrefixCachedLM,
     Result,
@@ -38,7 +39,6 @@ from radixkv.integrations.transformers import (  # noqa: E402
 from radixkv.groups import KVGroups  # noqa: E402
 from radixkv.pool import KVGroup, KVPool  # noqa: E402
 
-TOL = 1e-4
 WINDOW, PAGE, CHUNK, LAYERS = 8, 4, 8, 4
 NEED = -(-(WINDOW - 1) // PAGE)          # sliding pages a match needs: the last w - 1 tokens
 KEEP = -(-(WINDOW - 1 + PAGE) // PAGE)   # kept per reuse point: a page more (a repeat stops a page short)
@@ -76,22 +76,6 @@ def make_lm(model: Any, num_pages: int = 256, **kw: Any) -> PrefixCachedLM:
 
 def tokens(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, n)
-
-
-def full_logits(model: Any, ids: np.ndarray) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=torch.as_tensor(ids).long()[None]).logits[0]
-
-
-def prefill_exact(lm: PrefixCachedLM, ids: np.ndarray) -> Result:
-    """``lm.prefill(ids)``, asserting its logits equal one plain forward's at every computed position."""
-    result = lm.prefill(ids, logits_to_keep=0)
-    reference = full_logits(lm.model, ids)[result.match_tokens:]
-    assert result.logits.shape == reference.shape
-    diff = (result.logits - reference).abs().max().item()
-    assert diff <= TOL, f"max |logits - full forward| = {diff} with {result.match_tokens} tokens reused"
-    lm.cache.check()
-    return result
 
 
 def kv_groups(cache: PrefixCache) -> KVGroups:

@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 from radixkv import KVLayout, Namespace, PrefixCache  # noqa: E402
 from radixkv.backends import MemoryTier  # noqa: E402
+from hf_cases import TOL, full_logits, prefill_exact  # noqa: E402
 from radixkv.integrations.transformers import (  # noqa: E402
     PrefixCachedLM,
     Result,
@@ -28,7 +29,6 @@ from radixkv.integrations.transformers import (  # noqa: E402
     random_model,
 )
 
-TOL = 1e-4
 PAGE, CHUNK = 4, 8
 VOCAB = 256
 
@@ -54,22 +54,6 @@ def make_cache(model: Any, tiers: Any = (), num_pages: int = 256, namespace: Nam
 
 def tokens(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, n)
-
-
-def full_logits(model: Any, ids: np.ndarray) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.as_tensor(ids).long()[None]).logits[0]
-
-
-def prefill_exact(lm: PrefixCachedLM, ids: np.ndarray) -> Result:
-    """``lm.prefill(ids)``, asserting that its logits equal a full prefill's at every computed position."""
-    result = lm.prefill(ids, logits_to_keep=0)
-    reference = full_logits(lm.model, ids)[result.match_tokens:]
-    assert result.logits.shape == reference.shape
-    diff = (result.logits - reference).abs().max().item()
-    assert diff <= TOL, f"max |logits - full prefill| = {diff} with {result.match_tokens} tokens reused"
-    lm.cache.check()
-    return result
 
 
 def evict_all(cache: PrefixCache) -> None:
