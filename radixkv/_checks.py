@@ -16,6 +16,8 @@ def check_int(value: Any, name: str, minimum: int = 0) -> int:
     >>> check_int(3, "n"), check_int(np.int64(2), "n", 1)
     (3, 2)
     """
+    if type(value) is int and value >= minimum:      # the common case, before the general checks
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)

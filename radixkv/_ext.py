@@ -35,13 +35,14 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["BuildLocked", "BuildMissing", "build", "ext_dir", "load", "sources_dir"]
+__all__ = ["BuildLocked", "BuildMissing", "build", "ext_dir", "load", "native_tokens", "sources_dir"]
 
 ENV_DIR = "RADIXKV_EXT_DIR"
+ENV_MODE = "RADIXKV_EXT"  # auto / off / require: radixkv.ops reads it; off also turns native_tokens off
 LIBRARIES = {"cpp": "radixkv_block_copy", "cuda+cpp": "radixkv_block_copy_cuda"}
 # ATen's parallel_for is an OpenMP pragma in a header: without -fopenmp it runs on one thread.
 CFLAGS = ("-O3", "-fopenmp") if sys.platform.startswith("linux") else ("-O3",)
@@ -50,6 +51,8 @@ MANIFEST = "manifest.json"
 UNREADABLE_LOCK_S = 10.0  # a lock file still unreadable this long after it was written is stale
 
 _loaded: str | None = None  # the backend whose library this process has loaded, if any
+_library: Path | None = None  # and its file
+_tokens: Any = False  # native_tokens(): False before the first call, then the function or None
 _load_lock = threading.Lock()
 
 
@@ -113,7 +116,7 @@ def load() -> str:
     there is no complete build for this torch and these sources, or it does not load.  A second
     call returns what the first loaded.  Cost: hashing the sources (~1 ms) and a ``dlopen``.
     """
-    global _loaded
+    global _loaded, _library
     with _load_lock:
         if _loaded is not None:
             return _loaded
@@ -130,8 +133,33 @@ def load() -> str:
         except Exception as exc:  # a library of another ABI, a truncated file
             raise BuildMissing(f"the built extension in {where} does not load ({_first_line(exc)}); "
                                "rebuild it with `python -m radixkv build-ext`") from exc
-        _loaded = str(manifest["backend"])
+        _loaded, _library = str(manifest["backend"]), library
         return _loaded
+
+
+def native_tokens() -> Callable[[Any], bytes | None] | None:
+    """The extension's ``token_bytes(seq)`` (``cuda_ext/tokens.cpp``: an exact-int list or tuple of
+    ids in ``[0, 2**31)`` as int32 LE bytes, ``None`` for anything else), or ``None`` when the
+    extension is off (``RADIXKV_EXT=off``) or not built: callers then take their Python path.
+    Never builds and never warns (``radixkv.ops`` warns for the copies).  The first call loads
+    (see ``load``); later ones are O(1)."""
+    global _tokens
+    if _tokens is False:
+        found = None
+        if os.environ.get(ENV_MODE, "auto").strip().lower() != "off":
+            try:
+                load()
+                assert _library is not None
+                name = _library.name.split(".")[0]
+                spec = importlib.util.spec_from_file_location(name, _library)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                found = module.token_bytes
+            except (BuildMissing, ImportError, AttributeError, AssertionError):
+                found = None
+        _tokens = found
+    return _tokens
 
 
 def _read_manifest(where: Path) -> dict[str, Any] | None:
@@ -169,7 +197,7 @@ def build(verbose: bool = False, lock_timeout: float = 600.0, require_cuda: bool
     ``verbose``).  Cost: a compile
     (~10-20 s for the C++ part, more with CUDA) once per torch and source; a load after that.
     """
-    global _loaded
+    global _loaded, _library
     src = sources_dir()
     where = ext_dir(src)
     if _read_manifest(where) is None:
@@ -181,6 +209,7 @@ def build(verbose: bool = False, lock_timeout: float = 600.0, require_cuda: bool
                         raise RuntimeError("radixkv.ops: an older build of the extension is loaded in this "
                                            "process; build in a fresh process")
                     _loaded = _compile(src, where, verbose, require_cuda)
+                    _library = where / f"{LIBRARIES[_loaded]}.so"
                     return _loaded
     return load()
 
@@ -189,7 +218,7 @@ def _compile(src: Path, where: Path, verbose: bool, require_cuda: bool) -> str:
     """Compile in a fresh folder, move the library into ``where``, write the manifest last."""
     from torch.utils import cpp_extension
 
-    cpp = [str(src / "block_copy.cpp")]
+    cpp = sorted(str(p) for p in src.glob("*.cpp"))
     cu = sorted(str(p) for p in src.glob("*.cu"))
     attempts = []
     if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and cu:

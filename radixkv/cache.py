@@ -297,7 +297,7 @@ class PrefixCache:
 
     def _open(self, data: bytes, usable: int, load: str, deadline: float, count: bool = True) -> Request:
         result = self._usable_match(data[:usable])
-        self.tree.lock(result.node)
+        self.tree._lock(result.node)
         if self.groups is not None:
             self.groups.hold(result.node, 1)
         req = Request(self, data, usable, result.node, result.pages, result.num_tokens)
@@ -604,7 +604,7 @@ class PrefixCache:
                              f"already: {full - held} page ids needed, got {len(ids)}")
         if has_duplicates(ids):
             raise ValueError("pages: the same page id is given more than once")
-        if (self._state[ids] != _ENGINE).any():
+        if not self._all_engine(ids):
             raise ValueError(f"pages: page {int(ids[self._state[ids] != _ENGINE][0])} is not one from alloc()")
         req._data = data
         if ids.size:
@@ -632,7 +632,7 @@ class PrefixCache:
             req._pending.future.cancel()
             req._pending = None
         req.released = True
-        self.tree.unlock(req.node)
+        self.tree._unlock(req.node)
         if self.groups is not None:
             self.groups.hold(req.node, -1)
             self._trim(req.node)
@@ -679,7 +679,7 @@ class PrefixCache:
                 if not self.evict(1):    # leaf by leaf until the sliding pools have room
                     raise PoolExhausted(f"cannot allocate {num_pages} pages: a sliding group's pool is short "
                                         "and nothing more is evictable")
-        ids = self.pool.alloc(num_pages)
+        ids = self.pool._take(num_pages)
         self._state[ids] = _ENGINE
         if self.groups is not None:
             self.groups.attach(ids)
@@ -688,7 +688,7 @@ class PrefixCache:
     def _free_pages(self, ids: np.ndarray) -> None:
         """Give pages (validated, not free) back to the pool, with their sliding groups' pages."""
         if ids.size:
-            self.pool.free(ids)
+            self.pool._give_back(ids)
             self._state[ids] = _FREE
             if self.groups is not None:
                 self.groups.detach(ids)
@@ -730,10 +730,13 @@ class PrefixCache:
         needs stays); its held pages lead ``ids`` and the rest are checked engine pages, so there
         is nothing to validate.  Otherwise validates before changing anything."""
         cached: list[np.ndarray] = []
+        mine: slice | np.ndarray                 # of the first `known` pages, those that are not the tree's
         if hold is not None:
-            in_tree = np.zeros(len(ids), dtype=bool)
-            in_tree[:len(hold._pages)] = True
-            result = self.tree._insert(data, ids, lambda _, path_pages: cached.extend(path_pages))
+            collect = None if self.groups is None and self.stack is None else (
+                lambda _, path_pages: cached.extend(path_pages))
+            result = self.tree._insert(data, ids, collect)
+            known = result.prefix_len // self.page_size
+            mine = slice(len(hold._pages), known)     # the held pages lead ids and are the tree's
         else:
             state = self._state[ids]
             if (state == _FREE).any():
@@ -751,11 +754,11 @@ class PrefixCache:
                     raise ValueError("pages: a cached page is passed for tokens it does not hold")
 
             result = self.tree._insert(data, ids, validate)
-        known = result.prefix_len // self.page_size
-        if self.groups is not None and known:       # the engine's pages fill the tree's tombstones
+            known = result.prefix_len // self.page_size
             mine = ~in_tree[:known]
+        if self.groups is not None and known:       # the engine's pages fill the tree's tombstones
             self.groups.fill(np.concatenate(cached)[:known][mine], ids[:known][mine])
-        duplicates = ids[:known][~in_tree[:known]]
+        duplicates = ids[:known][mine]
         if tail.size:
             duplicates = np.concatenate([duplicates, tail])
         self._free_pages(duplicates)
@@ -862,8 +865,8 @@ class PrefixCache:
 
     def _move_hold(self, req: Request, node: RadixNode) -> None:
         """Move ``req``'s hold (lock and, with groups, its end) to ``node``."""
-        self.tree.lock(node)
-        self.tree.unlock(req.node)
+        self.tree._lock(node)
+        self.tree._unlock(req.node)
         if self.groups is not None:
             self.groups.hold(node, 1)
             self.groups.hold(req.node, -1)
@@ -874,11 +877,16 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- inspection
 
+    def _all_engine(self, ids: np.ndarray) -> bool:
+        """Whether every page of ``ids`` is the engine's (from ``alloc``).  O(n), in C."""
+        states = self._state[ids].tolist()       # list.count beats numpy's != and any() here
+        return states.count(_ENGINE) == len(states)
+
     def _engine_pages(self, pages: Any, name: str) -> np.ndarray:
         ids = as_page_ids(pages, self.pool.num_pages, name)
         if has_duplicates(ids):
             raise ValueError(f"{name}: the same page id is given more than once")
-        if (self._state[ids] != _ENGINE).any():
+        if not self._all_engine(ids):
             raise ValueError(f"{name}: page {int(ids[self._state[ids] != _ENGINE][0])} is not held by the engine")
         return ids
 

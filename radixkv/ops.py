@@ -51,7 +51,7 @@ from radixkv.pool import KVPool, as_page_ids, has_duplicates
 __all__ = ["backend", "build", "extension_dir", "gather_blocks", "gather_pages", "scatter_blocks",
            "scatter_pages"]
 
-ENV_MODE = "RADIXKV_EXT"
+ENV_MODE = _ext.ENV_MODE
 _MODES = ("auto", "off", "require")
 
 _lock = threading.Lock()

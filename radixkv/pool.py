@@ -196,8 +196,8 @@ def as_page_ids(pages: Any, num_pages: int, name: str = "pages") -> np.ndarray:
     Cost: O(n), vectorised.
     """
     if isinstance(pages, torch.Tensor):
-        if pages.dtype == torch.int64 and pages.device.type == "cpu" and not pages.requires_grad:
-            arr = pages.numpy()                     # what alloc hands out: no conversion
+        if pages.dtype is torch.int64 and pages.is_cpu:   # what alloc hands out: no conversion
+            arr = pages.numpy()                   # (an integer tensor never requires grad)
         elif pages.dtype.is_floating_point or pages.dtype == torch.bool or pages.is_complex():
             raise TypeError(f"{name} must hold integer page ids, got a {pages.dtype} tensor")
         else:
@@ -272,6 +272,10 @@ class PagePool:
         check_int(n, "n")
         if n > self._top:
             raise ValueError(f"cannot allocate {n} pages: only {self._top} of {self.num_pages} are free")
+        return self._take(n)
+
+    def _take(self, n: int) -> np.ndarray:
+        """``alloc`` without the checks: the caller knows ``0 <= n <= num_free``."""
         ids = self._stack[self._top - n:self._top].copy()
         self._top -= n
         self._is_free[ids] = False
@@ -291,6 +295,10 @@ class PagePool:
             raise ValueError(f"pages: page {int(bad)} is already free (double free)")
         if has_duplicates(ids):
             raise ValueError("pages: the same page id is given more than once")
+        self._give_back(ids)
+
+    def _give_back(self, ids: np.ndarray) -> None:
+        """``free`` without the checks: the caller knows ``ids`` are distinct pages it took."""
         self._stack[self._top:self._top + ids.size] = ids
         self._top += ids.size
         self._is_free[ids] = True

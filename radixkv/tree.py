@@ -8,9 +8,11 @@ No Python code runs per token.
 Reference counts: ``lock(node)`` adds one to every node on the path to the root, ``unlock``
 takes it back.  A node with ``lock_ref > 0`` is in use by a running request and is never evicted.
 
-Eviction: unlocked leaves sit in a ``SortedDict`` ordered by last access, so ``evict`` pops the
+Eviction: unlocked leaves sit in a binary heap ordered by last access, so ``evict`` pops the
 least recently used one in O(log n) and a parent joins the order the moment it becomes a
-childless unlocked node.  Nothing is rebuilt per call.
+childless unlocked node.  Leaving the order (a lock, a new child, a new access stamp) only marks
+the node's heap entry dead (O(1)); dead entries are skipped when popped and dropped all at once
+when they outnumber the live ones (amortised O(1)).  Nothing is rebuilt per call.
 
 >>> tree = RadixTree(page_size=2)
 >>> tree.insert([1, 2, 3, 4, 5], [7, 8]).prefix_len      # the tail token 5 is not a full page
@@ -26,11 +28,11 @@ root
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
-from sortedcontainers import SortedDict
 
 from radixkv._checks import check_int
 from radixkv.hashing import as_token_bytes
@@ -49,7 +51,7 @@ class RadixNode:
     and ``token_ids`` are there for inspection.
     """
 
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "serial")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "serial", "lru_entry")
 
     def __init__(self, key: bytes, pages: np.ndarray, parent: RadixNode | None, last_access: int) -> None:
         self.key = key                      # int32 LE bytes, a whole number of pages
@@ -59,6 +61,7 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = last_access
         self.serial = next(_serials)        # breaks ties in the LRU order
+        self.lru_entry = -1                 # the id of its live entry in the tree's LRU heap, -1: none
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +105,11 @@ class RadixTree:
         self._clock = 0
         self._root = RadixNode(b"", _EMPTY_PAGES, None, 0)
         self._root.lock_ref = 1  # the root is never evicted and never in the LRU order
-        self._lru: SortedDict = SortedDict()  # (last_access, serial) -> evictable leaf
+        # The LRU order of the evictable (unlocked, childless) nodes: a heap of (last_access, serial,
+        # entry, node), live where node.lru_entry == entry; _lru_live of them are.
+        self._lru: list[tuple[int, int, int, RadixNode]] = []
+        self._lru_live = 0
+        self._lru_next = 0
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 0
@@ -211,9 +218,39 @@ class RadixTree:
         stamp = self._clock
         for node in path:
             if node.lock_ref == 0 and not node.children:   # an evictable leaf: reorder it
-                del self._lru[(node.last_access, node.serial)]
-                self._lru[(stamp, node.serial)] = node
-            node.last_access = stamp
+                self._lru_drop(node)
+                node.last_access = stamp
+                self._lru_add(node)
+            else:
+                node.last_access = stamp
+
+    def _lru_add(self, node: RadixNode) -> None:
+        """Enter ``node`` (an evictable leaf, under its current stamp) in the LRU order.  O(log n)."""
+        entry = self._lru_next
+        self._lru_next = entry + 1
+        node.lru_entry = entry
+        heapq.heappush(self._lru, (node.last_access, node.serial, entry, node))
+        self._lru_live += 1
+
+    def _lru_drop(self, node: RadixNode) -> None:
+        """Take ``node`` out of the LRU order: its entry dies where it is.  Amortised O(1)."""
+        node.lru_entry = -1
+        self._lru_live -= 1
+        if len(self._lru) > 2 * self._lru_live + 64:
+            self._lru = [item for item in self._lru if item[3].lru_entry == item[2]]
+            heapq.heapify(self._lru)
+
+    def _lru_pop(self) -> RadixNode | None:
+        """Take the least recently used evictable leaf out of the order (``None``: there is none).
+        O(log n) amortised."""
+        heap = self._lru
+        while heap:
+            _, _, entry, node = heapq.heappop(heap)
+            if node.lru_entry == entry:
+                node.lru_entry = -1
+                self._lru_live -= 1
+                return node
+        return None
 
     # ---------------------------------------------------------------- insert
 
@@ -264,10 +301,10 @@ class RadixTree:
         if pos < len(data):
             leaf = RadixNode(data[pos:], pages[pos // pb:], node, self._clock)
             if node is not self._root and node.lock_ref == 0 and not node.children:
-                del self._lru[(node.last_access, node.serial)]   # node stops being a leaf
+                self._lru_drop(node)                             # node stops being a leaf
             node.children[data[pos:pos + pb]] = leaf
-            self._lru[(leaf.last_access, leaf.serial)] = leaf
-            self._evictable += leaf.num_tokens
+            self._lru_add(leaf)
+            self._evictable += len(leaf.key) >> 2
             self._num_nodes += 1
             node = leaf
         return InsertResult(pos // 4, node)
@@ -280,14 +317,7 @@ class RadixTree:
         Locking the root is a no-op.
         """
         self._check_handle(node, "node")
-        while node is not self._root:
-            if node.lock_ref == 0:
-                self._evictable -= node.num_tokens
-                self._protected += node.num_tokens
-                if not node.children:
-                    del self._lru[(node.last_access, node.serial)]
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+        self._lock(node)
 
     def unlock(self, node: RadixNode) -> None:
         """Take back one reference from ``node`` and its ancestors.  O(depth).
@@ -297,13 +327,32 @@ class RadixTree:
         self._check_handle(node, "node")
         if node is not self._root and node.lock_ref <= 0:
             raise ValueError("node: unlock of a node that is not locked")
-        while node is not self._root:
+        self._unlock(node)
+
+    def _lock(self, node: RadixNode) -> None:
+        """``lock`` of a node known to be in this tree (the caller got it from the tree)."""
+        root = self._root
+        while node is not root:
+            if node.lock_ref == 0:
+                size = len(node.key) >> 2
+                self._evictable -= size
+                self._protected += size
+                if not node.children:
+                    self._lru_drop(node)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def _unlock(self, node: RadixNode) -> None:
+        """``unlock`` of a locked node known to be in this tree."""
+        root = self._root
+        while node is not root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._protected -= node.num_tokens
-                self._evictable += node.num_tokens
+                size = len(node.key) >> 2
+                self._protected -= size
+                self._evictable += size
                 if not node.children:
-                    self._lru[(node.last_access, node.serial)] = node
+                    self._lru_add(node)
             node = node.parent  # type: ignore[assignment]
 
     def _check_handle(self, node: Any, name: str) -> None:
@@ -333,9 +382,10 @@ class RadixTree:
         check_int(num_pages, "num_pages")
         freed: list[np.ndarray] = []
         count = 0
-        lru = self._lru
-        while count < num_pages and lru:
-            _, node = lru.popitem(0)
+        while count < num_pages:
+            node = self._lru_pop()
+            if node is None:
+                break
             if on_evict is not None:
                 on_evict(node)
             parent = node.parent
@@ -343,10 +393,10 @@ class RadixTree:
             node.parent = None
             freed.append(node.pages)
             count += len(node.pages)
-            self._evictable -= node.num_tokens
+            self._evictable -= len(node.key) >> 2
             self._num_nodes -= 1
             if parent is not self._root and parent.lock_ref == 0 and not parent.children:
-                lru[(parent.last_access, parent.serial)] = parent
+                self._lru_add(parent)
         return np.concatenate(freed) if freed else _EMPTY_PAGES
 
     # ---------------------------------------------------------------- inspection
@@ -450,10 +500,17 @@ class RadixTree:
                 evictable += node.num_tokens
                 if not node.children:
                     leaves[(node.last_access, node.serial)] = node
+            assert (node.lru_entry >= 0) == (not node.lock_ref and not node.children), \
+                "a node is in the LRU order but is not an unlocked leaf, or the other way round"
         assert count == self._num_nodes, f"node count {self._num_nodes} != {count}"
         assert evictable == self._evictable, f"evictable_size {self._evictable} != {evictable}"
         assert protected == self._protected, f"protected_size {self._protected} != {protected}"
-        assert leaves.keys() == set(self._lru.keys()), "LRU order differs from the unlocked leaves"
-        assert all(self._lru[k] is v for k, v in leaves.items()), "LRU entry points at another node"
+        live = {(stamp, serial): node for stamp, serial, entry, node in self._lru if node.lru_entry == entry}
+        assert len(live) == self._lru_live, f"{self._lru_live} live LRU entries counted, {len(live)} found"
+        assert leaves.keys() == live.keys(), "LRU order differs from the unlocked leaves"
+        assert all(live[k] is v for k, v in leaves.items()), "LRU entry points at another node"
+        assert len(self._lru) <= 2 * self._lru_live + 64, "dead LRU entries were not dropped"
+        heap = self._lru
+        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "the LRU heap is out of order"
         flat = np.concatenate(pages) if pages else _EMPTY_PAGES
         assert np.unique(flat).size == flat.size, "a page id appears twice in the tree"

@@ -20,7 +20,7 @@ def test_replay_reports_hits_and_savings():
 
 
 def test_bench_index_smoke(tmp_path):
-    out = run("radixkv.bench", "index", "--requests", "300", "--page-sizes", "16,1",
+    out = run("radixkv.bench", "index", "--requests", "300", "--page-sizes", "16,1", "--repeat", "1",
               "--pool-tokens", "200000", "--evict-sizes", "200,2000", "--out", str(tmp_path / "r.txt"))
     assert "req/s" in out and "evict cost per node" in out
     assert (tmp_path / "r.txt").read_text().startswith("# python -m radixkv.bench index")

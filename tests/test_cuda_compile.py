@@ -1,6 +1,9 @@
-"""The CUDA sources compile: ``nvcc -c`` of every ``.cu`` against torch's headers.
+"""The CUDA sources compile: ``nvcc -ptx`` of every ``.cu`` against torch's headers.
 
-Runs wherever nvcc is, GPU or not, so that a CPU-only CI still catches a broken kernel.  A CPU
+Runs wherever nvcc is, GPU or not, so that a CPU-only CI still catches a broken kernel.  ``-ptx``
+runs nvcc's C++ front end over the whole file, host code included (an undefined host function is
+an error), and generates the device code, but skips the host compiler's pass over torch's headers:
+about 15 s here instead of about 40 for ``-c``.  A CPU
 wheel of torch ships the CUDA headers but not ``c10/cuda/impl/cuda_cmake_macros.h``, which a CUDA
 build of torch generates; a one-line shim stands in for it.
 """
@@ -47,11 +50,13 @@ def test_cuda_source_compiles(source: Path, tmp_path: Path) -> None:
         (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         includes.append(str(tmp_path / "shim"))
     # The flags torch.utils.cpp_extension gives nvcc, less the ones that need a GPU or a link.
-    cmd = [NVCC, "-c", str(source), "-o", str(tmp_path / "out.o"), "-std=c++20", "-O3",
+    cmd = [NVCC, "-ptx", str(source), "-o", str(tmp_path / "out.ptx"), "-std=c++20", "-O3",
            "--compiler-options", "-fPIC", *cpp_extension.COMMON_NVCC_FLAGS,
            "-DTORCH_EXTENSION_NAME=radixkv_block_copy_cuda", *(f"-I{d}" for d in includes)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "LC_ALL": "C"})
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert result.returncode == 0, "nvcc failed:\n" + "\n".join(errors[:20] or result.stderr.splitlines()[-40:])
-    assert (tmp_path / "out.o").stat().st_size > 0
+    ptx = (tmp_path / "out.ptx").read_text()
+    kernels = [line for line in ptx.splitlines() if line.startswith(".entry") or " .entry " in line]
+    assert any("copy_blocks_kernel" in line for line in kernels), "no block-copy kernel in the PTX"

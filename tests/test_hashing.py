@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import radixkv as rk
+from radixkv import _ext, hashing
 from radixkv.hashing import as_token_bytes
 
 NS = rk.Namespace(model="golden/model", revision="r1")
@@ -112,3 +113,73 @@ def test_namespace_validation():
 
 def test_token_bytes_are_little_endian_int32():
     assert as_token_bytes([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+
+
+# ------------------------------------------------------------------ the native list conversion
+
+def _python_path(tokens):
+    """``as_token_bytes`` without the extension's converter: the bytes, or the exception's type."""
+    saved = hashing.native_tokens
+    hashing.native_tokens = lambda: None
+    try:
+        return as_token_bytes(tokens)
+    except (TypeError, ValueError) as exc:
+        return type(exc)
+    finally:
+        hashing.native_tokens = saved
+
+
+def _either(tokens):
+    try:
+        return as_token_bytes(tokens)
+    except (TypeError, ValueError) as exc:
+        return type(exc)
+
+
+def test_the_native_converter_is_loaded_where_the_extension_is_built():
+    # `make test` builds the extension first; an explicit RADIXKV_EXT=off turns the converter off.
+    if os.environ.get("RADIXKV_EXT", "auto").lower() == "off":
+        assert _ext.native_tokens() is None
+        return
+    try:
+        _ext.load()
+    except _ext.BuildMissing:
+        pytest.skip("the extension is not built here (python -m radixkv build-ext)")
+    assert _ext.native_tokens() is not None, "the built extension should provide token_bytes"
+
+
+_EDGE_IDS = st.sampled_from([0, 1, 2, 2**15, 2**30 - 1, 2**30, 2**31 - 1, 2**31, 2**32, 2**63, 2**64, -1, -(2**30),
+                             -(2**31), -(2**64)])
+_ELEMENTS = st.one_of(st.integers(0, 2**31 - 1), st.integers(-(2**70), 2**70), _EDGE_IDS, st.booleans(),
+                      st.floats(allow_nan=False, width=32), st.builds(np.int64, st.integers(0, 2**31 - 1)),
+                      st.builds(np.int32, st.integers(0, 2**31 - 1)))
+
+
+@given(st.lists(st.one_of(st.integers(0, 2**31 - 1), _EDGE_IDS), max_size=64) | st.lists(_ELEMENTS, max_size=12),
+       st.booleans())
+def test_native_conversion_agrees_with_the_python_path(tokens, as_tuple):
+    native = _ext.native_tokens()
+    if native is None:
+        pytest.skip("the extension is not built here")
+    seq = tuple(tokens) if as_tuple else tokens
+    out = native(seq)
+    exact = all(type(t) is int and 0 <= t < 2**31 for t in tokens)
+    if exact:
+        assert out == np.array(tokens, dtype="<i4").tobytes()
+    else:
+        assert out is None          # anything unusual goes to the exact checks of the Python path
+    assert _either(seq) == _python_path(seq)
+
+
+def test_native_conversion_refuses_other_containers_and_subclasses():
+    native = _ext.native_tokens()
+    if native is None:
+        pytest.skip("the extension is not built here")
+
+    class Ids(list):
+        pass
+
+    for other in (np.array([1, 2]), torch.tensor([1, 2]), range(3), Ids([1, 2]), "ab", b"ab", 7):
+        assert native(other) is None
+    assert as_token_bytes(Ids([1, 2])) == as_token_bytes([1, 2])
+    assert native([]) == b"" and as_token_bytes([]) == b""

@@ -22,7 +22,6 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
-from sortedcontainers import SortedDict
 
 from radixkv import ops
 from radixkv.backends import MemoryTier, blob_view, check_key, count_leading
@@ -119,11 +118,14 @@ class KeyedBy(dict):  # type: ignore[type-arg]
         return super().pop(k[self.part], *default)
 
 
-class MruSortedDict(SortedDict):
+def _lru_pop_newest(self: RadixTree) -> Any:
     """The tree's LRU order, popped from the newest end."""
-
-    def popitem(self, index: int = -1) -> Any:
-        return super().popitem(-1 if index == 0 else index)
+    live = [item for item in self._lru if item[3].lru_entry == item[2]]
+    if not live:
+        return None
+    node = max(live)[3]
+    self._lru_drop(node)
+    return node
 
 
 def cpu(**swap: Any) -> Callable[[], CpuTier]:
@@ -469,49 +471,41 @@ def _split_swaps_boundary_page(mp: pytest.MonkeyPatch) -> None:
 
 
 def _tree_lru_newest_first(mp: pytest.MonkeyPatch) -> None:
-    def make(init: Callable[..., None]) -> Callable[..., None]:
-        def bad(self: RadixTree, page_size: int) -> None:
-            init(self, page_size)
-            self._lru = MruSortedDict()
-        return bad
-    wrap(mp, RadixTree, "__init__", make)
+    mp.setattr(RadixTree, "_lru_pop", _lru_pop_newest)
 
 
 def _lock_leaves_leaf_evictable(mp: pytest.MonkeyPatch) -> None:
     def make(lock: Callable[..., None]) -> Callable[..., None]:
         def bad(self: RadixTree, node: Any) -> None:
             lock(self, node)
-            if node is not self.root and not node.children:
-                self._lru[(node.last_access, node.serial)] = node
+            if node is not self.root and not node.children and node.lru_entry < 0:
+                self._lru_add(node)
         return bad
-    wrap(mp, RadixTree, "lock", make)
+    wrap(mp, RadixTree, "_lock", make)
 
 
 def _unlock_forgets_lru(mp: pytest.MonkeyPatch) -> None:
     def make(unlock: Callable[..., None]) -> Callable[..., None]:
         def bad(self: RadixTree, node: Any) -> None:
             unlock(self, node)
-            self._lru.pop((node.last_access, node.serial), None)
+            if node.lru_entry >= 0:
+                self._lru_drop(node)
         return bad
-    wrap(mp, RadixTree, "unlock", make)
+    wrap(mp, RadixTree, "_unlock", make)
 
 
 def _lock_only_the_node(mp: pytest.MonkeyPatch) -> None:
     def lock(self: RadixTree, node: Any) -> None:
-        self._check_handle(node, "node")
         if node is self.root:
             return
         if node.lock_ref == 0:
             self._evictable -= node.num_tokens
             self._protected += node.num_tokens
             if not node.children:
-                del self._lru[(node.last_access, node.serial)]
+                self._lru_drop(node)
         node.lock_ref += 1                     # the ancestors stay unlocked
 
     def unlock(self: RadixTree, node: Any) -> None:
-        self._check_handle(node, "node")
-        if node is not self.root and node.lock_ref <= 0:
-            raise ValueError("node: unlock of a node that is not locked")
         if node is self.root:
             return
         node.lock_ref -= 1
@@ -519,9 +513,9 @@ def _lock_only_the_node(mp: pytest.MonkeyPatch) -> None:
             self._protected -= node.num_tokens
             self._evictable += node.num_tokens
             if not node.children:
-                self._lru[(node.last_access, node.serial)] = node
-    mp.setattr(RadixTree, "lock", lock)
-    mp.setattr(RadixTree, "unlock", unlock)
+                self._lru_add(node)
+    mp.setattr(RadixTree, "_lock", lock)       # the public lock/unlock check, then call these
+    mp.setattr(RadixTree, "_unlock", unlock)
 
 
 def _insert_keeps_parent_in_lru(mp: pytest.MonkeyPatch) -> None:
@@ -529,8 +523,8 @@ def _insert_keeps_parent_in_lru(mp: pytest.MonkeyPatch) -> None:
         def bad(self: RadixTree, *args: Any, **kw: Any) -> Any:
             result = insert(self, *args, **kw)
             parent = result.node.parent
-            if parent is not None and parent is not self.root and parent.lock_ref == 0:
-                self._lru[(parent.last_access, parent.serial)] = parent
+            if parent is not None and parent is not self.root and parent.lock_ref == 0 and parent.lru_entry < 0:
+                self._lru_add(parent)
             return result
         return bad
     wrap(mp, RadixTree, "_insert", make)
@@ -565,9 +559,7 @@ def _pool_free_no_checks(self: KVPool, pages: Any) -> None:
     self._is_free[ids] = True
 
 
-def _pool_alloc_from_bottom(self: KVPool, n: int) -> Any:
-    if n > self._top:
-        raise ValueError(f"cannot allocate {n} pages")
+def _pool_take_from_bottom(self: KVPool, n: int) -> Any:
     ids = self._stack[:n].copy()
     self._top -= n
     self._is_free[ids] = False
@@ -688,13 +680,13 @@ ENGINE_MUTANTS = [
            "RadixTreeMachine", _evict_one_leaf_more),
     Mutant("tree-check-returns-early", "RadixTree.check", "check() returns early", "RadixTreeMachine",
            _check_returns_early(RadixTree, lambda self: None)),
-    Mutant("pool-alloc-keeps-free-mark", "KVPool.alloc", "allocated pages stay marked free",
+    Mutant("pool-alloc-keeps-free-mark", "KVPool._take", "allocated pages stay marked free",
            "PrefixCacheMachine",
-           lambda mp: wrap(mp, KVPool, "alloc", lambda alloc: lambda self, n: _mark_free(self, alloc(self, n)))),
+           lambda mp: wrap(mp, KVPool, "_take", lambda take: lambda self, n: _mark_free(self, take(self, n)))),
     Mutant("pool-free-no-checks", "KVPool.free", "a double free is not detected", "PrefixCacheMachine",
            lambda mp: mp.setattr(KVPool, "free", _pool_free_no_checks)),
-    Mutant("pool-alloc-from-bottom", "KVPool.alloc", "hands out pages from the wrong end of the free list",
-           "PrefixCacheMachine", lambda mp: mp.setattr(KVPool, "alloc", _pool_alloc_from_bottom)),
+    Mutant("pool-alloc-from-bottom", "KVPool._take", "hands out pages from the wrong end of the free list",
+           "PrefixCacheMachine", lambda mp: mp.setattr(KVPool, "_take", _pool_take_from_bottom)),
     Mutant("cache-alloc-evicts-everything", "PrefixCache.alloc", "alloc evicts every unlocked prefix",
            "PrefixCacheMachine", _alloc_evicts_everything),
     Mutant("cache-check-returns-early", "PrefixCache.check", "check() skips page states and lock counts",

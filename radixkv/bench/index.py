@@ -61,14 +61,15 @@ def run_workload(requests: list, page_size: int, pool_tokens: int, in_flight: in
     by_request = api == "request"
 
     def finish(tokens: Any, m: Any, new: torch.Tensor) -> None:
+        ids = new.numpy()        # the engine's page-table glue in numpy: a torch slice costs ~1 us
         if by_request:
             full = len(tokens) // page_size - len(m.page_ids)
-            m.extend(tokens, new[:full])
-            if len(new) > full:
-                cache.free(new[full:])
+            m.extend(tokens, ids[:full])
+            if len(ids) > full:
+                cache.free(ids[full:])
             m.release()
         else:
-            cache.insert(tokens, torch.cat([m.pages, new]))
+            cache.insert(tokens, np.concatenate([m.pages.numpy(), ids]))
             cache.release(m)
 
     start = clock()
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-tokens", type=int, default=4_000_000)
     ap.add_argument("--in-flight", type=int, default=8)
     ap.add_argument("--page-sizes", default="16,1")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; each row reports its median round")
     ap.add_argument("--evict-sizes", default="10000,100000", help="two tree sizes (leaves) for the evict cost")
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
@@ -155,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(r) for r in requests)
     say(f"# workload: {len(requests)} chat requests, {tokens / len(requests):.0f} tokens each on average "
         f"(generated in {time.perf_counter() - t0:.1f} s, not timed); pool of {args.pool_tokens} token slots, "
-        f"{args.in_flight} requests in flight")
+        f"{args.in_flight} requests in flight; each row the median of {args.repeat} rounds")
     say()
-    say(f"{'tokens as':<12} {'api':<8} {'page':>4} {'req/s':>8} {'match us':>9} {'insert us':>10} {'evict us':>9} "
+    say(f"{'tokens as':<12} {'api':<8} {'page':>4} {'req/s':>8} {'range':>12} {'match us':>9} {'insert us':>10} {'evict us':>9} "
         f"{'alloc us':>9} {'hit rate':>9} {'nodes':>7} {'evicted pages':>14}")
     # As engines do after start-up (vLLM freezes its heap once the model is loaded): move the
     # long-lived objects (torch's, the workload's) out of the collector's generations, so that a
@@ -166,14 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     runs = [("int32 array", "match", False), ("int32 array", "request", False),
             ("Python list", "match", True), ("Python list", "request", True)]
+    sizes = [int(p) for p in args.page_sizes.split(",")]
+    rows = [(form, api, as_lists, ps) for ps in sizes for form, api, as_lists in (runs if ps == sizes[0] else runs[:1])]
+    # This machine's speed drifts by up to 2x over a minute: every row runs once per round, the
+    # rounds one after another, and a row reports its median round (its req/s range beside it).
+    rounds: dict[tuple[str, str, int], list[dict]] = {(form, api, ps): [] for form, api, _, ps in rows}
+    for _ in range(args.repeat):
+        for form, api, as_lists, ps in rows:
+            rounds[(form, api, ps)].append(run_workload(requests, ps, args.pool_tokens, args.in_flight, api, as_lists))
     results = {}
-    for ps in (int(p) for p in args.page_sizes.split(",")):
-        for form, api, as_lists in runs if ps == int(args.page_sizes.split(",")[0]) else runs[:1]:
-            r = run_workload(requests, ps, args.pool_tokens, args.in_flight, api, as_lists)
-            results[(form, api, ps)] = r
-            say(f"{form:<12} {api:<8} {ps:>4} {r['rps']:>8.0f} {r['match_us']:>9.1f} {r['insert_us']:>10.1f} "
-                f"{r['evict_us']:>9.1f} {r['alloc_us']:>9.1f} {r['hit_rate']:>9.3f} {r['nodes']:>7} "
-                f"{r['evicted_pages']:>14}")
+    for (form, api, ps), got in rounds.items():
+        r = sorted(got, key=lambda x: x["rps"])[len(got) // 2]
+        results[(form, api, ps)] = r
+        spread = f"{got and min(x['rps'] for x in got):.0f}-{max(x['rps'] for x in got):.0f}"
+        say(f"{form:<12} {api:<8} {ps:>4} {r['rps']:>8.0f} {spread:>12} {r['match_us']:>9.1f} {r['insert_us']:>10.1f} "
+            f"{r['evict_us']:>9.1f} {r['alloc_us']:>9.1f} {r['hit_rate']:>9.3f} {r['nodes']:>7} "
+            f"{r['evicted_pages']:>14}")
     say(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     say()
     small, large = (int(s) for s in args.evict_sizes.split(","))
