@@ -611,9 +611,11 @@ class PrefixCache:
             if req._pending is not None:       # the engine computed those tokens itself
                 req._pending.future.cancel()
                 req._pending = None
-            node, _ = self._insert_pages(data[:full * self.page_size * 4], np.concatenate([req._pages, ids]),
-                                         hold=req)
-            req._pages = self.tree.prefix_pages(node)
+            held_tokens = req.num_cached
+            table = np.concatenate([req._pages, ids])
+            node, known = self._insert_pages(data[:full * self.page_size * 4], table, hold=req)
+            # The engine's pages are the canonical ones unless the tree had some of those tokens.
+            req._pages = table if known == held_tokens else self.tree.prefix_pages(node)
             req.num_cached = full * self.page_size
         return req.pages
 
@@ -758,10 +760,11 @@ class PrefixCache:
             mine = ~in_tree[:known]
         if self.groups is not None and known:       # the engine's pages fill the tree's tombstones
             self.groups.fill(np.concatenate(cached)[:known][mine], ids[:known][mine])
-        duplicates = ids[:known][mine]
+        duplicates = ids[:known][mine] if hold is None or known > len(hold._pages) else _NO_PAGES
         if tail.size:
             duplicates = np.concatenate([duplicates, tail])
-        self._free_pages(duplicates)
+        if duplicates.size:
+            self._free_pages(duplicates)
         self._state[ids[known:]] = _TREE
         c = self._counters
         c["inserts"] += 1
@@ -865,8 +868,7 @@ class PrefixCache:
 
     def _move_hold(self, req: Request, node: RadixNode) -> None:
         """Move ``req``'s hold (lock and, with groups, its end) to ``node``."""
-        self.tree._lock(node)
-        self.tree._unlock(req.node)
+        self.tree._move_lock(req.node, node)
         if self.groups is not None:
             self.groups.hold(node, 1)
             self.groups.hold(req.node, -1)

@@ -342,6 +342,23 @@ class RadixTree:
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
+    def _move_lock(self, old: RadixNode, new: RadixNode) -> None:
+        """``_lock(new)`` then ``_unlock(old)`` (both in this tree, ``old`` locked): where ``new`` is
+        at or below ``old`` (a held prefix that grew) only the nodes in between change.
+        O(distance) then, O(depth) otherwise."""
+        node, root = new, self._root
+        while node is not old and node is not root:
+            if node.lock_ref == 0:
+                size = len(node.key) >> 2
+                self._evictable -= size
+                self._protected += size
+                if not node.children:
+                    self._lru_drop(node)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+        if node is not old:          # new is not below old: its whole path is locked now
+            self._unlock(old)
+
     def _unlock(self, node: RadixNode) -> None:
         """``unlock`` of a locked node known to be in this tree."""
         root = self._root
