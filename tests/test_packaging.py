@@ -24,6 +24,8 @@ out = ops.gather_pages(kv, [3, 1])
 assert torch.equal(out, torch.cat([kv[:, :, 3], kv[:, :, 1]], dim=2))
 blocks = ops.gather_blocks([kv[l].transpose(2, 3) for l in range(2)], [2], torch.empty(2, 2, 1, 2, 3, dtype=kv.dtype))
 assert torch.equal(blocks[:, :, 0], kv[:, :, 2, :, 0])  # heads and block_size swapped
+from radixkv import _ext
+assert _ext.native_tokens()([1, 2**30]) == bytes([1, 0, 0, 0, 0, 0, 0, 64])  # the token converter, too
 print(ops.backend(), ops.extension_dir())
 """
 
@@ -35,6 +37,7 @@ def test_wheel_contents_and_extension_from_the_installed_copy(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("radixkv/py.typed", "radixkv/backends/__init__.py", "radixkv/backends/lmdb.py",
                  "radixkv/backends/s3.py", "radixkv/cuda_ext/block_copy.cpp", "radixkv/cuda_ext/block_copy.h",
+                 "radixkv/cuda_ext/tokens.cpp",
                  "radixkv/cuda_ext/block_copy_cuda.cu", "radixkv/integrations/transformers.py",
                  "radixkv/testing/index.py", "radixkv/bench/index.py"):
         assert name in names, name

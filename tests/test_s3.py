@@ -175,7 +175,7 @@ def test_s3_tier_meets_the_tier_contract(s3_server: MotoServer, raw: Any) -> Non
                     raw.delete_object(Bucket=BUCKET, Key=obj["Key"])
 
     run_state_machine_as_test(S3Contract, settings=settings(
-        max_examples=min(settings().max_examples, 15), stateful_step_count=15, deadline=None,
+        max_examples=min(settings().max_examples, 8), stateful_step_count=12, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
 
 
