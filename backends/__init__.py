@@ -125,6 +125,10 @@ class Tier(abc.ABC):
     #: evicted, so a crash loses nothing that was not lost anyway.  Persistent or shared tiers (a file,
     #: a server, a store several caches read) keep ``False``: they stay inclusive.
     victim: bool = False
+    #: In memory: every read is a copy out of this process's memory (no disk, no network), so a
+    #: caller may read it on a latency-critical thread (the vLLM connector answers a lookup that
+    #: such tiers cover at once, on its scheduler's thread).  ``False`` unless a tier says so.
+    in_memory: bool = False
 
     @abc.abstractmethod
     def get(self, key: bytes) -> Blob | None:
@@ -252,6 +256,7 @@ class MemoryTier(Tier):
     """
 
     name = "memory"
+    in_memory = True
 
     def pin(self, keys: Sequence[bytes]) -> int:
         """A memory tier never evicts: every key stays anyway.  O(len(keys))."""

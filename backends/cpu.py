@@ -57,6 +57,7 @@ class CpuTier(Tier):
 
     name = "cpu"
     victim = True
+    in_memory = True
 
     def __init__(self, max_bytes: int, *, slot_bytes: int | None = None, pinned: bool | None = None,
                  policy: str | Policy | None = None, max_pinned: int | None = None) -> None:

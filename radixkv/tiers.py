@@ -255,21 +255,23 @@ class TierStack:
         parents = [self.namespace.root, *keys[:-1]]
         return [ChunkRef(k, p, data[i * step:(i + 1) * step]) for i, (k, p) in enumerate(zip(keys, parents))]
 
-    def lookup(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[int]:
+    def lookup(self, keys: Sequence[bytes], *, deadline: float | None = None,
+               tiers: int | None = None) -> list[int]:
         """For each leading chunk key that some tier holds, the index of the tier to load it from;
         stops at the first key no tier holds.  Does not load or touch anything.
 
         Tier 0 answers for the leading keys it holds, tier 1 for the keys after those, and so on:
         one ``contains_prefix`` round trip per tier (a tier that fails counts as holding none; one
         that does not answer by ``deadline`` — absolute ``time.monotonic()``, default ``timeout_s``
-        from now — as holding the leading keys it confirmed by then).  Cost: O(len(keys)) local
-        lookups plus one round trip per tier, within the deadline.
+        from now — as holding the leading keys it confirmed by then).  ``tiers``: ask only the
+        first that many tiers.  Cost: O(len(keys)) local lookups plus one round trip per tier,
+        within the deadline.
         """
         keys = _chunk_keys(keys)
         deadline = self._deadline(deadline)
         found: list[int] = []
         tier_keys = [self._prefix + k for k in keys]
-        for i, tier in enumerate(self.tiers):
+        for i, tier in enumerate(self.tiers[:self._num_tiers(tiers)]):
             if len(found) == len(keys):
                 break
             self._add("tier_lookups", tier=i)
@@ -286,7 +288,8 @@ class TierStack:
         return found
 
     def load(self, refs: Sequence[ChunkRef], *, where: Sequence[int] | None = None,
-             deadline: float | None = None, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+             deadline: float | None = None, out: Sequence[torch.Tensor] | None = None,
+             tiers: int | None = None) -> list[torch.Tensor]:
         """Fetch, verify and decode the chunks of leading ``refs``; stop at the first chunk that
         no tier delivers intact by ``deadline`` (absolute ``time.monotonic()``; default
         ``timeout_s`` from now).  Returns one ``layout.chunk_shape(chunk_size)`` tensor per loaded
@@ -298,8 +301,9 @@ class TierStack:
         (``get_many``, a window at a time), never past the deadline.  A blob that fails
         verification is deleted from its tier and counted in ``corrupt`` (``forged`` when its MAC
         is missing or wrong); ``out[i]`` is untouched unless chunk ``i`` is returned.  A hit below
-        tier 0 is queued for promotion into the tiers above it (``promote``).  Cost: per chunk, one
-        read per tier tried, one hash or MAC pass and one copy.
+        tier 0 is queued for promotion into the tiers above it (``promote``).  ``tiers``: read only
+        the first that many tiers.  Cost: per chunk, one read per tier tried, one hash or MAC pass
+        and one copy.
         """
         refs = list(refs)
         if out is not None and len(out) < len(refs):
@@ -311,8 +315,9 @@ class TierStack:
         first = [where[i] if where is not None and i < len(where) else 0 for i in range(len(refs))]
         chunks: list[torch.Tensor | None] = [None] * len(refs)
         limit = len(refs)  # chunks from here on are of no use: an earlier one is lost everywhere
-        for t, tier in enumerate(self.tiers):
-            last = t == len(self.tiers) - 1
+        used = self.tiers[:self._num_tiers(tiers)]
+        for t, tier in enumerate(used):
+            last = t == len(used) - 1
             todo = [i for i in range(limit) if chunks[i] is None and first[i] <= t]
             if tier.local:
                 for i in todo:
@@ -344,6 +349,11 @@ class TierStack:
         if len(loaded) < len(refs):
             self._add("load_misses")
         return loaded
+
+    def _num_tiers(self, tiers: int | None) -> int:
+        if tiers is None:
+            return len(self.tiers)
+        return min(check_int(tiers, "tiers"), len(self.tiers))
 
     def _decode(self, t: int, ref: ChunkRef, blob: Any, out: torch.Tensor | None) -> torch.Tensor:
         return decode_chunk(blob, namespace_id=self._prefix, key=ref.key, parent_key=ref.parent,

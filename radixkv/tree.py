@@ -406,6 +406,7 @@ class RadixTree:
             if on_evict is not None:
                 on_evict(node)
             parent = node.parent
+            assert parent is not None              # a leaf in the LRU order is in the tree
             del parent.children[node.key[:self._page_bytes]]
             node.parent = None
             freed.append(node.pages)

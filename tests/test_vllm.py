@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -170,6 +171,74 @@ def test_a_kv_producer_never_looks_up_and_a_consumer_never_stores() -> None:
     assert not consumer.plan([("a", 0, 20)], lambda r: list(range(5)), set(), idle=False).stores
 
 
+def _worker_pair(tiers: list[Any]) -> tuple[Any, list[Any], list[Any], bytes]:
+    """A WorkerSide over ``tiers`` (2 layers, blocks of 4 tokens, chunks of 8) whose first 3 chunks
+    of tokens 1..30 were stored from random source layers; its layers, the source's, the prompt."""
+    import numpy as np
+    import torch
+
+    from radixkv.hashing import Namespace
+    from radixkv.integrations._vllm_plan import Store
+    from radixkv.integrations._vllm_worker import WorkerSide
+    from radixkv.pool import KVLayout
+    from radixkv.tiers import TierStack
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, page_size=4)
+    stack = TierStack(tiers, namespace=Namespace(model="m").bind(layout), layout=layout, chunk_size=8)
+    gen = torch.Generator().manual_seed(0)
+    source = [torch.randn(2, 16, 4, 2, 4, generator=gen) for _ in range(2)]   # [sides, blocks, block, heads, dim]
+    layers = [torch.zeros(2, 16, 4, 2, 4) for _ in range(2)]
+    data = np.arange(1, 31, dtype="<i4").tobytes()
+    WorkerSide(stack, source).store([Store("stored", 0, tuple(range(6)), data)])
+    assert stack.flush(10)
+    return WorkerSide(stack, layers), layers, source, data
+
+
+def test_a_lookup_the_cpu_tier_covers_is_answered_at_once_and_loads_the_same_kv(tmp_path: Path) -> None:
+    import torch
+
+    from radixkv.backends import CpuTier, LmdbTier
+    from radixkv.hashing import keys_from_token_bytes
+
+    cpu = CpuTier(1 << 20)
+    worker, layers, source, data = _worker_pair([cpu, LmdbTier(str(tmp_path / "db"), 1 << 24)])
+    side = SchedulerSide(chunk_size=8, block_size=4, answer=worker.lookup_now)
+    assert side.matched("r", _Req(30), 0) == (24, False)          # 3 chunks, in the same call
+    assert side.counters["answered_at_once"] == 1 and worker.counters["lookups_at_once"] == 1
+    side.allocated("r", list(range(8, 16)), 24)
+    plan = side.plan([("r", 0, 30)], lambda r: list(range(8, 16)), set(), idle=False)
+    assert not plan.lookups and [(ld.start, ld.num_chunks) for ld in plan.loads] == [(0, 3)]
+    worker.begin(plan)
+    worker.load(plan.loads)
+    for layer, src in zip(layers, source):
+        assert torch.equal(layer[:, 8:14], src[:, 0:6]) and not layer[:, 14:].any()
+    assert worker.held_bytes() == 0 and not worker.load_errors
+    worker.check()
+    side.check()
+
+    # The CPU tier lost chunk 2, which LMDB still holds: sent to the worker thread as before.
+    last = keys_from_token_bytes(data, 8, worker.stack.namespace.root)[2]
+    assert cpu.delete(worker.stack._prefix + last)
+    assert side.matched("s", _Req(30), 0) == (None, False)
+    plan = side.plan([], lambda r: [], set(), idle=True)
+    lookup = plan.lookups[0]
+    worker.begin(plan)
+    worker._requests["s"].future.result(timeout=30)
+    report = worker.report(idle=True)
+    assert report is not None and report.found["s"][0] == (lookup.seq, 3)     # LMDB had the third
+    worker.close()
+
+
+def test_no_in_memory_tier_means_no_answer_at_once(tmp_path: Path) -> None:
+    from radixkv.backends import LmdbTier
+
+    worker, _, _, _ = _worker_pair([LmdbTier(str(tmp_path / "db"), 1 << 24)])
+    side = SchedulerSide(chunk_size=8, block_size=4, answer=worker.lookup_now)
+    assert side.matched("r", _Req(30), 0) == (None, False)
+    assert side.counters["answered_at_once"] == 0 and len(side.plan([], lambda r: [], set(), idle=True).lookups) == 1
+    worker.close()
+
+
 # ------------------------------------------------------------------ real engines
 
 
@@ -319,6 +388,8 @@ def test_cold_and_cpu_tier_after_reset_equal_no_cache_and_salt_misses(engines: d
     assert engines["both"]["metrics"]["vllm:num_preemptions"] >= 1
     # radixkv's counters reach vLLM's connector stats hook (logged by the engine).
     assert "KV Transfer metrics:" in engines["both"]["log"] and "loaded_chunks=" in engines["both"]["log"]
+    # One worker in the scheduler's process: the CPU tier's lookups were answered in the same step.
+    assert re.search(r"answered_at_once=[1-9]", engines["both"]["log"]), "no lookup answered at once"
 
 
 @needs_vllm

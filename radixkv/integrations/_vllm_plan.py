@@ -10,7 +10,9 @@ machine per request:
    vLLM's own prefix cache does not cover, and the answer is "not yet" (``None``): vLLM keeps the
    request waiting while others run.
 2. The step's ``Plan`` carries a ``Lookup``; each worker looks the chunks up in its tiers *and
-   loads them* into chunk buffers in the background, and reports how many it holds.
+   loads them* into chunk buffers in the background, and reports how many it holds.  Where the
+   one worker runs in the scheduler's process, ``answer`` (its ``lookup_now``) may answer at once
+   from the in-memory tiers instead: the request goes on to step 3 in the same call.
 3. Once every rank answered (or ``timeout_s`` passed: then nothing), ``matched`` returns the
    tokens past vLLM's hit that the loaded chunks cover, at most ``num_tokens - 1`` (vLLM computes
    at least the last token).  A load that vLLM then commits (``allocated``) is a ``Load`` of the
@@ -138,12 +140,15 @@ class SchedulerSide:
     ``chunk_size`` and ``block_size`` are in tokens (the first a multiple of the second);
     ``tp_size`` is how many workers answer each lookup; ``loads``/``stores`` follow the KV role;
     ``timeout_s`` bounds how long a request waits for the tiers; ``clock`` is ``time.monotonic``
-    unless a test gives another.  Not thread-safe: vLLM calls it from its scheduler thread.
+    unless a test gives another.  ``answer(lookup)``, when given, is tried before a lookup is
+    sent: a number is the chunks the (one) worker holds for it already, ``None`` sends it.  Not
+    thread-safe: vLLM calls it from its scheduler thread.
     """
 
     def __init__(self, *, chunk_size: int, block_size: int, tp_size: int = 1, loads: bool = True,
                  stores: bool = True, timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 answer: Callable[[Lookup], int | None] | None = None) -> None:
         check_int(chunk_size, "chunk_size", 1)
         check_int(block_size, "block_size", 1)
         check_int(tp_size, "tp_size", 1)
@@ -159,12 +164,13 @@ class SchedulerSide:
         self.stores = stores
         self.timeout_s = float(timeout_s)
         self.clock = clock
+        self.answer = answer
         self._requests: dict[str, _Request] = {}
         self._plan = Plan()
         self._seq = 0
         # Named apart from the workers' counters: vLLM sums both sides' stats into one line.
         self.counters = dict.fromkeys(("lookup_requests", "lookup_timeouts", "hit_requests", "hit_tokens",
-                                       "store_chunks_planned"), 0)
+                                       "store_chunks_planned", "answered_at_once"), 0)
 
     # -- vLLM's scheduler-side calls ---------------------------------------------------------
 
@@ -182,16 +188,24 @@ class SchedulerSide:
         if req.asked is None or (req.held is None and req.asked != start) or \
                 (req.held is not None and req.asked > start):
             # A first lookup, or vLLM's own hit moved away from the chunks asked for: ask (again).
-            if req.asked is not None:
-                self._plan.drops.append(req_id)
             self._seq += 1
+            lookup = Lookup(req_id, self._seq, req.tokens, req.salt, req.lora, start,
+                            req.num_prompt_tokens // self.chunk_size - start, self.timeout_s)
+            held = self.answer(lookup) if self.answer is not None and self.tp_size == 1 else None
+            if held is not None:
+                # Answered at once (the worker released any older lookup of it): drop nothing later.
+                self._plan.drops = [d for d in self._plan.drops if d != req_id]
+                self.counters["answered_at_once"] += 1
+            elif req.asked is not None:
+                self._plan.drops.append(req_id)
             req.asked, req.seq, req.answers, req.held, req.local = start, self._seq, {}, None, local
             req.deadline = self.clock() + self.timeout_s
-            self._plan.lookups.append(Lookup(req_id, req.seq, req.tokens, req.salt, req.lora, start,
-                                             req.num_prompt_tokens // self.chunk_size - start, self.timeout_s))
             req.sent_tokens = True
             self.counters["lookup_requests"] += 1
-            return None, False
+            if held is None:
+                self._plan.lookups.append(lookup)
+                return None, False
+            req.answers, req.held = {0: (req.seq, held)}, held
         if req.held is None:
             if self.clock() < req.deadline:
                 return None, False

@@ -9,6 +9,12 @@ One ``WorkerSide`` per worker process (tensor-parallel rank).  It carries out th
   one), into chunk buffers held here until the scheduler commits or drops them.  Faults of the
   tiers come back as fewer chunks.  The held buffers are bounded by ``max_held_bytes``: a lookup
   that would pass the bound holds fewer chunks.
+* ``lookup_now``: where the scheduler runs in this process (one worker, vLLM's in-process
+  executor), it answers a lookup at once when the stack's leading in-memory tiers (``Tier.
+  in_memory``: the CPU tier) hold at least as many leading chunks as every local tier does: it
+  loads them then and there (memory copies) and holds them as a finished lookup would.  The
+  request is scheduled in the same step, with no round trip through the step's metadata and no
+  background thread; the remote tiers (S3) are not asked for what lies past the local tiers' chunks.
 * a ``Load`` scatters held buffers into vLLM's blocks with ``radixkv.ops.scatter_blocks``, before
   the forward that reads them;
 * a ``Store`` gathers a request's completed chunks from vLLM's blocks with
@@ -99,18 +105,27 @@ class WorkerSide:
         self._takes_deadline = "deadline" in inspect.signature(stack.lookup).parameters and \
             "deadline" in inspect.signature(stack.load).parameters
         self._requests: dict[str, _Request] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # the held-bytes count (the fetch thread changes it)
+        self._calls = threading.RLock()          # the request table: plans, and lookup_now from the scheduler
+        tiers = stack.tiers if "tiers" in inspect.signature(stack.lookup).parameters and \
+            "tiers" in inspect.signature(stack.load).parameters else []
+        self._memory_tiers = next((i for i, t in enumerate(tiers) if not getattr(t, "in_memory", False)), len(tiers))
+        self._local_tiers = next((i for i, t in enumerate(tiers) if not getattr(t, "local", True)), len(tiers))
         self._held_bytes = 0
         self.load_errors: set[int] = set()        # vLLM block ids a load could not write
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-vllm-fetch")
         self.counters = dict.fromkeys(("lookups", "lookup_chunks", "held_chunks", "loads", "loaded_chunks",
-                                       "loaded_tokens", "stored_chunks", "dropped_lookups"), 0)
+                                       "loaded_tokens", "stored_chunks", "dropped_lookups", "lookups_at_once"), 0)
         self.counters_f = {"fetch_seconds": 0.0, "load_seconds": 0.0, "store_seconds": 0.0}
 
     # -- plans ---------------------------------------------------------------------------------
 
     def begin(self, plan: Plan) -> None:
         """Forget, release and start what the plan says (before the step's forward).  O(plan)."""
+        with self._calls:
+            self._begin(plan)
+
+    def _begin(self, plan: Plan) -> None:
         for req_id in plan.finished:
             self._release(self._requests.pop(req_id, None))
         for req_id in plan.drops:
@@ -121,6 +136,10 @@ class WorkerSide:
     def load(self, loads: Sequence[Load]) -> None:
         """Scatter held chunks into vLLM's blocks (synchronously: before the forward reads them).
         O(bytes loaded)."""
+        with self._calls:
+            self._load(loads)
+
+    def _load(self, loads: Sequence[Load]) -> None:
         t0 = time.perf_counter()
         for load in loads:
             req = self._requests.get(load.req_id)
@@ -157,6 +176,10 @@ class WorkerSide:
         O(bytes stored) copies; encoding and writes happen on the stack's thread."""
         if not stores:
             return
+        with self._calls:
+            self._store(stores)
+
+    def _store(self, stores: Sequence[Store]) -> None:
         t0 = time.perf_counter()
         items: list[tuple[ChunkRef, torch.Tensor]] = []
         shape = self.stack.shape
@@ -194,16 +217,57 @@ class WorkerSide:
                 except Exception:  # noqa: BLE001 - a timeout, or a fault already turned into a miss
                     pass
         found: dict[str, dict[int, tuple[int, int]]] = {}
-        for req_id, req in self._requests.items():
-            if req.reported or req.future is None or not req.future.done():
-                continue
-            req.reported = True
-            found[req_id] = {self.rank: (req.seq, len(self._held(req)))}
+        with self._calls:
+            for req_id, req in self._requests.items():
+                if req.reported or req.future is None or not req.future.done():
+                    continue
+                req.reported = True
+                found[req_id] = {self.rank: (req.seq, len(self._held(req)))}
         return Report(found) if found else None
+
+    def lookup_now(self, lookup: Lookup) -> int | None:
+        """Answer ``lookup`` at once from the leading in-memory tiers (see the module docstring):
+        how many chunks from ``lookup.start`` this worker now holds for it, or ``None`` (nothing
+        held, nothing changed but a released older lookup) when those tiers hold none, or fewer
+        than the local tiers below them: the caller then sends the lookup the usual way.  Called
+        from the scheduler's thread.  Cost: one ``contains_prefix`` per local tier, then memory
+        copies of the chunks."""
+        if self._memory_tiers == 0:
+            return None
+        with self._calls:
+            req, refs = self._prepare(lookup)
+            if not refs:
+                return None
+            t0 = time.perf_counter()
+            keys = [r.key for r in refs]
+            deadline = time.monotonic() + lookup.timeout_s
+            where = self.stack.lookup(keys, deadline=deadline, tiers=self._memory_tiers)
+            if not where or (self._local_tiers > self._memory_tiers and
+                             len(self.stack.lookup(keys, deadline=deadline, tiers=self._local_tiers)) > len(where)):
+                return None
+            chunks = self.stack.load(refs[:len(where)], where=where, deadline=deadline, tiers=self._memory_tiers)
+            self.counters_f["fetch_seconds"] += time.perf_counter() - t0
+            if not chunks:
+                return None
+            with self._lock:
+                self._held_bytes += len(chunks) * self.chunk_bytes
+            req.held, req.reported = chunks, True
+            for name, n in (("lookups", 1), ("lookups_at_once", 1), ("lookup_chunks", len(where)),
+                            ("held_chunks", len(chunks))):
+                self.counters[name] += n
+            return len(chunks)
 
     # -- lookups -------------------------------------------------------------------------------
 
     def _lookup(self, lookup: Lookup) -> None:
+        req, refs = self._prepare(lookup)
+        req.reported = False
+        self.counters["lookups"] += 1
+        req.future = self._fetcher.submit(self._fetch, refs, lookup.timeout_s)
+
+    def _prepare(self, lookup: Lookup) -> tuple[_Request, list[ChunkRef]]:
+        """The request of ``lookup`` with any older lookup of it released, now numbered as this
+        one, and the refs to look up (as many as the held-bytes bound leaves room for)."""
         req = self._requests.get(lookup.req_id)
         if req is None or req.tokens != lookup.tokens:
             self._release(req)
@@ -213,10 +277,8 @@ class WorkerSide:
         refs = self._refs(req)[lookup.start:lookup.start + lookup.max_chunks]
         with self._lock:
             room = max((self.max_held_bytes - self._held_bytes) // self.chunk_bytes, 0)
-        refs = refs[:room]
-        req.seq, req.start, req.reported = lookup.seq, lookup.start, False
-        self.counters["lookups"] += 1
-        req.future = self._fetcher.submit(self._fetch, refs, lookup.timeout_s)
+        req.seq, req.start = lookup.seq, lookup.start
+        return req, refs[:room]
 
     def _fetch(self, refs: list[ChunkRef], timeout_s: float) -> list[torch.Tensor]:
         t0 = time.perf_counter()
@@ -290,9 +352,10 @@ class WorkerSide:
         seconds) and close the tiers.  Idempotent."""
         log.info("radixkv connector closing: %d chunks loaded, %d stored, %d lookups",
                  self.counters["loaded_chunks"], self.counters["stored_chunks"], self.counters["lookups"])
-        for req in list(self._requests.values()):
-            self._release(req)
-        self._requests.clear()
+        with self._calls:
+            for req in list(self._requests.values()):
+                self._release(req)
+            self._requests.clear()
         self._fetcher.shutdown(wait=True, cancel_futures=True)
         self.stack.close(timeout)
 

@@ -25,7 +25,10 @@ How it works (``radixkv.integrations._vllm_plan`` and ``_vllm_worker`` hold the 
 * **Scheduler side.**  For a new request, the tokens past vLLM's own prefix-cache hit that the
   tiers hold, in whole chunks: the workers look the chunk keys up and load the chunks in the
   background while other requests run (vLLM keeps the request waiting), bounded by the timeout,
-  and the scheduler then admits the request with those tokens computed.  Every step, the new full
+  and the scheduler then admits the request with those tokens computed.  With one worker in the
+  scheduler's process (tensor parallel size 1, vLLM's in-process executor), a lookup that the CPU
+  tier covers (as many leading chunks as every local tier holds) is answered and loaded at once,
+  and the request is scheduled in the same step; the remote tiers are then not asked for more.  Every step, the new full
   prompt chunks are stored.  Preempted requests are looked up again when they resume; finished
   ones are forgotten on both sides.
 * **Worker side.**  Copies between vLLM's own per-layer KV tensors (read from their shapes and
@@ -63,6 +66,10 @@ from radixkv.pool import KVLayout
 __all__ = ["RadixKVConnector", "RadixKVMetadata", "RadixKVStats", "RadixKVWorkerMetadata", "connector_config"]
 
 POOL_KEYS = ("page_size", "num_pages", "pool_tokens", "device", "layout", "exclusive")
+# This process's worker sides, by vLLM engine id: where the scheduler runs in the process of the
+# one worker (vLLM's in-process executor, tensor parallel size 1), its connector answers lookups
+# through the worker's in-memory tiers at once (``WorkerSide.lookup_now``).
+_LOCAL_WORKERS: dict[str, Any] = {}
 EXTRA_KEYS = ("radixkv_config", "radixkv_timeout_s")
 
 try:  # vLLM's names, looked up at run time (the module imports without vLLM, e.g. for its docs)
@@ -207,13 +214,21 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
         self.loads = self.kv_role != "kv_producer"
         self.stores = self.kv_role != "kv_consumer"
         self.tp_size = int(parallel.tensor_parallel_size)
+        self._engine_id = str(getattr(transfer, "engine_id", None) or "")
         self._sched: SchedulerSide | None = None
         self._worker: Any = None
         self._last: dict[str, float] = {}
         if role == _base.KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(chunk_size=self.config.chunk_size, block_size=self.block_size,
                                         tp_size=self.tp_size, loads=self.loads, stores=self.stores,
-                                        timeout_s=timeout)
+                                        timeout_s=timeout,
+                                        answer=self._answer_at_once if self.tp_size == 1 else None)
+
+    def _answer_at_once(self, lookup: Any) -> int | None:
+        """A lookup answered by this process's worker side from its in-memory tiers, or ``None``
+        (no worker here, or those tiers do not cover it).  O(1) without a worker."""
+        worker = _LOCAL_WORKERS.get(self._engine_id) if self._engine_id else None
+        return None if worker is None else worker.lookup_now(lookup)
 
     # -- properties vLLM asks -------------------------------------------------------------------
 
@@ -305,6 +320,8 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
 
             stack = TierStack([], namespace=namespace, layout=layout, chunk_size=self.config.chunk_size)
         self._worker = WorkerSide(stack, views, rank=rank)
+        if self.tp_size == 1 and self._engine_id:
+            _LOCAL_WORKERS[self._engine_id] = self._worker
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Take the step's plan: forget, release and start lookups.  O(plan)."""
@@ -369,6 +386,8 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
         """Finish queued writes (bounded) and close the tiers."""
         if self._worker is not None:
             worker, self._worker = self._worker, None
+            if _LOCAL_WORKERS.get(self._engine_id) is worker:
+                del _LOCAL_WORKERS[self._engine_id]
             worker.close()
 
     def reset_cache(self) -> bool:
