@@ -2,7 +2,7 @@
 #   make demo    radixkv's main job on embedded defaults (no server needed)
 #   make test    the whole test suite (the tests start the servers they need themselves)
 # Variables: PYTHON (the interpreter that makes the venv), VENV, TORCH_VERSION (torch==2.13.0 is a
-# CPU wheel here; a bare "torch" would pull a multi-GB CUDA build), EXTRAS, PIP_FLAGS.
+# CPU wheel here; a bare "torch" would pull a multi-GB CUDA build), EXTRAS, PIP_FLAGS, TEST_WORKERS.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,6 +12,8 @@ PY := $(VENV)/bin/python
 # No .pyc compiled at install (tens of thousands of files with vLLM and transformers): Python
 # compiles the modules it imports on first use.
 PIP_FLAGS ?= --no-compile
+# pytest-xdist workers for `make test` (each takes whole test files)
+TEST_WORKERS ?= 2
 comma := ,
 STAMP := $(VENV)/.radixkv-installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS))
 # vLLM's CPU build, for the connector's tests: it needs exactly torch==2.13.0+cpu and
@@ -46,7 +48,7 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 	$(PY) -m radixkv build-ext >/dev/null
-	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q tests radixkv backends
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests radixkv backends
 
 bench: $(STAMP)
 	$(PY) -m radixkv build-ext >/dev/null

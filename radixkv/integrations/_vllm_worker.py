@@ -129,9 +129,13 @@ class WorkerSide:
         for req_id in plan.finished:
             self._release(self._requests.pop(req_id, None))
         for req_id in plan.drops:
-            self._release(self._requests.get(req_id))
+            req = self._requests.get(req_id)
+            if req is not None and (plan.upto is None or req.seq <= plan.upto):   # not a newer lookup_now's
+                self._release(req)
         for lookup in plan.lookups:
-            self._lookup(lookup)
+            req = self._requests.get(lookup.req_id)
+            if req is None or req.seq <= lookup.seq:
+                self._lookup(lookup)
 
     def load(self, loads: Sequence[Load]) -> None:
         """Scatter held chunks into vLLM's blocks (synchronously: before the forward reads them).

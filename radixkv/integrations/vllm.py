@@ -51,6 +51,7 @@ Importing this module needs no vLLM; building the connector does (``pip install 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -65,6 +66,7 @@ from radixkv.pool import KVLayout
 
 __all__ = ["RadixKVConnector", "RadixKVMetadata", "RadixKVStats", "RadixKVWorkerMetadata", "connector_config"]
 
+_log = logging.getLogger("radixkv.integrations.vllm")
 POOL_KEYS = ("page_size", "num_pages", "pool_tokens", "device", "layout", "exclusive")
 # This process's worker sides, by vLLM engine id: where the scheduler runs in the process of the
 # one worker (vLLM's in-process executor, tensor parallel size 1), its connector answers lookups
@@ -215,6 +217,7 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
         self.stores = self.kv_role != "kv_consumer"
         self.tp_size = int(parallel.tensor_parallel_size)
         self._engine_id = str(getattr(transfer, "engine_id", None) or "")
+        self._said_where = False
         self._sched: SchedulerSide | None = None
         self._worker: Any = None
         self._last: dict[str, float] = {}
@@ -228,6 +231,10 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
         """A lookup answered by this process's worker side from its in-memory tiers, or ``None``
         (no worker here, or those tiers do not cover it).  O(1) without a worker."""
         worker = _LOCAL_WORKERS.get(self._engine_id) if self._engine_id else None
+        if not self._said_where:
+            self._said_where = True
+            _log.info("radixkv connector: %s", "lookups the CPU tier covers are answered in the scheduler's step"
+                      if worker is not None else "lookups go through the workers (none in this process)")
         return None if worker is None else worker.lookup_now(lookup)
 
     # -- properties vLLM asks -------------------------------------------------------------------
