@@ -291,12 +291,12 @@ class PrefixCache:
             raise TypeError(f"leave_last must be a bool, got {type(leave_last).__name__}")
         if load not in LOAD_MODES:
             raise ValueError(f"load must be one of {LOAD_MODES}, got {load!r}")
-        deadline = self._deadline(deadline_s)
+        deadline = self._deadline(deadline_s) if load != "none" or deadline_s is not None else 0.0
         data = as_token_bytes(tokens)
         return self._open(data, len(data) - 4 if leave_last and data else len(data), load, deadline)
 
     def _open(self, data: bytes, usable: int, load: str, deadline: float, count: bool = True) -> Request:
-        result = self._usable_match(data[:usable])
+        result = self._usable_match(data, usable)
         self.tree._lock(result.node)
         if self.groups is not None:
             self.groups.hold(result.node, 1)
@@ -314,12 +314,12 @@ class PrefixCache:
                 self.wait(req)
         return req
 
-    def _usable_match(self, data: bytes) -> MatchResult:
-        """The tree's match of ``data``, cut (with groups) to the longest prefix whose every
+    def _usable_match(self, data: bytes, size: int) -> MatchResult:
+        """The tree's match of ``data[:size]``, cut (with groups) to the longest prefix whose every
         sliding group holds its window (``KVGroups.usable``)."""
         if self.groups is None:
-            return self.tree._match(data)
-        node, pos, path, cut = self.tree._walk(data[:len(data) - len(data) % (4 * self.page_size)])
+            return self.tree._match(data, size)
+        node, pos, path, cut = self.tree._walk(data, size - size % (4 * self.page_size))
         parts = [n.pages for n in path] + ([cut[0].pages[:cut[1]]] if cut is not None else [])
         pages = np.concatenate(parts) if parts else _NO_PAGES
         return self.tree._match(data[:self.groups.usable(pages) * self.page_size * 4])
@@ -446,7 +446,7 @@ class PrefixCache:
         it still lacks is copied in; what the pool has no room for is left out."""
         cs, ps, per_chunk = self.chunk_size, self.page_size, self.chunk_size // self.page_size
         end = (first + len(chunks)) * cs
-        result = self._usable_match(req._data[:end * 4])
+        result = self._usable_match(req._data, end * 4)
         self._move_hold(req, result.node)
         req._pages, held = result.pages, req.num_cached
         req.num_cached = result.num_tokens
@@ -559,7 +559,7 @@ class PrefixCache:
     def _settle(self, req: Request, held: int, load: GroupLoad) -> None:
         """Move ``req``'s hold to the longest usable prefix of what ``load`` brought (never less
         than the ``held`` tokens) and count the tokens the tiers served beyond them."""
-        usable = self._usable_match(req._data[:load.end * self.chunk_size * 4])
+        usable = self._usable_match(req._data, load.end * self.chunk_size * 4)
         if usable.num_tokens <= held:
             return
         self._move_hold(req, usable.node)
@@ -613,7 +613,7 @@ class PrefixCache:
                 req._pending = None
             held_tokens = req.num_cached
             table = np.concatenate([req._pages, ids])
-            node, known = self._insert_pages(data[:full * self.page_size * 4], table, hold=req)
+            node, known = self._insert_pages(data, table, hold=req)     # (inserts as many pages as ids)
             # The engine's pages are the canonical ones unless the tree had some of those tokens.
             req._pages = table if known == held_tokens else self.tree.prefix_pages(node)
             req.num_cached = full * self.page_size
@@ -726,8 +726,9 @@ class PrefixCache:
 
     def _insert_pages(self, data: bytes, ids: np.ndarray, tail: np.ndarray = _NO_PAGES,
                       hold: Request | None = None) -> tuple[RadixNode, int]:
-        """Insert whole pages ``ids`` for ``data`` (page-aligned), freeing duplicates and ``tail``;
-        return the node that ends the sequence and how many tokens were cached already.  ``hold``:
+        """Insert whole pages ``ids`` for the first ``len(ids)`` pages of ``data``, freeing
+        duplicates and ``tail``; return the node that ends the sequence and how many tokens were
+        cached already.  ``hold``:
         the request whose hold moves to that node (before the window rule runs, so the window it
         needs stays); its held pages lead ``ids`` and the rest are checked engine pages, so there
         is nothing to validate.  Otherwise validates before changing anything."""

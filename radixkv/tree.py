@@ -158,9 +158,11 @@ class RadixTree:
         """
         return self._match(as_token_bytes(tokens))
 
-    def _match(self, data: bytes) -> MatchResult:
-        """``match_prefix`` of validated token bytes (e.g. from ``as_token_bytes``)."""
-        node, pos, path, cut = self._walk(data[:len(data) - len(data) % self._page_bytes])
+    def _match(self, data: bytes, size: int | None = None) -> MatchResult:
+        """``match_prefix`` of validated token bytes (e.g. from ``as_token_bytes``), of their first
+        ``size`` bytes when given (no copy is made)."""
+        size = len(data) if size is None else size
+        node, pos, path, cut = self._walk(data, size - size % self._page_bytes)
         if cut is not None:
             node = self._split(*cut)
             pos += cut[1] * self._page_bytes
@@ -170,13 +172,15 @@ class RadixTree:
             path[0].pages if path else _EMPTY_PAGES)
         return MatchResult(pos // 4, pages, node)
 
-    def _walk(self, data: bytes) -> tuple[RadixNode, int, list[RadixNode], tuple[RadixNode, int] | None]:
-        """Follow ``data`` (page-aligned) down the tree without changing it.  Returns the deepest
-        node matched whole, the bytes matched up to its end, the path without the root, and, when
-        the match goes on inside a child, ``(child, pages)``: the split ``_split(child, pages)``
-        that makes the match end on a node (the caller decides whether to make it)."""
+    def _walk(self, data: bytes, end: int | None = None
+              ) -> tuple[RadixNode, int, list[RadixNode], tuple[RadixNode, int] | None]:
+        """Follow ``data[:end]`` (page-aligned; ``end`` defaults to all of it) down the tree without
+        changing it.  Returns the deepest node matched whole, the bytes matched up to its end, the
+        path without the root, and, when the match goes on inside a child, ``(child, pages)``: the
+        split ``_split(child, pages)`` that makes the match end on a node (the caller decides
+        whether to make it)."""
         pb = self._page_bytes
-        node, pos, end = self._root, 0, len(data)
+        node, pos, end = self._root, 0, len(data) if end is None else end
         path: list[RadixNode] = []
         while pos < end:
             child = node.children.get(data[pos:pos + pb])
@@ -286,8 +290,8 @@ class RadixTree:
         to abort: the tree is then exactly as it was (no split made).
         """
         pb = self._page_bytes
-        data = data[:len(pages) * pb]
-        node, pos, path, cut = self._walk(data)
+        end = len(pages) * pb                # data may go on past the pages: no copy is made
+        node, pos, path, cut = self._walk(data, end)
         if validate is not None:
             path_pages = [n.pages for n in path]
             if cut is not None:
@@ -298,8 +302,8 @@ class RadixTree:
             pos += cut[1] * pb
             path.append(node)
         self._touch(path)
-        if pos < len(data):
-            leaf = RadixNode(data[pos:], pages[pos // pb:], node, self._clock)
+        if pos < end:
+            leaf = RadixNode(data[pos:end], pages[pos // pb:], node, self._clock)
             if node is not self._root and node.lock_ref == 0 and not node.children:
                 self._lru_drop(node)                             # node stops being a leaf
             node.children[data[pos:pos + pb]] = leaf
