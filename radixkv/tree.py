@@ -333,10 +333,11 @@ class RadixTree:
             raise ValueError("node: unlock of a node that is not locked")
         self._unlock(node)
 
-    def _lock(self, node: RadixNode) -> None:
-        """``lock`` of a node known to be in this tree (the caller got it from the tree)."""
+    def _lock(self, node: RadixNode, upto: RadixNode | None = None) -> RadixNode:
+        """``lock`` of a node known to be in this tree (the caller got it from the tree), of it and
+        its ancestors up to ``upto`` (not included) or the root; returns where it stopped."""
         root = self._root
-        while node is not root:
+        while node is not root and node is not upto:
             if node.lock_ref == 0:
                 size = len(node.key) >> 2
                 self._evictable -= size
@@ -345,22 +346,13 @@ class RadixTree:
                     self._lru_drop(node)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
+        return node
 
     def _move_lock(self, old: RadixNode, new: RadixNode) -> None:
         """``_lock(new)`` then ``_unlock(old)`` (both in this tree, ``old`` locked): where ``new`` is
         at or below ``old`` (a held prefix that grew) only the nodes in between change.
         O(distance) then, O(depth) otherwise."""
-        node, root = new, self._root
-        while node is not old and node is not root:
-            if node.lock_ref == 0:
-                size = len(node.key) >> 2
-                self._evictable -= size
-                self._protected += size
-                if not node.children:
-                    self._lru_drop(node)
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
-        if node is not old:          # new is not below old: its whole path is locked now
+        if self._lock(new, upto=old) is not old:     # new is not below old: its whole path is locked
             self._unlock(old)
 
     def _unlock(self, node: RadixNode) -> None:

@@ -476,10 +476,11 @@ def _tree_lru_newest_first(mp: pytest.MonkeyPatch) -> None:
 
 def _lock_leaves_leaf_evictable(mp: pytest.MonkeyPatch) -> None:
     def make(lock: Callable[..., None]) -> Callable[..., None]:
-        def bad(self: RadixTree, node: Any) -> None:
-            lock(self, node)
+        def bad(self: RadixTree, node: Any, upto: Any = None) -> Any:
+            stop = lock(self, node, upto)
             if node is not self.root and not node.children and node.lru_entry < 0:
                 self._lru_add(node)
+            return stop
         return bad
     wrap(mp, RadixTree, "_lock", make)
 
@@ -495,15 +496,16 @@ def _unlock_forgets_lru(mp: pytest.MonkeyPatch) -> None:
 
 
 def _lock_only_the_node(mp: pytest.MonkeyPatch) -> None:
-    def lock(self: RadixTree, node: Any) -> None:
-        if node is self.root:
-            return
+    def lock(self: RadixTree, node: Any, upto: Any = None) -> Any:
+        if node is self.root or node is upto:
+            return node
         if node.lock_ref == 0:
             self._evictable -= node.num_tokens
             self._protected += node.num_tokens
             if not node.children:
                 self._lru_drop(node)
         node.lock_ref += 1                     # the ancestors stay unlocked
+        return node.parent
 
     def unlock(self: RadixTree, node: Any) -> None:
         if node is self.root:
