@@ -728,10 +728,10 @@ class PrefixCache:
                       hold: Request | None = None) -> tuple[RadixNode, int]:
         """Insert whole pages ``ids`` for the first ``len(ids)`` pages of ``data``, freeing
         duplicates and ``tail``; return the node that ends the sequence and how many tokens were
-        cached already.  ``hold``:
-        the request whose hold moves to that node (before the window rule runs, so the window it
-        needs stays); its held pages lead ``ids`` and the rest are checked engine pages, so there
-        is nothing to validate.  Otherwise validates before changing anything."""
+        cached already.  ``hold``: the request whose hold moves to that node (before the window
+        rule runs, so the window it needs stays); its held pages lead ``ids`` and the rest are
+        checked engine pages, so there is nothing to validate.  Otherwise validates before
+        changing anything."""
         cached: list[np.ndarray] = []
         mine: slice | np.ndarray                 # of the first `known` pages, those that are not the tree's
         if hold is not None:
