@@ -48,7 +48,7 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 	$(PY) -m radixkv build-ext >/dev/null
-	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests radixkv backends
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests radixkv backends
 
 bench: $(STAMP)
 	$(PY) -m radixkv build-ext >/dev/null
