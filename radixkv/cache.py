@@ -75,6 +75,10 @@ __all__ = ["Match", "PoolExhausted", "PrefixCache", "Request"]
 log = logging.getLogger("radixkv.cache")
 
 _FREE, _ENGINE, _TREE = 0, 1, 2
+# An eviction's write-back (write_back, or the victim tiers of an exclusive stack) waits at most this
+# long in all for room in the tier write queue: those chunks exist nowhere else, and one eviction
+# can free more of them than the queue holds.  Past it they are dropped and counted.
+SPILL_WAIT_S = 1.0
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
 
@@ -782,7 +786,8 @@ class PrefixCache:
         return result.node, result.prefix_len
 
     def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int,
-                      tiers: frozenset[int] | None = None, refs: list[list[ChunkRef]] | None = None) -> None:
+                      tiers: frozenset[int] | None = None, refs: list[list[ChunkRef]] | None = None,
+                      wait: float = 0.0) -> None:
         """Copy chunks ``first..last-1`` of a cached sequence out of the pool and queue them for
         the tiers (all, or ``tiers``; the copy is synchronous: the pages may be reused right after),
         per KV group: a sliding group's chunk only where its pages are held (inside a window).
@@ -805,7 +810,7 @@ class PrefixCache:
                     continue                       # dropped: outside every window
                 buf = torch.empty(stack.shape, dtype=self.layout.dtype)
                 items.append((ref, ops.gather_pages(pool, chunk_ids, buf)))
-            queued = stack.store(items, tiers=tiers)
+            queued = stack.store(items, tiers=tiers, wait=wait)
             self._counters["chunks_stored"] += queued
             self._counters["chunks_not_queued"] += len(items) - queued
 
@@ -831,8 +836,8 @@ class PrefixCache:
             return
         into = None if self.write_policy == "write_back" else self.stack.victims
         refs = self._refs(data[:last * self.chunk_size * 4])    # one hash pass for both
-        if into is None or into:
-            self._store_chunks(data, self.tree.prefix_pages(node), first, last, into, refs)
+        if into is None or into:     # these chunks exist nowhere else: wait (bounded) for queue room
+            self._store_chunks(data, self.tree.prefix_pages(node), first, last, into, refs, wait=SPILL_WAIT_S)
         if into is not None and len(into) < len(self.stack.tiers):
             for stack, stack_refs in zip(self.stacks, refs):
                 stack.touch([ref.key for ref in stack_refs[first:]], tiers=self._kept_tiers)

@@ -439,11 +439,14 @@ class TierStack:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def store(self, items: Iterable[tuple[ChunkRef, torch.Tensor]], *, tiers: Iterable[int] | None = None) -> int:
+    def store(self, items: Iterable[tuple[ChunkRef, torch.Tensor]], *, tiers: Iterable[int] | None = None,
+              wait: float = 0.0) -> int:
         """Queue chunks to be encoded and written to every tier (or only ``tiers``, indices) that
         does not hold them yet; a local tier that holds one already counts it as just used
-        (``refreshed``), so a store always leaves the chunk recent.  The number queued.  Never
-        blocks: what does not fit in the queue is dropped and counted.
+        (``refreshed``), so a store always leaves the chunk recent.  The number queued.  What does
+        not fit in the queue is dropped and counted; with ``wait`` seconds, the call first waits
+        (at most that long in all) for the writer to make room: for chunks that exist nowhere else
+        (the pool is letting them go).
 
         Each ``kv`` must be ``layout.chunk_shape(chunk_size)`` of ``layout.dtype`` (``ValueError``
         otherwise, before anything is queued); the stack keeps a reference until it is written,
@@ -457,7 +460,10 @@ class TierStack:
                 got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__
                 raise ValueError(f"kv must be a {self.layout.dtype} tensor of shape {self.shape}, got {got}")
         mask = self._mask(tiers)
-        return sum(self._enqueue(("store", ref, kv, mask)) for ref, kv in items) if mask else 0
+        if not mask:
+            return 0
+        until = time.monotonic() + wait if wait > 0 else None
+        return sum(self._enqueue(("store", ref, kv, mask), until) for ref, kv in items)
 
     def _mask(self, tiers: Iterable[int] | None) -> frozenset[int]:
         if tiers is None:
@@ -514,8 +520,13 @@ class TierStack:
             return 0
         return sum(self._enqueue(("touch", self._prefix + key, mask)) for key in keys)
 
-    def _enqueue(self, item: tuple[Any, ...]) -> bool:
+    def _enqueue(self, item: tuple[Any, ...], until: float | None = None) -> bool:
         with self._cv:
+            while until is not None and not self._closed and len(self._queue) >= self.queue_size:
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)             # the writer notifies after every batch
             if self._closed or len(self._queue) >= self.queue_size:
                 self._add("dropped_writes")
                 return False

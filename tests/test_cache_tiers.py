@@ -398,3 +398,21 @@ def test_with_a_secret_a_forged_chunk_is_never_served_and_counted_per_level(monk
         m = c.match(TOKENS)
         assert m.num_tokens == 0 and c.stats()["stack"]["forged"] == [1]
         c.release(m)
+
+
+@pytest.mark.parametrize("kw", [{"exclusive": True}, {"write_policy": "write_back"}], ids=["exclusive", "write_back"])
+def test_an_eviction_larger_than_the_write_queue_reaches_the_tiers_whole(kw):
+    # What an eviction writes back exists nowhere else: it waits (bounded) for the writer to make
+    # room in a queue of 2 rather than dropping 14 of its 16 chunks.
+    tier = CpuTier(1 << 20, slot_bytes=encoded_size(LAYOUT.chunk_shape(8), LAYOUT.dtype))
+    with make([tier], write_queue=2, **kw) as cache:
+        tokens = list(range(1, 8 * 16 + 2))                   # 16 whole chunks and one token
+        kv = prefill(cache, tokens)
+        assert cache.evict(cache.pool.num_pages) == 32
+        cache.stack.flush()
+        assert cache.stack.stats()["dropped_writes"] == 0
+        m = cache.match(tokens)
+        assert m.num_tokens == 128 and m.tier_tokens == 128
+        assert torch.equal(cache.pool.kv[:, :, m.pages.long()], kv)
+        cache.release(m)
+        cache.check()
