@@ -234,8 +234,8 @@ class WorkerSide:
         how many chunks from ``lookup.start`` this worker now holds for it, or ``None`` (nothing
         held, nothing changed but a released older lookup) when those tiers hold none, or fewer
         than the local tiers below them: the caller then sends the lookup the usual way.  Called
-        from the scheduler's thread.  Cost: one ``contains_prefix`` per local tier, then memory
-        copies of the chunks."""
+        from the scheduler's thread.  Cost: one ``contains_prefix`` per local tier (at most), then
+        memory copies of the chunks."""
         if self._memory_tiers == 0:
             return None
         with self._calls:
@@ -245,9 +245,10 @@ class WorkerSide:
             t0 = time.perf_counter()
             keys = [r.key for r in refs]
             deadline = time.monotonic() + lookup.timeout_s
-            where = self.stack.lookup(keys, deadline=deadline, tiers=self._memory_tiers)
-            if not where or (self._local_tiers > self._memory_tiers and
-                             len(self.stack.lookup(keys, deadline=deadline, tiers=self._local_tiers)) > len(where)):
+            # One waterfall over the local tiers: the in-memory ones answer first, so a chunk that
+            # only a tier below them holds shows up as a larger tier index.
+            where = self.stack.lookup(keys, deadline=deadline, tiers=self._local_tiers)
+            if not where or where[-1] >= self._memory_tiers:
                 return None
             chunks = self.stack.load(refs[:len(where)], where=where, deadline=deadline, tiers=self._memory_tiers)
             self.counters_f["fetch_seconds"] += time.perf_counter() - t0
