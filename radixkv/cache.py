@@ -810,7 +810,7 @@ class PrefixCache:
                     continue                       # dropped: outside every window
                 buf = torch.empty(stack.shape, dtype=self.layout.dtype)
                 items.append((ref, ops.gather_pages(pool, chunk_ids, buf)))
-            queued = stack.store(items, tiers=tiers, wait=wait)
+            queued = stack.store(items, tiers=tiers, wait=wait, chain=True)
             self._counters["chunks_stored"] += queued
             self._counters["chunks_not_queued"] += len(items) - queued
 

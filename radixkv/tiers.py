@@ -103,7 +103,8 @@ class _BurstLog:
 class TierStack:
     """Tiers ``tiers`` (fastest first) storing ``chunk_size``-token chunks of ``layout`` KV for
     ``namespace``; see the module docstring.  Thread-safe: every method may be called from any
-    thread.  ``queue_size`` bounds the chunks waiting to be written (stores and promotions);
+    thread.  ``queue_size`` bounds the chunks waiting to be written (stores and promotions; an
+    empty queue takes a longer chain an eviction waits to store, whole);
     ``write_batch`` is how many the writer takes per ``put_many``; faults are logged at most once
     per ``log_interval`` seconds per tier.  ``timeout_s``: the default total bound of one
     ``lookup`` or ``load`` on remote waits; ``write_timeout_s``: the bound of one batch of writes
@@ -185,6 +186,7 @@ class TierStack:
         # blob or None, kv or None), ("touch", tier key, tier indices), ("delete", tier index, tier key)
         # or ("release", tier key).
         self._queue: deque[tuple[Any, ...]] = deque()
+        self._longest_chain = 1      # an empty queue takes one waiting chain whole (store(chain=True))
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
@@ -440,13 +442,21 @@ class TierStack:
     # -- writes -------------------------------------------------------------------------------
 
     def store(self, items: Iterable[tuple[ChunkRef, torch.Tensor]], *, tiers: Iterable[int] | None = None,
-              wait: float = 0.0) -> int:
+              wait: float = 0.0, chain: bool = False) -> int:
         """Queue chunks to be encoded and written to every tier (or only ``tiers``, indices) that
         does not hold them yet; a local tier that holds one already counts it as just used
         (``refreshed``), so a store always leaves the chunk recent.  The number queued.  What does
         not fit in the queue is dropped and counted; with ``wait`` seconds, the call first waits
         (at most that long in all) for the writer to make room: for chunks that exist nowhere else
         (the pool is letting them go).
+
+        ``chain``: the items are consecutive chunks of one sequence, head first (what an eviction
+        lets go).  They are written deepest first, so that the head ends up the most recent in
+        every tier's LRU order: a tier then evicts a chain from its tail, as the tree evicts leaves
+        first, never its head, which would leave the rest unreachable (a lookup stops at the first
+        miss).  They are queued together: with ``wait``, a chain longer than ``queue_size`` waits
+        for an empty queue and goes in whole (its tensors exist already); what cannot be queued in
+        time is the chain's tail, never its head.
 
         Each ``kv`` must be ``layout.chunk_shape(chunk_size)`` of ``layout.dtype`` (``ValueError``
         otherwise, before anything is queued); the stack keeps a reference until it is written,
@@ -463,6 +473,8 @@ class TierStack:
         if not mask:
             return 0
         until = time.monotonic() + wait if wait > 0 else None
+        if chain:
+            return self._enqueue_chain([("store", ref, kv, mask) for ref, kv in items], until)
         return sum(self._enqueue(("store", ref, kv, mask), until) for ref, kv in items)
 
     def _mask(self, tiers: Iterable[int] | None) -> frozenset[int]:
@@ -507,9 +519,12 @@ class TierStack:
     def touch(self, keys: Sequence[bytes], *, tiers: Iterable[int] | None = None) -> int:
         """Queue an access of each 16-byte chunk key in every local tier (``Tier.local``) that holds
         it, so that its LRU order counts the chunk as just used; the number queued.  For a tier
-        below the pool to act as a victim cache: call it with the chunks the pool evicts.
+        below the pool to act as a victim cache: call it with the chunks the pool evicts, one
+        chain at a time, head first (as ``store(chain=True)``: they are touched deepest first, so
+        that the head is the most recent).
 
-        Never blocks: what does not fit in the queue is dropped and counted in ``dropped_writes``.
+        Never blocks: what does not fit in the queue (the chain's tail) is dropped and counted in
+        ``dropped_writes``.
         The writer thread performs each as ``read(key, len)`` (after a ``contains_prefix`` probe) on
         the tiers that hold it, before the writes it takes in the same batch; a fault is counted like
         any other.  Remote tiers are never read.  Cost: O(1) per key on the caller's thread.
@@ -518,21 +533,34 @@ class TierStack:
         mask = frozenset(i for i in self._mask(tiers) if self.tiers[i].local)
         if not mask:
             return 0
-        return sum(self._enqueue(("touch", self._prefix + key, mask)) for key in keys)
+        return self._enqueue_chain([("touch", self._prefix + key, mask) for key in keys])
 
     def _enqueue(self, item: tuple[Any, ...], until: float | None = None) -> bool:
+        return self._enqueue_chain([item], until) == 1
+
+    def _enqueue_chain(self, items: list[tuple[Any, ...]], until: float | None = None) -> int:
+        """Queue the longest head of ``items`` that fits, in reverse order (the writer takes the
+        queue in order); the rest is dropped and counted.  With ``until`` (``time.monotonic()``),
+        first wait until then for room for all of them, where an empty queue is room for any
+        number.  The number queued."""
         with self._cv:
-            while until is not None and not self._closed and len(self._queue) >= self.queue_size:
+            def room() -> int:
+                if until is not None and not self._queue:
+                    return len(items)
+                return self.queue_size - len(self._queue)
+            while until is not None and not self._closed and room() < len(items):
                 left = until - time.monotonic()
                 if left <= 0:
                     break
                 self._cv.wait(left)             # the writer notifies after every batch
-            if self._closed or len(self._queue) >= self.queue_size:
-                self._add("dropped_writes")
-                return False
-            self._queue.append(item)
-            self._cv.notify_all()
-        return True
+            take = 0 if self._closed else max(0, min(len(items), room()))
+            if take < len(items):
+                self._add("dropped_writes", len(items) - take)
+            if take:
+                self._queue.extend(reversed(items[:take]))
+                self._longest_chain = max(self._longest_chain, take)
+                self._cv.notify_all()
+        return take
 
     def _write_loop(self) -> None:
         while True:
@@ -687,7 +715,7 @@ class TierStack:
     def check(self) -> None:
         """Assert the stack's invariants and every tier's ``check()``.  Raises ``AssertionError``."""
         with self._cv:
-            assert len(self._queue) <= self.queue_size, "write queue over its bound"
+            assert len(self._queue) <= max(self.queue_size, self._longest_chain), "write queue over its bound"
             assert self._writer.is_alive() or self._closed, "the writer thread died"
         with self._stats_lock:
             assert all(len(v) == len(self.tiers) for v in self._per_tier.values()), "per-tier counters misshapen"

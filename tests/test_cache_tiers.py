@@ -416,3 +416,26 @@ def test_an_eviction_larger_than_the_write_queue_reaches_the_tiers_whole(kw):
         assert torch.equal(cache.pool.kv[:, :, m.pages.long()], kv)
         cache.release(m)
         cache.check()
+
+
+@pytest.mark.parametrize("kw", [{"exclusive": True}, {"write_policy": "write_back"}, {}],
+                         ids=["exclusive", "write_back", "write_through"])
+def test_a_full_tier_evicts_an_evicted_chain_from_its_tail_not_its_head(kw):
+    # The pool lets go of a prefix of 4 chunks into a CPU tier of 4 slots, then of another chunk:
+    # the tier must make room by dropping the prefix's last chunk (the tree, too, evicts leaves
+    # first), not its first, which would leave the other three unreachable.
+    tier = CpuTier(4 * encoded_size(LAYOUT.chunk_shape(8), LAYOUT.dtype),
+                   slot_bytes=encoded_size(LAYOUT.chunk_shape(8), LAYOUT.dtype))
+    with make([tier], **kw) as cache:
+        kv = prefill(cache, TOKENS[:32])
+        assert cache.evict(cache.pool.num_pages) == 8
+        other = [t + 1000 for t in TOKENS[:8]]
+        prefill(cache, other)
+        assert cache.evict(cache.pool.num_pages) == 2
+        cache.stack.flush()
+        assert tier.stats()["evictions"] == 1
+        m = cache.match(TOKENS[:32] + [0])
+        assert m.num_tokens == 24 and m.tier_tokens == 24             # chunks 0-2 of 4
+        assert torch.equal(cache.pool.kv[:, :, m.pages.long()], kv[:, :, :6])
+        cache.release(m)
+        cache.check()

@@ -153,6 +153,42 @@ def test_a_full_write_queue_drops_and_counts_without_blocking(refs: list[ChunkRe
     stack.close()
 
 
+class OrderTier(GatedTier):
+    """A gated tier that records the order its keys are written in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[bytes] = []
+
+    def put_many(self, items):  # type: ignore[no-untyped-def]
+        items = list(items)
+        self.gate.wait(30)
+        self.order += [k for k, _ in items]
+        return super().put_many(items)
+
+
+def test_a_chain_is_written_deepest_first_and_loses_its_tail_not_its_head(refs: list[ChunkRef]) -> None:
+    tier = OrderTier()
+    stack = make_stack([tier], queue_size=3, write_batch=1)
+    assert stack.store([(refs[0], kv_for(0))]) == 1           # the writer holds it at the gate
+    deadline = time.monotonic() + 10
+    while stack.stats()["queued"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert stack.store([(ref, kv_for(i)) for i, ref in enumerate(refs)], chain=True) == 3
+    assert stack.stats()["dropped_writes"] == 2               # refs 3 and 4: the tail
+    tier.gate.set()
+    assert stack.flush(timeout=10)
+    assert tier.order == [NS.id + refs[i].key for i in (0, 2, 1)]   # then 0, held: read instead
+    assert stack.stats()["refreshed"] == [1]
+    # With a wait, a chain longer than the queue waits for it to empty and goes in whole.
+    other = make_stack([]).refs([t + 1000 for t in TOKENS])
+    assert stack.store([(ref, kv_for(i)) for i, ref in enumerate(other)], chain=True, wait=10) == 5
+    stack.check()
+    assert stack.flush(timeout=10)
+    assert tier.order[3:] == [NS.id + r.key for r in reversed(other)]
+    stack.close()
+
+
 def test_a_failing_tier_is_a_miss_counted_and_logged_once(refs: list[ChunkRef],
                                                          caplog: pytest.LogCaptureFixture) -> None:
     broken = FaultyTier(MemoryTier(), failing={"contains_prefix", "get", "read", "put_many", "close"})
