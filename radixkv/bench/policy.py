@@ -23,8 +23,11 @@ a rerun prints the same numbers.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
@@ -38,6 +41,9 @@ from radixkv.workloads import ChatWorkload, few_shot_workload, rag_workload, rep
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16, page_size=16)
 CHUNK = 64
 CPU_TOKENS, LMDB_TOKENS = 16_384, 1 << 20
+#: Room for every chunk one request stores (write-through puts a whole prompt's chunks in the queue
+#: at once): the writer's speed must not decide what is dropped, or a rerun would differ.
+WRITE_QUEUE = 1 << 14
 POOLS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 #: label -> (exclusive, CPU-tier policy)
 MODES = {"inclusive lru": (False, None), "exclusive lru": (True, None), "exclusive s3fifo": (True, "s3fifo"),
@@ -67,8 +73,10 @@ def hit_rate(requests: list[Any], pool_tokens: int, tiers: str = "", write_polic
         if tiers == "cpu+lmdb":
             made.append(LmdbTier(tmp, LMDB_TOKENS // CHUNK * chunk_bytes, sync=False))
         with PrefixCache(LAYOUT, num_pages=pool_tokens // LAYOUT.page_size, chunk_size=CHUNK, tiers=made,
-                         write_policy=write_policy, exclusive=exclusive) as cache:
-            return float(replay(cache, requests)["hit_rate"])
+                         write_policy=write_policy, exclusive=exclusive, write_queue=WRITE_QUEUE) as cache:
+            result = replay(cache, requests)
+            assert result["dropped_writes"] == 0, "the replay dropped tier writes: its numbers would depend on timing"
+            return float(result["hit_rate"])
 
 
 def sweep(requests: list[Any], pools: tuple[int, ...], tiers: str, write_policy: str) -> dict[str, list[float]]:
@@ -95,11 +103,19 @@ def checks(rows: dict[str, list[float]], pools: tuple[int, ...], longest: int) -
     return out
 
 
+def _sweep_job(job: tuple[str, int, tuple[int, ...], str, str]) -> dict[str, list[float]]:
+    """One sweep in a worker process (the workloads are rebuilt there: they are seeded)."""
+    name, n, pools, tiers, write_policy = job
+    return sweep(workloads(n)[name], pools, tiers, write_policy)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m radixkv.bench policy", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=400, help="requests per workload")
     ap.add_argument("--pools", default=",".join(map(str, POOLS)), help="pool sizes in tokens")
     ap.add_argument("--tiers", default="cpu,cpu+lmdb")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="sweeps replayed side by side, one process each (hit rates do not depend on timing)")
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
     pools = tuple(int(p) for p in args.pools.split(","))
@@ -107,14 +123,23 @@ def main(argv: list[str] | None = None) -> int:
     say(f"# {args.requests} requests per workload; CPU tier {CPU_TOKENS} tokens, LMDB {LMDB_TOKENS} tokens, "
         f"chunks of {CHUNK} tokens, pages of {LAYOUT.page_size}; hit rate = hit tokens / prompt tokens")
     t0 = time.perf_counter()
+    streams = workloads(args.requests)
+    jobs = [(name, args.requests, pools, tiers, write_policy) for name in streams
+            for tiers in args.tiers.split(",") for write_policy in ("write_through", "write_back")]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as workers:
+            swept = list(workers.map(_sweep_job, jobs))
+    else:
+        swept = [sweep(streams[name], pools, tiers, wp) for name, _, _, tiers, wp in jobs]
+    results = iter(swept)
     verdicts = []
-    for name, requests in workloads(args.requests).items():
+    for name, requests in streams.items():
         longest = max(len(r) for r in requests)
         say()
         say(f"# {name}: longest request {longest} tokens")
         for tiers in args.tiers.split(","):
             for write_policy in ("write_through", "write_back"):
-                rows = sweep(requests, pools, tiers, write_policy)
+                rows = next(results)
                 say()
                 say(f"## {name}, pool + {tiers}, {write_policy}")
                 say(f"{'pool tokens':<20}" + "".join(f"{p:>8}" for p in pools))
