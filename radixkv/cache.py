@@ -902,7 +902,8 @@ class PrefixCache:
         """Counters and occupancy: matches, query and hit tokens (from the pool and from the tiers),
         hit rate, pages free / cached / held by the engine, evictions, chunks stored; ``levels``, one
         dict per level (the pool, then each tier: lookups, hit tokens, bytes in and out, evictions,
-        corrupt entries found, faults, dropped writes); and ``stack``, the ``TierStack``'s own
+        corrupt entries found, faults, victim-cache refreshes and refresh misses, chunks released
+        after moving up, dropped writes); and ``stack``, the ``TierStack``'s own
         counters.  O(num_pages) (counts the page states) plus one ``stats()`` call per tier."""
         c = CacheStats(self._counters)
         counts = np.bincount(self._state, minlength=3)
@@ -927,7 +928,8 @@ class PrefixCache:
                     "bytes_in": st["tier_bytes_stored"][i], "bytes_out": st["tier_bytes_loaded"][i],
                     "evictions": int(own.get("evictions", 0)), "corrupt": st["corrupt"][i],
                     "forged": st["forged"][i], "errors": st["errors"][i], "timeouts": st["timeouts"][i],
-                    "dropped_writes": st["dropped_writes"]})
+                    "refreshed": st["refreshed"][i], "refresh_misses": st["refresh_misses"][i],
+                    "released": st["released"][i], "dropped_writes": st["dropped_writes"]})
         c["levels"] = levels
         return c
 

@@ -24,7 +24,8 @@ from radixkv._checks import check_int
 if TYPE_CHECKING:
     from radixkv.cache import PrefixCache
 
-__all__ = ["ChatWorkload", "chat_workload", "few_shot_workload", "modelled_prefill_saving", "rag_workload", "replay"]
+__all__ = ["ChatWorkload", "chat_workload", "few_shot_workload", "modelled_prefill_saving", "pool_copies", "rag_workload",
+           "replay"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +198,30 @@ def _level_names(levels: list[dict[str, Any]]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
 
 
+def pool_copies(cache: PrefixCache) -> list[dict[str, int] | None]:
+    """Per tier (stack order): how many chunks the tier holds (``chunks``, its ``entries``) and how
+    many of those the pool holds too (``in_pool``: a chunk every one of whose tokens a cached
+    prefix covers) — the duplicate residency of inclusive caching, which an exclusive tier avoids.
+    ``None`` for a tier that is not local (counting would cost round trips).  Reads no LRU order.
+    Cost: one hash pass over each leaf's prefix and one ``contains_prefix`` per distinct chunk."""
+    if cache.stack is None:
+        return []
+    leaves = [n for n in cache.tree.nodes() if not n.children]
+    prefixes = [cache.tree.prefix_tokens(leaf).tobytes() for leaf in leaves]
+    out: list[dict[str, int] | None] = []
+    for i, tier in enumerate(cache.stack.tiers):
+        if not tier.local:
+            out.append(None)
+            continue
+        in_pool = 0
+        for stack in cache.stacks:
+            ns = stack.namespace.id
+            keys = {ref.key for data in prefixes for ref in stack.refs_from_bytes(data)}
+            in_pool += sum(stack.tiers[i].contains_prefix([ns + key]) for key in keys)
+        out.append({"chunks": int(tier.stats().get("entries", 0)), "in_pool": in_pool})
+    return out
+
+
 def replay(cache: PrefixCache, requests: Iterable[Any], *, flush: bool = True) -> dict[str, Any]:
     """Serve ``requests`` (token id sequences) one at a time through ``cache``; return what it hit.
 
@@ -211,8 +236,10 @@ def replay(cache: PrefixCache, requests: Iterable[Any], *, flush: bool = True) -
     ``requests``, ``query_tokens``, ``hit_tokens``, ``hit_rate`` (hit / query tokens), ``evicted_pages``,
     ``chunks_stored``, ``dropped_writes``, and ``levels``: ``{name: {"hit_tokens", "hit_rate",
     "bytes_in", "bytes_out", ...}}`` for the pool and then each tier in stack order (the numeric
-    per-level counters of ``cache.stats()["levels"]``, differenced).  Cost: one ``match``, ``alloc``
-    and ``insert`` per request (with tiers: their hashing, loads and stores), two ``stats()`` calls.
+    per-level counters of ``cache.stats()["levels"]``, differenced; for a local tier also, at the
+    end, ``chunks`` held and ``in_pool``, of those also in the pool: ``pool_copies``).  Cost: one
+    ``match``, ``alloc`` and ``insert`` per request (with tiers: their hashing, loads and stores),
+    two ``stats()`` calls, one ``pool_copies``.
 
     >>> import torch
     >>> from radixkv import KVLayout, PrefixCache
@@ -256,5 +283,8 @@ def replay(cache: PrefixCache, requests: Iterable[Any], *, flush: bool = True) -
                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
         level["hit_rate"] = level["hit_tokens"] / out["query_tokens"] if out["query_tokens"] else 0.0
         levels[name] = level
+    for name, copies in zip(list(levels)[1:], pool_copies(cache)):
+        if copies is not None:
+            levels[name].update(copies)
     out["levels"] = levels
     return out

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.bench.policy import CPU_TOKENS, hit_rate, workloads
+import radixkv as rk
+from radixkv.backends import CpuTier
+from radixkv.bench.policy import CHUNK, CPU_TOKENS, LAYOUT, hit_rate, workloads
+from radixkv.format import encoded_size
+from radixkv.workloads import pool_copies, replay
 
 POOLS = (8192, 16384, 32768)
 WORKLOADS = workloads(150)
@@ -40,3 +44,21 @@ def test_inclusive_lru_is_what_the_checks_catch():
     got = curve(requests, "write_through", False, None)
     bound = [hit_rate(requests, p + CPU_TOKENS) for p in POOLS]
     assert not all(g >= b - 0.02 for g, b in zip(got, bound)), f"inclusive LRU {got} is within 2 points of {bound}"
+
+
+def test_the_replay_counts_the_tier_chunks_the_pool_holds_too():
+    # The cause of the dip, counted: an inclusive CPU tier under write_through holds copies of what
+    # the pool holds (more of them as the pool grows), an exclusive one none.
+    slot = encoded_size(LAYOUT.chunk_shape(CHUNK), LAYOUT.dtype)
+    copies = {}
+    for exclusive in (False, True):
+        for pool in (4096, 16384):
+            tier = CpuTier(CPU_TOKENS // CHUNK * slot, slot_bytes=slot)
+            with rk.PrefixCache(LAYOUT, num_pages=pool // LAYOUT.page_size, chunk_size=CHUNK, tiers=[tier],
+                                exclusive=exclusive, write_queue=1 << 14) as cache:
+                got = replay(cache, WORKLOADS["chat"])["levels"]["cpu"]
+                assert got["chunks"] == tier.stats()["entries"] > 0
+                assert pool_copies(cache) == [{"chunks": got["chunks"], "in_pool": got["in_pool"]}]
+                copies[exclusive, pool] = got["in_pool"]
+    assert copies[True, 4096] == copies[True, 16384] == 0
+    assert 0 < copies[False, 4096] < copies[False, 16384]
