@@ -121,6 +121,20 @@ def test_a_failure_names_keys_and_blobs_readably() -> None:
     assert "/k" in text and "ns" in text and "\\x" not in text.split("\n")[0], text
 
 
+def test_the_contract_catches_a_tier_that_evicts_a_pinned_key() -> None:
+    """A tier that says it pinned keys and evicts them anyway fails the contract (the shipped tiers,
+    which pin, pass it: tests/test_backends.py, tests/test_policy.py)."""
+
+    class PinsNothing(CpuTier):
+        def pin(self, keys: Any) -> int:
+            return len(keys)
+
+    with pytest.raises(AssertionError) as failure:
+        CpuTierContract.check(lambda: PinsNothing(max_bytes=1024, slot_bytes=512), threads=0,
+                              settings=settings(SMALL, max_examples=200, phases=[Phase.generate]))
+    assert "pinned, vanished" in str(failure.value), str(failure.value)
+
+
 def test_the_harness_states_its_failures_without_bare_asserts() -> None:
     """pytest does not rewrite asserts in an installed library, and ``python -O`` drops them."""
     for name in ("tiers.py", "index.py", "backends.py", "settings.py"):

@@ -44,6 +44,11 @@ bytes name its key and version, so a failure says *which* older or foreign blob 
   and its buffer must not change meanwhile.
 * **Threads**: a burst of ``threads`` threads of put/get/read/lookup/delete, then every read must
   have returned a blob put under its key, and ``check()`` and the model must hold.
+* **Pins**: ``pin(keys)`` answers how many leading keys it pinned (a tier that cannot pin says
+  0); a key pinned while held is never evicted until ``unpin`` (or its delete, ``drop_namespace``
+  or TTL expiry, after which a tier may or may not keep the mark), and ``unpin`` counts at least
+  those.  The ``lru`` order is checked among the keys that may not be pinned.  Pins must not fill
+  the tier: ``should_store``'s puts still succeed while keys are pinned.
 * ``close()`` twice is fine; the tier's own ``check()`` runs after every step.
 
 Persistent tiers subclass ``PersistentTierContract`` (or set ``persistent = True``): it adds a
@@ -262,6 +267,8 @@ class TierContract(RuleBasedStateMachine):
         self.stamps: dict[bytes, int] = {}            # key -> last access, µs (for lru)
         self.maybe_older: dict[bytes, int] = {}       # key -> earlier stamp, when the last access may not count
         self.held: set[bytes] = set()                 # keys the tier holds, as last observed
+        self.pinned: set[bytes] = set()               # held keys pinned since, never deleted: must stay
+        self.pin_marks: set[bytes] = set()            # keys a pin covered, until unpin (may be pinned)
         self.blob_names: dict[bytes, str] = {}        # blob tag -> "version 3 of ns0/k1"
         self.versions = itertools.count(1)
         self.expected: Counter[str] = Counter()       # stats deltas the model predicts since the baseline
@@ -434,6 +441,8 @@ class TierContract(RuleBasedStateMachine):
         for key in self.held - observed:
             if self._expiry(key) != "live":
                 continue
+            if key in self.pinned:
+                _fail(f"{self._name(key)}, pinned, vanished during {self.step}: a pinned key is never evicted")
             if not may_evict:
                 _fail(f"{self._name(key)} vanished during {self.step}, which neither writes nor deletes it "
                       f"(written at {self.written.get(key)} µs, now {self.clock._us} µs, ttl {self.ttl})")
@@ -445,6 +454,7 @@ class TierContract(RuleBasedStateMachine):
             _fail(f"after {self.step} the tier still holds {self._names(expired)}, expired by its ttl of "
                   f"{self.ttl} s (clock {self.clock()})")
         self.held = set(observed)
+        self.pinned &= self.held
         return evicted
 
     def _check_eviction(self, evicted: set[bytes], fresh: set[bytes], exact_size: bool) -> None:
@@ -458,6 +468,7 @@ class TierContract(RuleBasedStateMachine):
             return self.maybe_older.get(k, self.stamps.get(k, 0))
 
         newest = max(lo(k) for k in evicted)
+        survivors -= self.pin_marks         # a pinned key is not in the LRU order
         if self.lru and survivors:
             oldest = min(survivors, key=lambda k: self.stamps.get(k, 0))
             if newest > self.stamps.get(oldest, 0):
@@ -540,6 +551,7 @@ class TierContract(RuleBasedStateMachine):
             _fail(f"delete({self._name(key)}) returned {removed!r} for a key the tier "
                   f"{'held' if held else 'did not hold'}")
         self.held.discard(key)
+        self.pinned.discard(key)
         if self._observe() & {key}:
             _fail(f"{self._name(key)} is still held right after delete")
 
@@ -723,9 +735,36 @@ class TierContract(RuleBasedStateMachine):
         if not ok and not (removed == 0 and not exact_count):
             _fail(f"{self.step} returned {removed!r}; the tier held {len(doomed)} keys of it {self._names(doomed)}")
         self.held -= doomed
+        self.pinned -= doomed
         left = {k for k in self._observe() if k.startswith(ns_id)}
         if left:
             _fail(f"{self.step} left {self._names(left)}")
+
+    @rule(names=st.lists(st.one_of(_held_names, _key_names), min_size=1, max_size=4, unique=True))
+    def pin(self, names: list[str]) -> None:
+        """Pin some keys (held ones or not): the held ones it covered must stay until unpinned."""
+        self.step = f"pin({names})"
+        keys = [self.names[n] for n in names]
+        self._now()
+        n = self.tier.pin(keys)
+        if type(n) is not int or not 0 <= n <= len(keys):
+            _fail(f"{self.step} returned {n!r}, not an int in [0, {len(keys)}]")
+        self.pin_marks.update(keys[:n])
+        self.pinned.update(k for k in keys[:n] if k in self.held and self._expiry(k) == "live")
+        self._reconcile(self._observe(), may_evict=False)
+
+    @rule(names=st.lists(st.one_of(_held_names, _key_names), min_size=1, max_size=6, unique=True))
+    def unpin(self, names: list[str]) -> None:
+        self.step = f"unpin({names})"
+        keys = [self.names[n] for n in names]
+        surely = len(self.pinned & set(keys))
+        self._now()
+        n = self.tier.unpin(keys)
+        if type(n) is not int or not surely <= n <= len(keys):
+            _fail(f"{self.step} returned {n!r}; {surely} of the keys are pinned for sure (of {len(keys)})")
+        self.pinned.difference_update(keys)
+        self.pin_marks.difference_update(keys)
+        self._reconcile(self._observe(), may_evict=False)
 
     @precondition(lambda self: self.ttl is not None)
     @rule(fraction=st.sampled_from([0.25, 0.5, 0.99, 1.0, 1.01, 1.5]))
@@ -852,6 +891,7 @@ class TierContract(RuleBasedStateMachine):
             if any(op == "p" and k == key for plan in plans for op, k, _ in plan):
                 self.written[key] = (start, now)
         self.held = observed
+        self.pinned &= observed
         for key in sorted(observed):       # start over empty: what survived a race is not reproducible,
             self._delete(key)              # and the next steps' draws must not depend on it
         settled = start + (2 * len(self.universe) + 2) * self.clock.step_us   # nor the clock
