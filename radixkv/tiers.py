@@ -12,10 +12,17 @@ tier keys.  Tier 0 is the fastest (e.g. ``CpuTier``), the last the slowest (e.g.
   it (``promote=True``), in the background.  A corrupt blob is a miss: counted, deleted from its
   tier, and the next tier down is tried.
 * ``store(items)`` encodes and writes chunks down every tier from one background thread, through
-  a bounded queue: when the queue is full the write is dropped and counted, never waited for.
+  a bounded queue: when the queue is full the write is dropped and counted, never waited for
+  (unless the caller says how long it may wait: an eviction's chunks exist nowhere else).
 * ``touch(keys)`` refreshes the recency of chunks in the local tiers that hold them (a read, from
   the same background thread and queue as the writes), e.g. when the pool evicts them: a tier
   below the pool then acts as a victim cache under ``write_through`` too.
+* **Chain order.**  A lookup stops at the first chunk no tier holds, so a tier that evicts the
+  first chunk of a prefix loses all of it.  What the pool evicts is given as chains (a prefix's
+  chunks, first first: ``store(..., chain=True)``, ``touch``) and written or touched deepest first,
+  so that the first chunk is the most recent: an LRU tier then drops a prefix from its end, as the
+  tree evicts leaves before their parents.  When the queue has no room for a whole chain, the
+  chain's end is what is dropped.
 * ``prefetch(tokens)`` runs lookup and load on a worker thread and returns a ``Future``.
 
 No fault of a tier (any exception: disk full, network down, a closed tier) reaches the caller:
