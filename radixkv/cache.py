@@ -187,7 +187,7 @@ class PrefixCache:
         self._counters = dict.fromkeys(
             ("matches", "query_tokens", "hit_tokens", "pool_hit_tokens", "tier_hit_tokens", "inserts",
              "inserted_tokens", "duplicate_pages", "allocs", "allocated_pages", "evicted_pages", "evictions",
-             "chunks_stored", "chunks_not_queued", "late_loads", "load_errors"), 0)
+             "chunks_stored", "chunks_not_queued", "tails_stored", "late_loads", "load_errors"), 0)
         #: One ``TierStack`` per KV group over the same tiers (``layout.groups`` order; each group's
         #: chunks have keys of their own namespace); ``stack`` is the first (the only one without groups).
         self.stacks: list[TierStack] = self._make_stacks(tiers, namespace, promote, write_queue, exclusive)
@@ -366,20 +366,27 @@ class PrefixCache:
         assert self.stack is not None
         cs, ps = self.chunk_size, self.page_size
         first, last = req.num_cached // cs, req._usable // 4 // cs
-        if first >= last:
+        # Without groups, a tail (fewer tokens than a chunk) may follow the last chunk found.
+        tails = self.groups is None and req._usable // 4 - req.num_cached >= ps
+        if first >= last and not tails:
             return
-        refs = self.stack.refs_from_bytes(req._data[:last * cs * 4])[first:]   # keys chain from token 0
+        every = self.stack.refs_from_bytes(req._data[:last * cs * 4])     # keys chain from token 0
+        refs = every[first:]
         # Fetch no more chunks than the pool could take without touching held or engine pages.
         room = self.pool.num_free + self.tree.evictable_size // ps + (req.num_cached - first * cs) // ps
         limit = min(len(refs), room // (cs // ps))
-        if limit == 0:
+        if limit == 0 and (refs or room == 0 or not tails):
             return
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=self.load_workers, thread_name_prefix="radixkv-load")
         if self.groups is not None:
             self._start_group_load(req, first, first + limit, deadline)
             return
-        req._pending = PendingLoad(self._loader.submit(fetch_chunks, self.stack, refs, limit, deadline),
+        tail = None
+        if tails:
+            parent = every[first - 1].key if first else self.stack.namespace.root
+            tail = (parent, req._data[first * cs * 4:req._usable])
+        req._pending = PendingLoad(self._loader.submit(fetch_chunks, self.stack, refs, limit, deadline, tail),
                                    first, deadline, [ref.key for ref in refs])
 
     def _start_group_load(self, req: Request, first: int, last: int, deadline: float) -> None:
@@ -419,11 +426,12 @@ class PrefixCache:
                 if result.end > pending.first:
                     self._land_groups(req, pending.first, result)
                 return True
-            where, chunks = result
+            where, chunks, tail = result
             if chunks:
                 landed = self._land(req, pending.first, where, chunks)
                 if self.stack is not None and self.stack.victims:     # exclusive: moved up, not copied
-                    self.stack.release(pending.keys[:landed])
+                    keys = pending.keys[:len(chunks) - (tail is not None)] + ([tail] if tail is not None else [])
+                    self.stack.release(keys[:landed])
             return True
         if time.monotonic() < pending.deadline:
             return False
@@ -444,26 +452,40 @@ class PrefixCache:
         return self.poll(req)
 
     def _land(self, req: Request, first: int, where: list[int], chunks: list[torch.Tensor]) -> int:
-        """Put loaded chunks ``first, first + 1, ...`` of ``req`` into pool pages and the tree and
-        move ``req``'s hold to the end of them; return how many of them the pool now holds whole.
-        The tree may have grown meanwhile (another request cached some of these tokens): only what
-        it still lacks is copied in; what the pool has no room for is left out."""
-        cs, ps, per_chunk = self.chunk_size, self.page_size, self.chunk_size // self.page_size
-        end = (first + len(chunks)) * cs
+        """Put loaded chunks ``first, first + 1, ...`` of ``req`` (the last may be a tail, of fewer
+        tokens) into pool pages and the tree and move ``req``'s hold to the end of them; return how
+        many of them the pool now holds whole.  The tree may have grown meanwhile (another request
+        cached some of these tokens): only what it still lacks is copied in; what the pool has no
+        room for is left out."""
+        cs, ps = self.chunk_size, self.page_size
+        sizes = [int(chunk.shape[2]) for chunk in chunks]          # tokens: cs, or a tail's fewer
+        end = first * cs + sum(sizes)
+        if end <= req.num_cached:
+            return 0                                # a tail that ends inside what the pool holds
         result = self._usable_match(req._data, end * 4)
         self._move_hold(req, result.node)
         req._pages, held = result.pages, req.num_cached
         req.num_cached = result.num_tokens
-        done, skip = divmod(result.num_tokens - first * cs, cs)    # chunks the tree has, pages into the next
-        chunks, where, skip = chunks[done:], where[done:], skip // ps
+        have, done = result.num_tokens - first * cs, 0               # whole chunks the tree has, then
+        while done < len(sizes) and have >= sizes[done]:              # pages into the next
+            have -= sizes[done]
+            done += 1
+        skip = have // ps
+        chunks, where, sizes = chunks[done:], where[done:], sizes[done:]
         room = self.pool.num_free + self.tree.evictable_size // ps
-        chunks = chunks[:(room + skip) // per_chunk]
+        need, keep = 0, 0
+        for i, size in enumerate(sizes):
+            k = size // ps - (skip if i == 0 else 0)
+            if need + k > room:
+                break
+            need, keep = need + k, keep + 1
+        chunks, where, sizes = chunks[:keep], where[:keep], sizes[:keep]
         if chunks:
-            new = self._take_pages(len(chunks) * per_chunk - skip)
+            new = self._take_pages(need)
             try:
                 start = 0
                 for i, chunk in enumerate(chunks):
-                    k = per_chunk - (skip if i == 0 else 0)
+                    k = sizes[i] // ps - (skip if i == 0 else 0)
                     ops.scatter_pages(chunk.to(self.pool.device), self.pool, new[start:start + k],
                                       skip_pages=skip if i == 0 else 0)
                     start += k
@@ -479,8 +501,8 @@ class PrefixCache:
             req._pages, req.num_cached = pages, stop
         # Count what the tiers served (tokens resident meanwhile count as pool hits).
         by_tier = [0] * len(self.stack.tiers)     # type: ignore[union-attr]
-        for i, tier in enumerate(where[:len(chunks)]):
-            by_tier[tier] += cs - (skip * ps if i == 0 else 0)
+        for i, tier in enumerate(where):
+            by_tier[tier] += sizes[i] - (skip * ps if i == 0 else 0)
         for tier, n in enumerate(by_tier):
             self._tier_hit_tokens[tier] += n
         tier_tokens = sum(by_tier)
@@ -832,15 +854,38 @@ class PrefixCache:
         ``write_through``, refreshed in the other local tiers' LRU order (``TierStack.touch``)."""
         assert self.stack is not None
         data, first, last = self._chunks_ending_in(node)
+        into = None if self.write_policy == "write_back" else self.stack.victims
+        tail = self.groups is None and node.branched and (into is None or bool(into))
+        if first >= last and not tail:
+            return
+        refs = self._refs(data[:last * self.chunk_size * 4])    # one hash pass for all
+        if tail:
+            self._spill_tail(node, data, refs[0], into)
         if first >= last:
             return
-        into = None if self.write_policy == "write_back" else self.stack.victims
-        refs = self._refs(data[:last * self.chunk_size * 4])    # one hash pass for both
         if into is None or into:     # these chunks exist nowhere else: wait (bounded) for queue room
             self._store_chunks(data, self.tree.prefix_pages(node), first, last, into, refs, wait=SPILL_WAIT_S)
         if into is not None and len(into) < len(self.stack.tiers):
             for stack, stack_refs in zip(self.stacks, refs):
                 stack.touch([ref.key for ref in stack_refs[first:]], tiers=self._kept_tiers)
+
+    def _spill_tail(self, node: RadixNode, data: bytes, refs: list[ChunkRef], into: frozenset[int] | None) -> None:
+        """Store the tail of ``node``'s prefix (``data``): its tokens past the last chunk boundary,
+        if any, into the local tiers among ``into`` (``None``: every tier), before the chunks (it is
+        the deepest).  Only for a node that other cached sequences continued (``branched``): where
+        prefixes part, the next request is likely to stop too — a request's own end would only take
+        a slot.  ``refs``: the prefix's full chunks."""
+        assert self.stack is not None
+        cs, ps = self.chunk_size, self.page_size
+        start, end = len(refs) * cs, len(data) // 4
+        stack = self.stack
+        tiers = [i for i in (range(len(stack.tiers)) if into is None else into) if stack.tiers[i].local]
+        if end == start or not tiers:
+            return
+        ref = stack.tail_ref(refs[-1].key if refs else stack.namespace.root, data[start * 4:])
+        buf = torch.empty(self.layout.chunk_shape(end - start), dtype=self.layout.dtype)
+        kv = ops.gather_pages(self.pool, self.tree.prefix_pages(node)[start // ps:], buf)
+        self._counters["tails_stored"] += stack.store([(ref, kv)], tiers=tiers, wait=SPILL_WAIT_S, chain=True)
 
     def evict(self, num_pages: int) -> int:
         """Evict least-recently-used unlocked prefixes until ``num_pages`` pages are freed (or

@@ -225,6 +225,20 @@ def keys_from_token_bytes(data: bytes, chunk_size: int, root: bytes) -> list[byt
     return keys
 
 
+def tail_key(parent: bytes, data: bytes) -> bytes:
+    """The key of a *tail*: fewer tokens than a chunk (``data``, validated int32 bytes) after the
+    chunk whose key is ``parent`` — the digest full chunks are keyed by (``parent || tokens``), over
+    a shorter run, so it never names a full chunk.  Tiers store tails for prefixes that end inside
+    a chunk (``TierStack.find_tail``).  O(len(data)).
+
+    >>> ns = Namespace(model="m")
+    >>> data = as_token_bytes(list(range(6)))
+    >>> tail_key(ns.root, data[:8]) != keys_from_token_bytes(data, 4, ns.root)[0]
+    True
+    """
+    return xxhash.xxh3_128_digest(parent + data)
+
+
 def chunk_keys(tokens: Any, chunk_size: int, namespace: Namespace) -> list[bytes]:
     """Chained 16-byte keys of every full ``chunk_size``-token chunk of ``tokens``.
 

@@ -56,10 +56,11 @@ _ids = itertools.count(1)        # global: a request of another cache is never m
 @dataclass(slots=True)
 class PendingLoad:
     """A tier load in flight: chunks ``first, first + 1, ...`` of the request's tokens, fetched by
-    ``future`` (which returns ``(where, chunks)``: the serving tier of each chunk and its CPU
-    tensor), due by ``deadline`` (``time.monotonic()``)."""
+    ``future`` (which returns ``(where, chunks, tail)``: the serving tier of each chunk and its CPU
+    tensor, the last one possibly a tail, whose key ``tail`` is then), due by ``deadline``
+    (``time.monotonic()``)."""
 
-    future: Future[tuple[list[int], list[torch.Tensor]]]
+    future: Future[tuple[list[int], list[torch.Tensor], bytes | None]]
     first: int
     deadline: float
     keys: list[bytes]              # the chunk keys of chunks first, first + 1, ...
@@ -69,16 +70,31 @@ class PendingLoad:
         return max(0.0, self.deadline - time.monotonic())
 
 
-def fetch_chunks(stack: TierStack, refs: Sequence[ChunkRef], limit: int,
-                 deadline: float) -> tuple[list[int], list[torch.Tensor]]:
+def fetch_chunks(stack: TierStack, refs: Sequence[ChunkRef], limit: int, deadline: float,
+                 tail: tuple[bytes, bytes] | None = None) -> tuple[list[int], list[torch.Tensor], bytes | None]:
     """The worker's half of a load: look up ``refs`` in the tiers and fetch and verify at most
-    ``limit`` leading chunks, all by ``deadline``.  Touches neither the pool nor the tree; a tier
-    fault is a miss (the stack never raises for one).  Cost: the stack's ``lookup`` and ``load``."""
-    where = stack.lookup([ref.key for ref in refs], deadline=deadline)[:limit]
-    if not where or time.monotonic() >= deadline:
-        return [], []
-    chunks = stack.load(refs[:len(where)], where=where, deadline=deadline)
-    return list(where[:len(chunks)]), chunks
+    ``limit`` leading chunks, all by ``deadline``; then, given ``tail`` — ``(parent, data)``: the key
+    before ``refs[0]`` and the request's usable token bytes from ``refs[0]`` on — and when every
+    chunk found was loaded and ``limit`` did not stop them, the longest tail a local tier holds
+    after them (``TierStack.find_tail``).  Returns ``(where, chunks, tail key or None)``.  Touches
+    neither the pool nor the tree; a tier fault is a miss (the stack never raises for one).  Cost:
+    the stack's ``lookup`` and ``load``, and with ``tail`` ``find_tail``'s probes and one load."""
+    found = stack.lookup([ref.key for ref in refs], deadline=deadline)
+    where = found[:limit]
+    chunks = stack.load(refs[:len(where)], where=where, deadline=deadline) if where else []
+    where, n = list(where[:len(chunks)]), len(chunks)
+    # A tail can only continue the chunks right after the last one the tiers hold: every chunk
+    # found must have loaded (not cut by ``limit``, the pool's room, nor by a fault).
+    if tail is None or n < len(found) or time.monotonic() >= deadline:
+        return where, chunks, None
+    chunk_bytes = 4 * stack.chunk_size
+    parent = refs[n - 1].key if n else tail[0]
+    hit = stack.find_tail(parent, tail[1][n * chunk_bytes:(n + 1) * chunk_bytes], deadline=deadline)
+    if hit is not None:
+        got = stack.load([hit[1]], where=[hit[0]], deadline=deadline)
+        if got:
+            return [*where, hit[0]], [*chunks, got[0]], hit[1].key
+    return where, chunks, None
 
 
 class Request:

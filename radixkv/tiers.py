@@ -63,7 +63,7 @@ import torch
 from radixkv._checks import check_int
 from radixkv.backends import DeadlineExceeded, OversizeBlob, Tier, bounded, redact
 from radixkv.format import ChunkAuthError, ChunkFormatError, Seal, decode_chunk, encode_chunk, encoded_size
-from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
+from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes, tail_key
 from radixkv.pool import KVLayout
 
 __all__ = ["PREVIOUS_SECRET_ENV", "SECRET_ENV", "ChunkRef", "TierStack"]
@@ -264,6 +264,40 @@ class TierStack:
         parents = [self.namespace.root, *keys[:-1]]
         return [ChunkRef(k, p, data[i * step:(i + 1) * step]) for i, (k, p) in enumerate(zip(keys, parents))]
 
+    def _shape_of(self, ref: ChunkRef) -> tuple[int, ...]:
+        """A chunk's KV shape: ``shape``, or a tail's shorter one."""
+        n = len(ref.tokens) // 4
+        return self.shape if n == self.chunk_size else self.layout.chunk_shape(n)
+
+    def tail_ref(self, parent: bytes, data: bytes) -> ChunkRef:
+        """The ``ChunkRef`` of a tail: ``data`` (int32 token bytes, a whole number of pages, fewer
+        than a chunk) right after the chunk keyed ``parent`` (``namespace.root`` for the first).
+        A tail is stored and loaded like a chunk, with ``layout.chunk_shape(len(data) // 4)`` KV.
+        ``ValueError`` for another length.  O(len(data)): one hash."""
+        page_bytes = 4 * self.layout.page_size
+        if not 0 < len(data) < 4 * self.chunk_size or len(data) % page_bytes:
+            raise ValueError(f"a tail is a whole number of pages ({self.layout.page_size} tokens) and fewer "
+                             f"than a chunk ({self.chunk_size}), got {len(data) // 4} tokens")
+        return ChunkRef(tail_key(parent, data), parent, data)
+
+    def find_tail(self, parent: bytes, data: bytes, *, deadline: float | None = None) -> tuple[int, ChunkRef] | None:
+        """The longest tail after the chunk keyed ``parent`` that a local tier holds, among the
+        page-aligned prefixes of ``data`` shorter than a chunk: ``(tier index, ref)``, or ``None``.
+        Remote tiers are not asked (a round trip per candidate).  Cost: per candidate length, one
+        hash and one ``contains_prefix`` per local tier; at most ``chunk_size / page_size - 1``."""
+        page_bytes = 4 * self.layout.page_size
+        longest = min(len(data), 4 * self.chunk_size - 1) // page_bytes * page_bytes
+        local = [i for i, t in enumerate(self.tiers) if t.local]
+        if not local or longest <= 0:
+            return None
+        deadline = self._deadline(deadline)
+        for end in range(longest, 0, -page_bytes):
+            ref = self.tail_ref(parent, data[:end])
+            for i in local:
+                if self._bounded_call(i, 0, deadline, self.tiers[i].contains_prefix, [self._prefix + ref.key]) == 1:
+                    return i, ref
+        return None
+
     def lookup(self, keys: Sequence[bytes], *, deadline: float | None = None,
                tiers: int | None = None) -> list[int]:
         """For each leading chunk key that some tier holds, the index of the tier to load it from;
@@ -366,7 +400,7 @@ class TierStack:
 
     def _decode(self, t: int, ref: ChunkRef, blob: Any, out: torch.Tensor | None) -> torch.Tensor:
         return decode_chunk(blob, namespace_id=self._prefix, key=ref.key, parent_key=ref.parent,
-                            tokens=ref.tokens, dtype=self.layout.dtype, shape=self.shape, out=out,
+                            tokens=ref.tokens, dtype=self.layout.dtype, shape=self._shape_of(ref), out=out,
                             seal=self.seals[t])
 
     def _bad_blob(self, t: int, ref: ChunkRef, exc: Exception) -> None:
@@ -459,13 +493,14 @@ class TierStack:
 
         ``chain``: the items are consecutive chunks of one sequence, head first (what an eviction
         lets go).  They are written deepest first, so that the head ends up the most recent in
-        every tier's LRU order: a tier then evicts a chain from its tail, as the tree evicts leaves
+        every tier's LRU order: a tier then evicts a chain from its end, as the tree evicts leaves
         first, never its head, which would leave the rest unreachable (a lookup stops at the first
         miss).  They are queued together: with ``wait``, a chain longer than ``queue_size`` waits
         for an empty queue and goes in whole (its tensors exist already); what cannot be queued in
-        time is the chain's tail, never its head.
+        time is the chain's end, never its head.
 
-        Each ``kv`` must be ``layout.chunk_shape(chunk_size)`` of ``layout.dtype`` (``ValueError``
+        Each ``kv`` must be ``layout.chunk_shape(chunk_size)`` (a tail's: ``chunk_shape`` of its
+        tokens, see ``tail_ref``) of ``layout.dtype`` (``ValueError``
         otherwise, before anything is queued); the stack keeps a reference until it is written,
         so do not modify it afterwards.  Cost: O(1) per item on the caller's thread.
         """
@@ -473,9 +508,10 @@ class TierStack:
         for ref, kv in items:
             if not isinstance(ref, ChunkRef):
                 raise TypeError(f"store takes (ChunkRef, tensor) pairs, got {type(ref).__name__}")
-            if not isinstance(kv, torch.Tensor) or kv.dtype != self.layout.dtype or tuple(kv.shape) != self.shape:
+            shape = self._shape_of(ref)
+            if not isinstance(kv, torch.Tensor) or kv.dtype != self.layout.dtype or tuple(kv.shape) != shape:
                 got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__
-                raise ValueError(f"kv must be a {self.layout.dtype} tensor of shape {self.shape}, got {got}")
+                raise ValueError(f"kv must be a {self.layout.dtype} tensor of shape {shape}, got {got}")
         mask = self._mask(tiers)
         if not mask:
             return 0
@@ -530,7 +566,7 @@ class TierStack:
         chain at a time, head first (as ``store(chain=True)``: they are touched deepest first, so
         that the head is the most recent).
 
-        Never blocks: what does not fit in the queue (the chain's tail) is dropped and counted in
+        Never blocks: what does not fit in the queue (the chain's end) is dropped and counted in
         ``dropped_writes``.
         The writer thread performs each as ``read(key, len)`` (after a ``contains_prefix`` probe) on
         the tiers that hold it, before the writes it takes in the same batch; a fault is counted like

@@ -51,7 +51,7 @@ class RadixNode:
     and ``token_ids`` are there for inspection.
     """
 
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "serial", "lru_entry")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "serial", "lru_entry", "branched")
 
     def __init__(self, key: bytes, pages: np.ndarray, parent: RadixNode | None, last_access: int) -> None:
         self.key = key                      # int32 LE bytes, a whole number of pages
@@ -62,6 +62,7 @@ class RadixNode:
         self.last_access = last_access
         self.serial = next(_serials)        # breaks ties in the LRU order
         self.lru_entry = -1                 # the id of its live entry in the tree's LRU heap, -1: none
+        self.branched = False               # ever had a child: its end is where cached sequences part
 
     @property
     def num_tokens(self) -> int:
@@ -211,6 +212,7 @@ class RadixTree:
         assert parent is not None
         upper = RadixNode(child.key[:cut], child.pages[:num_pages], parent, child.last_access)
         upper.lock_ref = child.lock_ref
+        upper.branched = True
         parent.children[child.key[:self._page_bytes]] = upper
         child.key, child.pages, child.parent = child.key[cut:], child.pages[num_pages:], upper
         upper.children[child.key[:self._page_bytes]] = child
@@ -307,6 +309,7 @@ class RadixTree:
             if node is not self._root and node.lock_ref == 0 and not node.children:
                 self._lru_drop(node)                             # node stops being a leaf
             node.children[data[pos:pos + pb]] = leaf
+            node.branched = True
             self._lru_add(leaf)
             self._evictable += len(leaf.key) >> 2
             self._num_nodes += 1

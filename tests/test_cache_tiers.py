@@ -439,3 +439,26 @@ def test_a_full_tier_evicts_an_evicted_chain_from_its_tail_not_its_head(kw):
         assert torch.equal(cache.pool.kv[:, :, m.pages.long()], kv[:, :, :6])
         cache.release(m)
         cache.check()
+
+
+@pytest.mark.parametrize("kw", [{"exclusive": True}, {"write_policy": "write_back"}], ids=["exclusive", "write_back"])
+def test_a_prefix_that_ends_inside_a_chunk_comes_back_whole_through_its_tail(kw):
+    # Two requests part after 12 tokens (a chunk and a page); when the pool lets them go, the tier
+    # gets chunk 0 and the page past it as a tail, so a third request that shares the 12 tokens
+    # gets all of them back, not only the 8 of the whole chunk.  A request's own end stores none.
+    tier = CpuTier(1 << 20, slot_bytes=encoded_size(LAYOUT.chunk_shape(8), LAYOUT.dtype))
+    shared = TOKENS[:12]
+    with make([tier], **kw) as cache:
+        kv = prefill(cache, shared + [900 + t for t in range(8)])
+        prefill(cache, shared + [800 + t for t in range(8)], seed=1)
+        cache.evict(cache.pool.num_pages)
+        cache.stack.flush()
+        assert cache.stats()["tails_stored"] == 1
+        m = cache.match(shared + [700, 701, 702])
+        assert m.num_tokens == 12 and m.tier_tokens == 12
+        assert torch.equal(cache.pool.kv[:, :, m.pages.long()], kv[:, :, :3])
+        cache.release(m)
+        cache.stack.flush()
+        if kw.get("exclusive"):
+            assert tier.stats()["entries"] == 2       # chunk 0 and the tail moved up; each request's chunk 1 stays
+        cache.check()

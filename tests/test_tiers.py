@@ -307,3 +307,24 @@ def test_lookup_costs_one_round_trip_per_tier(refs: list[ChunkRef]) -> None:
     assert stack.lookup([r.key for r in refs]) == [0, 1, 1]
     assert [t.rounds for t in tiers] == [1, 1, 1]
     stack.close()
+
+
+def test_a_tail_is_stored_found_and_loaded_like_a_chunk(refs: list[ChunkRef]) -> None:
+    from radixkv.hashing import as_token_bytes
+
+    data = as_token_bytes(TOKENS)
+    tier = MemoryTier()
+    stack = make_stack([tier])
+    tail = stack.tail_ref(refs[0].key, data[16:24])                 # one page (2 tokens) after chunk 0
+    assert tail.key not in {r.key for r in refs} and tail.parent == refs[0].key
+    kv = torch.full(LAYOUT.chunk_shape(2), 7.0, dtype=LAYOUT.dtype)
+    with pytest.raises(ValueError, match="shape"):
+        stack.store([(tail, kv_for(0))])                            # a full chunk's KV for a tail
+    assert stack.store([(tail, kv)]) == 1 and stack.flush(timeout=10)
+    assert stack.find_tail(refs[0].key, data[16:]) == (0, tail)      # longest first, up to a chunk
+    assert stack.find_tail(refs[1].key, data[16:]) is None           # another parent: another key
+    assert torch.equal(stack.load([tail])[0], kv)
+    for bad in (data[16:32], data[16:20], b""):                     # a whole chunk, half a page, nothing
+        with pytest.raises(ValueError, match="a tail is"):
+            stack.tail_ref(refs[0].key, bad)
+    stack.close()
