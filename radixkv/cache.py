@@ -366,24 +366,22 @@ class PrefixCache:
         assert self.stack is not None
         cs, ps = self.chunk_size, self.page_size
         first, last = req.num_cached // cs, req._usable // 4 // cs
-        # Without groups, a tail (fewer tokens than a chunk) may follow the last chunk found.
-        tails = self.groups is None and req._usable // 4 - req.num_cached >= ps
-        if first >= last and not tails:
-            return
+        if first >= last:
+            return          # not even one chunk past the pool: no worker round trip for a tail's pages
         every = self.stack.refs_from_bytes(req._data[:last * cs * 4])     # keys chain from token 0
         refs = every[first:]
         # Fetch no more chunks than the pool could take without touching held or engine pages.
         room = self.pool.num_free + self.tree.evictable_size // ps + (req.num_cached - first * cs) // ps
         limit = min(len(refs), room // (cs // ps))
-        if limit == 0 and (refs or room == 0 or not tails):
+        if limit == 0:
             return
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=self.load_workers, thread_name_prefix="radixkv-load")
         if self.groups is not None:
             self._start_group_load(req, first, first + limit, deadline)
             return
-        tail = None
-        if tails:
+        tail = None             # without groups, a tail (fewer tokens than a chunk) may follow the chunks
+        if self.groups is None:
             parent = every[first - 1].key if first else self.stack.namespace.root
             tail = (parent, req._data[first * cs * 4:req._usable])
         req._pending = PendingLoad(self._loader.submit(fetch_chunks, self.stack, refs, limit, deadline, tail),
