@@ -485,8 +485,8 @@ class RadixTree:
         Keys are non-empty whole pages with one page id each; children are keyed by their first
         page and point back at their parent; a node's lock_ref is at least the sum of its
         children's; the size counters, the node count and the LRU order agree with a full walk;
-        the LRU holds exactly the unlocked leaves, under their current access stamps; no page id
-        appears twice.
+        the LRU holds exactly the unlocked leaves, under their current access stamps; a node with
+        children is marked ``branched``; no page id appears twice.
         """
         pb = self._page_bytes
         root = self._root
@@ -509,6 +509,7 @@ class RadixTree:
             if node is root:
                 continue
             assert node.lock_ref >= child_locks, "lock_ref below the sum of the children's"
+            assert node.branched or not node.children, "a node with children is not marked branched"
             count += 1
             pages.append(node.pages)
             if node.lock_ref:

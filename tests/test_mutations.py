@@ -617,6 +617,21 @@ def _first_chunk_not_stored(mp: pytest.MonkeyPatch) -> None:
     wrap(mp, PrefixCache, "_store_chunks", make)
 
 
+def _tail_one_page_early(mp: pytest.MonkeyPatch) -> None:
+    """A tail is copied from the pages one page before its tokens (an off-by-one in the offset)."""
+    real = RadixTree.prefix_pages
+
+    def make(spill_tail: Callable[..., None]) -> Callable[..., None]:
+        def bad(self: PrefixCache, *args: Any) -> None:
+            mp.setattr(RadixTree, "prefix_pages", lambda tree, node: np.roll(real(tree, node), 1))
+            try:
+                spill_tail(self, *args)
+            finally:
+                mp.setattr(RadixTree, "prefix_pages", real)
+        return bad
+    wrap(mp, PrefixCache, "_spill_tail", make)
+
+
 def _land_counts_whole_first_chunk(mp: pytest.MonkeyPatch) -> None:
     def make(land: Callable[..., Any]) -> Callable[..., Any]:
         def bad(self: PrefixCache, req: Any, *args: Any, **kw: Any) -> Any:
@@ -712,6 +727,8 @@ ENGINE_MUTANTS = [
            "TieredPrefixCacheMachine", _no_refresh),
     Mutant("cache-evict-no-spill", "PrefixCache._spill", "write_back does not store what it evicts",
            "WriteBackMachine", lambda mp: mp.setattr(PrefixCache, "_spill", lambda self, node: None)),
+    Mutant("cache-tail-one-page-early", "PrefixCache._spill_tail", "a tail holds the KV of the page before it",
+           "WriteBackMachine", _tail_one_page_early),
     Mutant("stack-store-drops-last", "TierStack.store", "the last chunk of a store is lost uncounted",
            "TieredPrefixCacheMachine", _store_drops_last),
     Mutant("stack-touch-noop", "TierStack.touch", "touch refreshes nothing", "TieredPrefixCacheMachine",
