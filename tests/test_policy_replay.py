@@ -6,7 +6,7 @@ serve a request at all, and the replay then caches only its leading pages, which
 admission filter for the most shared prefix): at least the pool-only hit rate, never more than one
 point lower as the pool grows, and within two points of one LRU cache with the combined capacity
 (or above it).  Inclusive LRU, what radixkv did before, fails the last (the checks are shown to
-bite)"""
+bite)."""
 
 from __future__ import annotations
 
