@@ -420,7 +420,7 @@ def test_an_eviction_larger_than_the_write_queue_reaches_the_tiers_whole(kw):
 
 @pytest.mark.parametrize("kw", [{"exclusive": True}, {"write_policy": "write_back"}, {}],
                          ids=["exclusive", "write_back", "write_through"])
-def test_a_full_tier_evicts_an_evicted_chain_from_its_tail_not_its_head(kw):
+def test_a_full_tier_evicts_an_evicted_chain_from_its_end_not_its_head(kw):
     # The pool lets go of a prefix of 4 chunks into a CPU tier of 4 slots, then of another chunk:
     # the tier must make room by dropping the prefix's last chunk (the tree, too, evicts leaves
     # first), not its first, which would leave the other three unreachable.

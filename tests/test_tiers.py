@@ -167,7 +167,7 @@ class OrderTier(GatedTier):
         return super().put_many(items)
 
 
-def test_a_chain_is_written_deepest_first_and_loses_its_tail_not_its_head(refs: list[ChunkRef]) -> None:
+def test_a_chain_is_written_deepest_first_and_loses_its_end_not_its_head(refs: list[ChunkRef]) -> None:
     tier = OrderTier()
     stack = make_stack([tier], queue_size=3, write_batch=1)
     assert stack.store([(refs[0], kv_for(0))]) == 1           # the writer holds it at the gate
@@ -175,7 +175,7 @@ def test_a_chain_is_written_deepest_first_and_loses_its_tail_not_its_head(refs: 
     while stack.stats()["queued"] and time.monotonic() < deadline:
         time.sleep(0.001)
     assert stack.store([(ref, kv_for(i)) for i, ref in enumerate(refs)], chain=True) == 3
-    assert stack.stats()["dropped_writes"] == 2               # refs 3 and 4: the tail
+    assert stack.stats()["dropped_writes"] == 2               # refs 3 and 4: the end
     tier.gate.set()
     assert stack.flush(timeout=10)
     assert tier.order == [NS.id + refs[i].key for i in (0, 2, 1)]   # then 0, held: read instead
