@@ -199,11 +199,12 @@ class PrefixCache:
             self._kept_tiers = frozenset(range(len(self.stack.tiers))) - self.stack.victims
             for stack in self.stacks:
                 flush_at_exit(stack)
-            if self.groups is not None:                # chunks of several sizes: tell fixed-slot tiers
-                from radixkv.format import encoded_size
+            # Blobs of several sizes (tails; with groups, each group's chunks): tell fixed-slot tiers
+            # the largest before a smaller one comes first and sizes their slots.
+            from radixkv.format import encoded_size
 
-                for i, tier in enumerate(self.stack.tiers):
-                    tier.expect(max(encoded_size(st.shape, layout.dtype, st.seals[i]) for st in self.stacks))
+            for i, tier in enumerate(self.stack.tiers):
+                tier.expect(max(encoded_size(st.shape, layout.dtype, st.seals[i]) for st in self.stacks))
             if self.groups is not None:
                 # A tier match ends on a chunk boundary: keep up to a chunk more of each window, so
                 # that the chunks a tier match needs are whole in the pool when they are stored.

@@ -462,3 +462,22 @@ def test_a_prefix_that_ends_inside_a_chunk_comes_back_whole_through_its_tail(kw)
         if kw.get("exclusive"):
             assert tier.stats()["entries"] == 2       # chunk 0 and the tail moved up; each request's chunk 1 stays
         cache.check()
+
+
+def test_a_cpu_tier_sized_by_its_first_blob_still_takes_whole_chunks_after_a_tail():
+    # The first blob an exclusive CpuTier (slots sized by the first blob, unless told) gets may be
+    # a tail, smaller than a chunk: the cache tells it the chunk size up front (Tier.expect), or
+    # every whole chunk after it would be refused.
+    tier = CpuTier(1 << 20)
+    with rk.PrefixCache(LAYOUT, 64, namespace=NS, tiers=[tier], chunk_size=12, exclusive=True) as cache:
+        shared = TOKENS[:4]                                   # one page, then the sequences part
+        prefill(cache, shared + [900, 901, 902, 903])         # 8 tokens: no whole chunk of 12
+        prefill(cache, shared + [800, 801, 802, 803])
+        kv = prefill(cache, [500 + t for t in range(25)])     # two whole chunks, evicted last
+        cache.evict(cache.pool.num_pages)
+        cache.stack.flush()
+        assert cache.stats()["tails_stored"] == 1 and tier.stats()["rejected"] == 0
+        m = cache.match([500 + t for t in range(25)])
+        assert m.num_tokens == 24 and torch.equal(cache.pool.kv[:, :, m.pages.long()], kv[:, :, :6])
+        cache.release(m)
+        cache.check()

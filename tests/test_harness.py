@@ -27,9 +27,13 @@ TestFaultyPrefixCache = FaultyPrefixCacheMachine.TestCase
 
 
 class ExclusiveTiersMachine(TieredPrefixCacheMachine):
-    """Recall and eviction checks hold when the tier keeps only what the pool evicted."""
+    """Recall and eviction checks hold when the tier keeps only what the pool evicted: a CpuTier
+    (a victim tier; large enough never to evict here), so loads move chunks and tails up."""
 
     exclusive = True
+
+    def make_tiers(self) -> list[Any]:
+        return [CpuTier(4 << 20)]
 
 
 TestExclusiveTiers = ExclusiveTiersMachine.TestCase

@@ -996,7 +996,7 @@ class _Wrapper(Tier):
 
     def __init__(self, inner: Tier) -> None:
         self.inner = inner
-        for flag in ("local", "persistent", "victim"):     # what the stack reads of a tier's kind
+        for flag in ("local", "persistent", "victim", "in_memory"):     # what the stack reads of a tier's kind
             if hasattr(inner, flag):
                 setattr(self, flag, getattr(inner, flag))
 
@@ -1035,6 +1035,17 @@ class _Wrapper(Tier):
     def drop_namespace(self, ns_id: bytes) -> int:
         self._enter("drop_namespace")
         return self.inner.drop_namespace(ns_id)
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        self._enter("pin", keys)
+        return self.inner.pin(keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        self._enter("unpin", keys)
+        return self.inner.unpin(keys)
+
+    def expect(self, blob_bytes: int) -> None:
+        self.inner.expect(blob_bytes)
 
     @property
     def used_bytes(self) -> int:
@@ -1096,7 +1107,7 @@ class RecordingTier(_Wrapper):
             return next(self._counter)
 
     def _enter(self, method: str, keys: Sequence[bytes] = ()) -> None:
-        if method in ("contains_prefix", "drop_namespace", "close", "delete"):
+        if method in ("contains_prefix", "drop_namespace", "close", "delete", "pin", "unpin"):
             return
         with self._lock:
             n = next(self._counter)
