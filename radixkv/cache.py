@@ -849,16 +849,17 @@ class PrefixCache:
     def _spill(self, node: RadixNode) -> None:
         """The tiers keep what the pool lets go: the chunks that end inside ``node``, about to be
         evicted, are stored where they are not kept already (``write_back``: every tier; with
-        victim tiers, those) — a tier that holds one counts it as just used — and, under
-        ``write_through``, refreshed in the other local tiers' LRU order (``TierStack.touch``)."""
+        victim tiers, those) — a tier that holds one counts it as just used — deepest first, after
+        the prefix's tail where prefixes part inside a chunk (``_spill_tail``); under
+        ``write_through`` they are refreshed in the other local tiers' LRU order (``TierStack.touch``)."""
         assert self.stack is not None
         data, first, last = self._chunks_ending_in(node)
         into = None if self.write_policy == "write_back" else self.stack.victims
-        tail = self.groups is None and node.branched and (into is None or bool(into))
-        if first >= last and not tail:
+        with_tail = self.groups is None and node.branched and (into is None or bool(into))
+        if first >= last and not with_tail:
             return
         refs = self._refs(data[:last * self.chunk_size * 4])    # one hash pass for all
-        if tail:
+        if with_tail:
             self._spill_tail(node, data, refs[0], into)
         if first >= last:
             return
