@@ -23,6 +23,10 @@ tier keys.  Tier 0 is the fastest (e.g. ``CpuTier``), the last the slowest (e.g.
   so that the first chunk is the most recent: an LRU tier then drops a prefix from its end, as the
   tree evicts leaves before their parents.  When the queue has no room for a whole chain, the
   chain's end is what is dropped.
+* **Tails.**  A prefix that ends inside a chunk (where cached sequences part) has a *tail*: its
+  tokens past the last chunk boundary, whole pages, stored like a chunk under a key over that
+  shorter run (``tail_ref``).  ``find_tail`` finds the longest one a local tier holds after a given
+  chunk, so a tier can serve a shared prefix to its last page, not only to its last chunk boundary.
 * ``prefetch(tokens)`` runs lookup and load on a worker thread and returns a ``Future``.
 
 No fault of a tier (any exception: disk full, network down, a closed tier) reaches the caller:
