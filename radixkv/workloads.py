@@ -208,16 +208,14 @@ def pool_copies(cache: PrefixCache) -> list[dict[str, int] | None]:
         return []
     leaves = [n for n in cache.tree.nodes() if not n.children]
     prefixes = [cache.tree.prefix_tokens(leaf).tobytes() for leaf in leaves]
+    keys = [{stack.namespace.id + ref.key for data in prefixes for ref in stack.refs_from_bytes(data)}
+            for stack in cache.stacks]                      # per KV group: its tier keys, hashed once
     out: list[dict[str, int] | None] = []
     for i, tier in enumerate(cache.stack.tiers):
         if not tier.local:
             out.append(None)
             continue
-        in_pool = 0
-        for stack in cache.stacks:
-            ns = stack.namespace.id
-            keys = {ref.key for data in prefixes for ref in stack.refs_from_bytes(data)}
-            in_pool += sum(stack.tiers[i].contains_prefix([ns + key]) for key in keys)
+        in_pool = sum(tier.contains_prefix([key]) for group in keys for key in group)
         out.append({"chunks": int(tier.stats().get("entries", 0)), "in_pool": in_pool})
     return out
 

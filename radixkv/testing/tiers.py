@@ -699,14 +699,18 @@ class TierContract(RuleBasedStateMachine):
         if self.should_store(self.capacity + 1) is False:   # type: ignore[operator]
             self._put(key, self.capacity + 1)                 # type: ignore[operator]
 
+    def _count(self, n: Any, most: int) -> int:
+        """``n``, the step's answer, checked to be an int in [0, ``most``]."""
+        if type(n) is not int or not 0 <= n <= most:
+            _fail(f"{self.step} returned {n!r}, not an int in [0, {most}]")
+        return n
+
     @rule(names=st.lists(st.one_of(_held_names, _key_names), max_size=6, unique=True))
     def contains_prefix(self, names: list[str]) -> None:
         self.step = f"contains_prefix({names})"
         keys = [self.names[n] for n in names]
         self._now()
-        n = self.tier.contains_prefix(keys)
-        if type(n) is not int or not 0 <= n <= len(keys):
-            _fail(f"{self.step} returned {n!r}, not an int in [0, {len(keys)}]")
+        n = self._count(self.tier.contains_prefix(keys), len(keys))
         sure = [k in self.held and self._expiry(k) == "live" for k in keys]
         maybe = [k in self.held for k in keys]
         lo = next((i for i, s in enumerate(sure) if not s), len(keys))
@@ -746,9 +750,7 @@ class TierContract(RuleBasedStateMachine):
         self.step = f"pin({names})"
         keys = [self.names[n] for n in names]
         self._now()
-        n = self.tier.pin(keys)
-        if type(n) is not int or not 0 <= n <= len(keys):
-            _fail(f"{self.step} returned {n!r}, not an int in [0, {len(keys)}]")
+        n = self._count(self.tier.pin(keys), len(keys))
         self.pin_marks.update(keys[:n])
         self.pinned.update(k for k in keys[:n] if k in self.held and self._expiry(k) == "live")
         self._reconcile(self._observe(), may_evict=False)
