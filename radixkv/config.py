@@ -19,12 +19,20 @@ that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's wh
     remote_endpoint: http://127.0.0.1:9000   # optional (MinIO, Ceph, a test server)
     # remote_url: redis://cache-host:6379/0  # ... or a RedisTier (redis:// or rediss:// for TLS)
     remote_timeout: 2.0          # seconds: the total bound of one lookup or load on the network
+    remote_required: false       # true: refuse to start while the remote tier is unreachable
+    local_disk_required: false   # true: refuse to start when local_disk cannot be opened
     secret: ...                  # deployment secret: every chunk carries a MAC (prefer RADIXKV_SECRET)
     previous_secret: ...         # the secret before a rotation, still accepted on read
     encrypt: false               # AES-GCM for the remote tier's chunks (needs secret)
     write_policy: write_through  # or write_back
     promote: true                # copy lower-tier hits into the tiers above
     namespace: {model: meta-llama/Llama-2-7b-hf, revision: main, salt: tenant-a}
+
+The cache is an accelerator, never a dependency: by default an engine starts whatever its tiers
+do.  A remote endpoint (S3 or Redis) that does not answer at start-up is logged once, serves every
+lookup as a miss, and is taken into use when it answers (its circuit breaker probes it in the
+background); a ``local_disk`` that cannot be opened (read-only, a missing parent) is left out, with
+a warning.  ``remote_required`` / ``local_disk_required`` turn either into an error at start-up.
 
 Sizes are in GB (10**9 bytes), as in LMCache.  ``secret`` and ``previous_secret`` are never shown
 in the config's ``repr``; without them the ``RADIXKV_SECRET`` / ``RADIXKV_PREVIOUS_SECRET``
@@ -37,6 +45,7 @@ dtype) in the file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -55,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CacheConfig", "load_config", "read_mapping"]
 
+log = logging.getLogger(__name__)
 ENV_VAR = "RADIXKV_CONFIG"
 _GB = 10**9
 _NAMESPACE_KEYS = {"model", "revision", "tp_rank", "tp_size", "lora_id", "salt"}
@@ -78,6 +88,8 @@ class CacheConfig:
     remote_url: str | None = None
     remote_endpoint: str | None = None
     remote_timeout: float = 2.0
+    remote_required: bool = False
+    local_disk_required: bool = False
     secret: str | None = field(default=None, repr=False)
     previous_secret: str | None = field(default=None, repr=False)
     encrypt: bool = False
@@ -107,7 +119,7 @@ class CacheConfig:
             raise ValueError(f"cache_policy must be one of {sorted(POLICY_NAMES)}, got {self.cache_policy!r}")
         if self.local_disk_admission not in ("none", "second_hit"):
             raise ValueError(f"local_disk_admission must be 'none' or 'second_hit', got {self.local_disk_admission!r}")
-        for name in ("local_cpu", "promote", "encrypt", "exclusive"):
+        for name in ("local_cpu", "promote", "encrypt", "exclusive", "remote_required", "local_disk_required"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_local_cpu_size", "max_local_disk_size", "local_disk_ttl", "remote_timeout"):
@@ -207,16 +219,27 @@ class CacheConfig:
         if self.local_disk:
             assert self.max_local_disk_size is not None
             path = self.local_disk.removeprefix("file://")
-            tiers.append(LmdbTier(path, int(self.max_local_disk_size * _GB), ttl=self.local_disk_ttl,
-                                  admission=None if self.local_disk_admission == "none" else "second_hit"))
+            try:
+                tiers.append(LmdbTier(path, int(self.max_local_disk_size * _GB), ttl=self.local_disk_ttl,
+                                      admission=None if self.local_disk_admission == "none" else "second_hit"))
+            except (ValueError, TypeError):
+                raise
+            except Exception as e:  # noqa: BLE001 - any fault of the disk: start without the tier
+                if self.local_disk_required:
+                    raise
+                log.warning("radixkv: local_disk %r cannot be opened (%s: %s); starting without the disk "
+                            "tier (set local_disk_required: true to refuse to start instead)",
+                            path, type(e).__name__, e)
+        # An unreachable endpoint is a warning and misses until it answers, unless remote_required.
+        lazy = not self.remote_required
         if self.remote_url and _is_redis(self.remote_url):
             from radixkv.backends.redis import RedisTier
 
-            tiers.append(RedisTier.from_url(self.remote_url))
+            tiers.append(RedisTier.from_url(self.remote_url, lazy=lazy))
         elif self.remote_url:
             from radixkv.backends.s3 import S3Tier
 
-            tiers.append(S3Tier.from_url(self.remote_url, endpoint_url=self.remote_endpoint))
+            tiers.append(S3Tier.from_url(self.remote_url, endpoint_url=self.remote_endpoint, lazy=lazy))
         return tiers
 
     def make_stack(self, layout: KVLayout, namespace: Namespace | None = None, *, queue_size: int = 64,

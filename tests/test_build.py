@@ -183,3 +183,28 @@ def test_a_failed_build_raises_and_is_reported_by_later_loads(tmp_path: Path, mo
     assert not _ext._lock_path(where).exists() and not list(where.glob("build-*"))
     with pytest.raises(_ext.BuildMissing, match="the last build failed"):
         _ext.load()
+
+
+# Flags that would tie the build to the CPU it runs on (or to one instruction set).
+_ISA_FLAG = ("-march", "-mtune=native", "-mcpu", "-mavx", "-msse4", "-mfma", "-mf16c", "-mbmi", "-mpopcnt")
+
+
+def test_the_build_asks_for_no_instruction_set_of_the_machine_it_runs_on() -> None:
+    """The extension is compiled for baseline x86-64 (or the platform's baseline elsewhere): no
+    ``-march=native`` or ISA flag, no intrinsics headers, and (where the build exists and objdump
+    is there) no AVX register in its machine code — what it runs on another CPU is what it ran here."""
+    flags = [*_ext.CFLAGS, *_ext.CUDA_CFLAGS]
+    assert not [f for f in flags if f.startswith(_ISA_FLAG)], flags
+    sources = [p for p in _ext.sources_dir().iterdir() if p.suffix in (".cpp", ".cu", ".h", ".cuh")]
+    assert sources
+    for path in sources:
+        text = path.read_text()
+        for marker in ("immintrin.h", "x86intrin.h", "__attribute__((target", "#pragma GCC target"):
+            assert marker not in text, f"{path.name} uses {marker}"
+    built = sorted(_ext.ext_dir().glob("*.so"))
+    if not built or shutil.which("objdump") is None or os.uname().machine != "x86_64":
+        pytest.skip("no x86-64 build of the extension here to disassemble")
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(built[0])], capture_output=True,
+                          text=True, timeout=120).stdout
+    assert "%xmm" in code or "ret" in code                       # it disassembled
+    assert "%ymm" not in code and "%zmm" not in code, "the extension uses AVX registers"

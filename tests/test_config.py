@@ -132,3 +132,83 @@ def test_a_layout_with_sliding_windows_from_a_mapping():
     cache = rk.PrefixCache.from_config(cfg)
     assert cache.layout.windows == (8, 0) and cache.groups is not None
     cache.check()
+
+
+# -- the cache never stops an engine from starting ------------------------------------------------
+
+def _serve_until_hit(cache, tokens, timeout_s=30.0):
+    """Insert ``tokens`` into a fresh pool page set, evict the pool, and poll until a match of the
+    same tokens is loaded from the tiers (write-through stores); the tokens it loaded (0 if none
+    by ``timeout_s``)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = cache.match(tokens, leave_last=False)
+        got = m.num_tokens
+        cache.release(m)
+        if got:
+            return got
+        pages = cache.alloc(len(tokens) // 4)
+        cache.insert(tokens, pages)
+        cache.stack.flush(5)
+        cache.evict(cache.pool.num_pages)
+        time.sleep(0.2)
+    return 0
+
+
+def test_a_disk_path_that_cannot_be_opened_starts_without_the_disk_tier(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cfg = base(local_cpu=True, max_local_cpu_size=0.001, local_disk=str(blocker / "db"), max_local_disk_size=0.01)
+    with caplog.at_level("WARNING", logger="radixkv.config"):
+        with rk.PrefixCache.from_config(cfg, LAYOUT) as cache:
+            assert [type(t) for t in cache.stack.tiers] == [CpuTier]          # started, disk left out
+            cache.check()
+    assert sum("cannot be opened" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(OSError):
+        rk.PrefixCache.from_config(cfg | {"local_disk_required": True}, LAYOUT)
+    with pytest.raises(ValueError, match="local_disk_required"):
+        rk.PrefixCache.from_config(cfg | {"local_disk_required": "yes"}, LAYOUT)
+
+
+@pytest.mark.parametrize("kind", ["s3", "redis"])
+def test_a_remote_tier_down_at_start_up_is_misses_then_used_once_it_answers(kind, caplog):
+    """A cache built while its S3 or Redis endpoint does not answer starts (one warning), serves
+    misses, and loads from the tier once a server answers on that port, without a restart;
+    ``remote_required: true`` refuses to start instead."""
+    from radixkv.testing.s3server import CREDENTIALS, MotoServer, free_port
+
+    if kind == "redis":
+        from radixkv.testing.redisserver import RedisServer, redis_server_binary
+
+        if redis_server_binary() is None and __import__("os").environ.get("CI") != "true":
+            pytest.skip("redis-server is not installed")
+    port = free_port()
+    remote = ({"remote_url": f"redis://127.0.0.1:{port}/0"} if kind == "redis" else
+              {"remote_url": "s3://radixkv-late/kv", "remote_endpoint": f"http://127.0.0.1:{port}"})
+    cfg = base(**remote)
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in CREDENTIALS.items():
+            env.setenv(name, value)
+        with pytest.raises(ConnectionError):
+            rk.PrefixCache.from_config(cfg | {"remote_required": True}, LAYOUT)
+        with caplog.at_level("WARNING"):
+            cache = rk.PrefixCache.from_config(cfg, LAYOUT)
+        try:
+            tokens = list(range(1, 33))
+            assert _serve_until_hit(cache, tokens, timeout_s=1.0) == 0     # misses, never an error
+            cache.check()
+            server = RedisServer(port=port) if kind == "redis" else MotoServer(port=port)
+            server.start()
+            try:
+                if kind == "s3":
+                    server.client().create_bucket(Bucket="radixkv-late")
+                assert _serve_until_hit(cache, tokens) == 32               # the tier in use, no restart
+                cache.check()
+            finally:
+                server.stop()
+        finally:
+            cache.close()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "127.0.0.1" in r.getMessage()]
+    assert len(warnings) >= 1

@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("transformers")
 
 from radixkv import KVLayout, PoolExhausted, PrefixCache, ops  # noqa: E402
-from hf_cases import TOL, full_logits, prefill_exact  # noqa: E402
+from hf_cases import TOL, assert_tolerance_catches_wrong_kv, full_logits, prefill_exact  # noqa: E402
 from radixkv.integrations.transformers import (  # noqa: E402
     PrefixCachedLM,
     Result,
@@ -116,6 +116,13 @@ def test_the_families_have_their_windows(family_model: tuple[str, Any]) -> None:
         assert [g.window for g in layout.groups] == sorted(set(WINDOWS[family]))
     else:
         assert layout.windows is None and layout.packed          # MLA: one packed side
+
+
+def test_the_tolerance_tells_right_kv_from_wrong(family_model: tuple[str, Any]) -> None:
+    """The control of ``TOL`` for every family: another prefix's KV, the prefix's KV shifted by a
+    page, or one layer zeroed, each moves the logits past the prefix by over 100x ``TOL``."""
+    _, model = family_model
+    assert_tolerance_catches_wrong_kv(make_lm(model), tokens(60, seed=31), 40, page=PAGE)
 
 
 def test_prefixes_past_the_window_ending_mid_page_and_mid_chunk(family_model: tuple[str, Any]) -> None:

@@ -26,8 +26,7 @@ pytest.importorskip("transformers")
 from radixkv import PrefixCache  # noqa: E402
 from radixkv.backends import CpuTier, MemoryTier  # noqa: E402
 from radixkv.integrations.transformers import PrefixCachedLM, layout_for, namespace_for, random_model  # noqa: E402
-
-TOL = 1e-4
+from hf_cases import TOL, assert_tolerance_catches_wrong_kv, rel_diff  # noqa: E402
 PAGE, CHUNK, WINDOW, VOCAB = 4, 8, 8, 256
 FAMILIES = ("gemma2", "gemma3", "mistral", "cohere2", "qwen2", "deepseek_v3")
 
@@ -56,7 +55,14 @@ def tokens(n: int, seed: int) -> np.ndarray:
 def diff(model: Any, result: Any, ids: np.ndarray) -> float:
     with torch.no_grad():
         full = model(input_ids=torch.from_numpy(ids).long()[None]).logits[0]
-    return float((result.logits - full[result.match_tokens:]).abs().max())
+    return rel_diff(result.logits, full[result.match_tokens:])
+
+
+def test_the_tolerance_tells_right_kv_from_wrong(model: Any) -> None:
+    """The control of ``TOL`` (sliding families and MLA): wrong KV for the prefix moves the logits
+    after it by over 100x ``TOL``."""
+    assert_tolerance_catches_wrong_kv(PrefixCachedLM(model, make_cache(model, ())), tokens(45, seed=40), 32,
+                                      page=PAGE)
 
 
 def test_from_the_cpu_tier_after_the_pool_is_emptied(model: Any) -> None:
@@ -136,7 +142,8 @@ SCRIPT = textwrap.dedent("""
             full = model(input_ids=torch.from_numpy(ids).long()[None]).logits[0]
         cache.close()
         results[family] = {"match": result.match_tokens, "levels": result.levels,
-                           "diff": float((result.logits - full[result.match_tokens:]).abs().max())}
+                           "diff": float((result.logits - full[result.match_tokens:]).abs().max())
+                                   / float(full[result.match_tokens:].abs().max())}   # as hf_cases.rel_diff
     print(json.dumps(results))
 """)
 

@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 from radixkv import PrefixCache, ops  # noqa: E402
 from radixkv.integrations import transformers as hf  # noqa: E402
 from radixkv.integrations.transformers import PrefixCachedLM, layout_for, namespace_for, random_model  # noqa: E402
+from hf_cases import TOL, assert_tolerance_catches_wrong_kv, rel_diff  # noqa: E402
 
-TOL = 1e-4
 PAGE, CHUNK, VOCAB = 4, 8, 128
 COUNTS = ("pages_free", "pages_cached", "pages_engine", "live_matches", "locked_tokens", "cached_tokens", "nodes")
 
@@ -59,7 +59,7 @@ def exact(lm: PrefixCachedLM, ids: np.ndarray) -> None:
     result = lm.prefill(ids, logits_to_keep=0)
     with torch.no_grad():
         reference = lm.model(torch.as_tensor(ids).long()[None]).logits[0, result.match_tokens:]
-    assert (result.logits - reference).abs().max().item() <= TOL
+    assert rel_diff(result.logits, reference) <= TOL
     lm.cache.check()
 
 
@@ -113,6 +113,11 @@ def mp() -> Iterator[pytest.MonkeyPatch]:
 
 
 PREFILL_STEPS = ["open", "gather_pages", "forward", "alloc", "layer_kv", "scatter_pages", "extend"]
+
+
+def test_the_tolerance_tells_right_kv_from_wrong(model: Any) -> None:
+    """The control of ``TOL``, with which ``exact`` checks what a failure left behind."""
+    assert_tolerance_catches_wrong_kv(PrefixCachedLM(model, make_cache(model)), tokens(24, seed=41), 16, page=PAGE)
 
 
 @pytest.mark.parametrize("step", PREFILL_STEPS)

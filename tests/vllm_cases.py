@@ -11,7 +11,15 @@ each step names a ``prompt`` (a key of ``prompts``: a list of token ids) or a ``
 (generated together), and optionally
 ``salt`` (vLLM's ``cache_salt``), ``reset`` (``llm.reset_prefix_cache()`` first), ``max_tokens``
 and ``action`` run before it (``"corrupt_s3"``: overwrite every object of ``s3.bucket`` with
-garbage; ``"pause_s3"``/``"resume_s3"``: SIGSTOP/SIGCONT the S3 server ``s3.pid``).  The output
+garbage; ``"pause_s3"``/``"resume_s3"``: SIGSTOP/SIGCONT the S3 server ``s3.pid``; ``"start_s3"``: start
+an S3 server with the bucket ``late_s3.bucket`` on port ``late_s3.port``, which the engine's
+``remote_url`` named since before it started).  ``wrong_kv`` (in-process engines only) makes every
+chunk the connector loads in that step wrong on purpose, the control of the exactness checks:
+``"zero_layer"`` (layer 0's K and V zeroed), ``"shift_block"`` (each vLLM block of the chunk
+given the KV of the block before it, as a block table off by one would) or ``"other_chunk"``
+(each chunk replaced by the request's first chunk).
+``until_loaded`` (a number) repeats the step, after a second's pause, until the connector loaded
+tokens for it or that many tries are done (a tier that comes up while the engine runs).  The output
 has per step the tokens, logprobs (top 3 of each generated token), ``num_cached_tokens``,
 ``kv_transfer_params`` and the wall time of the step.  ``"in_process": true`` runs vLLM's engine
 and its one worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor, as
@@ -25,7 +33,10 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
+
+_WRONG_KV: list[str] = []        # the control mode of the step running now (in-process engines)
+_LATE_S3: list[Any] = []         # servers started by "start_s3", stopped when the run ends
 
 
 def make_model(path: str, seed: int) -> str:
@@ -79,8 +90,40 @@ def s3_action(action: str, s3: dict[str, Any]) -> None:
         os.kill(int(s3["pid"]), signal.SIGSTOP)
     elif action == "resume_s3":
         os.kill(int(s3["pid"]), signal.SIGCONT)
+    elif action == "start_s3":
+        from radixkv.testing.s3server import MotoServer
+
+        server = MotoServer(port=int(s3["port"])).start()
+        _LATE_S3.append(server)
+        server.client().create_bucket(Bucket=s3["bucket"])
     else:
         raise ValueError(f"unknown action {action!r}")
+
+
+def wrong_kv_scatter(scatter: Callable[..., Any], block_tokens: int) -> Callable[..., Any]:
+    """``radixkv.ops.scatter_blocks`` made to write wrong KV while ``_WRONG_KV`` names a mode (see
+    the module docstring); a chunk buffer is ``[layers, 2, chunk tokens, kv heads, head dim]``."""
+    first: list[Any] = []
+
+    def wrapped(src: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _WRONG_KV:
+            first.clear()
+            return scatter(src, *args, **kwargs)
+        mode = _WRONG_KV[0]
+        bad = src.clone()
+        if mode == "zero_layer":
+            bad[0] = 0
+        elif mode == "shift_block":          # each block reads the one before (a rotation of all
+            bad[:, :, block_tokens:] = src[:, :, :-block_tokens]   # would not show: attention is order-free)
+        elif mode == "other_chunk":
+            if not first:
+                first.append(src.clone())     # the first chunk loaded stays; later ones become it
+            bad = first[0].clone()
+        else:
+            raise ValueError(f"unknown wrong_kv mode {mode!r}")
+        return scatter(bad, *args, **kwargs)
+
+    return wrapped
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -90,14 +133,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec.get("in_process"):       # read when vLLM builds its engine client (vLLM's CPU platform
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # keeps "uni" only without multiprocessing)
+    if spec.get("in_process"):      # the worker runs here: its chunk scatters can be made wrong
+        from radixkv import ops
+
+        ops.scatter_blocks = wrong_kv_scatter(ops.scatter_blocks, spec.get("block_size", 128))
     t0 = time.perf_counter()
     llm = build_llm(spec)
     results: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}
     for step in spec["steps"]:
         if step.get("action"):
-            s3_action(step["action"], spec["s3"])
-        if step.get("reset"):
-            llm.reset_prefix_cache()
+            s3_action(step["action"], spec["late_s3"] if step["action"] == "start_s3" else spec["s3"])
         names = step.get("batch") or [step["prompt"]]
         prompts = []
         for name in names:
@@ -106,9 +151,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 prompt["cache_salt"] = step["salt"]
             prompts.append(TokensPrompt(**prompt))    # type: ignore[typeddict-item]
         params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=3)
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t
+        _WRONG_KV[:] = [step["wrong_kv"]] if step.get("wrong_kv") else []
+        for tries in range(1, int(step.get("until_loaded", 1)) + 1):
+            if step.get("reset"):
+                llm.reset_prefix_cache()
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - t
+            if (outs[0].kv_transfer_params or {}).get("radixkv_loaded_tokens") or tries == step.get("until_loaded", 1):
+                break
+            time.sleep(1.0)
+        _WRONG_KV.clear()
         for name, out in zip(names, outs):
             gen = out.outputs[0]
             label = step.get("name", step.get("prompt"))
@@ -116,7 +169,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 "name": f"{label}:{name}" if step.get("batch") else label, "tokens": list(gen.token_ids),
                 "logprobs": [sorted([int(k), float(v.logprob)] for k, v in d.items()) for d in gen.logprobs or []],
                 "num_cached_tokens": int(out.num_cached_tokens or 0),
-                "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed})
+                "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed, "tries": tries})
     if spec.get("log_stats"):
         llm.llm_engine.do_log_stats()
         results["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
@@ -125,6 +178,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # Shut the engine down before the results are written: the connector flushes its tier writes
     # then, so that the next process finds them.
     llm.llm_engine.engine_core.shutdown()
+    for server in _LATE_S3:
+        server.stop()
     results["total_s"] = time.perf_counter() - t0
     return results
 
