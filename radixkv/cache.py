@@ -796,36 +796,41 @@ class PrefixCache:
         c["inserts"] += 1
         c["inserted_tokens"] += (len(ids) - known) * self.page_size
         c["duplicate_pages"] += int(duplicates.size)
-        if hold is not None:
-            self._move_hold(hold, result.node)
-        self._trim(result.node)           # before the store: dropped sliding pages are not stored
+        # Stored before the window rule runs: a sliding group's chunks are stored whole, as full
+        # attention's are (the pages the rule drops later went to the tiers here or go in _trim).
         if self.stack is not None and self.write_policy == "write_through" and self._kept_tiers:
             first = result.prefix_len // self.chunk_size             # chunks not complete before
             last = len(ids) * self.page_size // self.chunk_size
             if first < last:
                 self._store_chunks(data, np.concatenate([*cached, ids[known:]]), first, last, self._kept_tiers)
+        if hold is not None:
+            self._move_hold(hold, result.node)
+        self._trim(result.node)
         return result.node, result.prefix_len
 
     def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int,
                       tiers: frozenset[int] | None = None, refs: list[list[ChunkRef]] | None = None,
-                      wait: float = 0.0) -> None:
+                      wait: float = 0.0, group: int | None = None) -> None:
         """Copy chunks ``first..last-1`` of a cached sequence out of the pool and queue them for
         the tiers (all, or ``tiers``; the copy is synchronous: the pages may be reused right after),
-        per KV group: a sliding group's chunk only where its pages are held (inside a window).
+        per KV group (only ``layout.groups[group]``'s, when given): a sliding group's chunk only
+        where its pages are held, and for every group but the one given, the sliding groups' chunks
+        of the window before ``first`` too (pages an insert filled, a new branch point's).
         ``refs``: the sequence's chunk refs from chunk 0 per stack, when the caller has them."""
         per_chunk = self.chunk_size // self.page_size
-        if refs is None:
-            refs = self._refs(data[:last * self.chunk_size * 4])
         for g, stack in enumerate(self.stacks):
+            if group is not None and g != group:
+                continue
             pool: KVPool = self.pool               # type: ignore[assignment]
             ids, lo = pages[:last * per_chunk], first
             if self.groups is not None:
-                group = self.layout.groups[g]
-                pool, ids = self.groups.pool_of(group), self.groups.pages_of(group, ids)
-                if group.sliding:    # the window before `first` too: pages an insert filled, a new branch point's
-                    lo = max(0, first - (group.window - 1 + self.chunk_size - 1) // self.chunk_size)
+                kind = self.layout.groups[g]
+                pool, ids = self.groups.pool_of(kind), self.groups.pages_of(kind, ids)
+                if kind.sliding and group is None:
+                    lo = max(0, first - (kind.window - 1 + self.chunk_size - 1) // self.chunk_size)
+            stack_refs = refs[g] if refs is not None else stack.refs_from_bytes(data[:last * self.chunk_size * 4])
             items = []
-            for i, ref in enumerate(refs[g][lo:last], start=lo):
+            for i, ref in enumerate(stack_refs[lo:last], start=lo):
                 chunk_ids = ids[i * per_chunk:(i + 1) * per_chunk]
                 if chunk_ids.size and chunk_ids.min() < 0:
                     continue                       # dropped: outside every window
@@ -913,9 +918,33 @@ class PrefixCache:
             parents.append(node.parent)
 
     def _trim(self, node: RadixNode) -> None:
-        """The window rule after ``node`` changed (``KVGroups.trim``); nothing without groups."""
+        """The window rule after ``node`` changed (``KVGroups.trim``); nothing without groups.
+        With tiers, a sliding page leaving every window is spilled like an evicted one first."""
         if self.groups is not None:
-            self.groups.trim(self.tree, node)
+            spill = self._spill_window if self.stack is not None and self._window_into() != frozenset() else None
+            self.groups.trim(self.tree, node, spill)
+
+    def _window_into(self) -> frozenset[int] | None:
+        """The tiers a page leaving the pool is stored into (``None``: all): under ``write_back``
+        every tier; under ``write_through`` the victim tiers (exclusive of the pool: the others
+        got the chunk at insert).  O(1)."""
+        assert self.stack is not None
+        return None if self.write_policy == "write_back" else self.stack.victims
+
+    def _spill_window(self, i: int, reuse: RadixNode, lo: int, hi: int) -> None:
+        """``KVGroups.trim``'s spill: sliding group ``i``'s pages at positions ``lo..hi-1`` on the
+        path to ``reuse`` leave every window; store the whole chunks that hold them (where all
+        their pages are still there) into the tiers an eviction writes.  A hash pass over the
+        prefix and one gather per chunk."""
+        assert self.groups is not None
+        per_chunk = self.chunk_size // self.page_size
+        pages = self.tree.prefix_pages(reuse)
+        first, last = lo // per_chunk, min(-(-hi // per_chunk), len(pages) // per_chunk)
+        if first >= last:
+            return
+        data = self.tree.prefix_tokens(reuse).tobytes()
+        group = self.layout.groups.index(self.groups.sliding[i])
+        self._store_chunks(data, pages, first, last, self._window_into(), wait=SPILL_WAIT_S, group=group)
 
     def _move_hold(self, req: Request, node: RadixNode) -> None:
         """Move ``req``'s hold (lock and, with groups, its end) to ``node``."""

@@ -24,18 +24,23 @@ is dropped (vLLM's hybrid KV cache manager frees sliding blocks outside the wind
   group holds the pages of its last ``w - 1`` tokens; the cache serves the longest such ``n``.
 * A request that computes tokens whose KV the tree has dropped gives the dropped pages back:
   ``fill`` moves its pages into the tombstones instead of freeing them as duplicates.
+* With tiers, a sliding page that leaves every window goes the way an evicted page goes: before it
+  is freed, the chunk that holds it is stored (``trim``'s ``spill`` hook, which ``PrefixCache``
+  sets), so the tiers hold every chunk of every group, as for full attention, while the pool
+  holds O(window) pages per reuse point.  A hit from the tiers at any chunk boundary the full
+  groups can serve then finds the sliding groups' window chunks too.
 
 A dropped page is never one a live request needs: ``check`` asserts that each held request's
 window is present, and that nothing outside every window is kept.  Chunks go to the tiers per
 group, under keys of the group's own namespace (``Namespace.bind(layout, group)``); a sliding
-group's chunk is stored only while its pages are held (inside a window).
+group's chunk is stored while its pages are held (inside a window) or as they leave it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -48,6 +53,9 @@ if TYPE_CHECKING:
     from radixkv.tree import RadixNode, RadixTree
 
 __all__ = ["GroupLoad", "KVGroups", "fetch_group_chunks", "gather_present", "scatter_present"]
+
+#: ``KVGroups.trim``'s hook: (sliding group index, reuse point node, first page position, end).
+Spill = Callable[[int, "RadixNode", int, int], None]
 
 _PROBES = 3      # window probes of one tier load before it gives up (each is a lookup round trip)
 
@@ -152,10 +160,14 @@ class KVGroups:
     def _reuse(self, node: RadixNode) -> bool:
         return len(node.children) != 1 or node in self.ends
 
-    def trim(self, tree: RadixTree, node: RadixNode) -> None:
+    def trim(self, tree: RadixTree, node: RadixNode, spill: Spill | None = None) -> None:
         """Apply the window rule on the path of ``node`` after it changed (a child more or less, a
         hold more or less, pages filled): free every sliding page of ``node`` and its ancestors that
-        is outside the window of its nearest reuse point.  O(depth + pages trimmed)."""
+        is outside the window of its nearest reuse point.  ``spill(i, reuse, lo, hi)`` is called
+        first for each run of pages about to go that still has one (sliding group ``i``, page
+        positions ``lo..hi-1`` on the path from the root to ``reuse``, the nearest reuse point at
+        or below ``node``), so that their chunks reach the tiers before the pool lets them go.
+        O(depth + pages trimmed)."""
         if node.parent is None:
             return
         end = 0
@@ -170,11 +182,13 @@ class KVGroups:
         cur = node
         while cur is not tree.root:
             if self._reuse(cur):
-                near = end
+                near, down = end, cur
             start = end - len(cur.pages)
-            for pool, table, keep in zip(self.pools, self.maps, self.keep):
+            for i, (pool, table, keep) in enumerate(zip(self.pools, self.maps, self.keep)):
                 cut = min(near - keep, end) - start
                 if cut > 0:
+                    if spill is not None and (table[cur.pages[:cut]] >= 0).any():
+                        spill(i, down, start, start + cut)
                     self._drop(pool, table, cur.pages[:cut])
             end, cur = start, cur.parent     # type: ignore[assignment]
 

@@ -103,7 +103,9 @@ def test_a_branch_point_is_served_from_the_tiers(model: Any) -> None:
     cache.close()
 
 
-def test_sliding_chunks_are_stored_only_inside_windows_under_keys_of_their_group() -> None:
+def test_every_chunk_of_every_group_is_stored_under_its_groups_keys_and_the_pool_keeps_a_window() -> None:
+    """A sliding page that leaves every window is stored before the pool lets it go: the tier has
+    every chunk of both groups, while the sliding pool holds only the window's pages."""
     model = build("gemma3")
     tier = MemoryTier()
     cache = make_cache(model, [tier])
@@ -115,7 +117,9 @@ def test_sliding_chunks_are_stored_only_inside_windows_under_keys_of_their_group
     assert full_stack.namespace.id != sliding_stack.namespace.id
     assert sliding_stack.namespace.kv_group == "w=8;layers=0,1,2"
     stored = tier.stats()["entries"]
-    assert stored == 25 + 2        # every full chunk; of the sliding ones, those of the last 7 + 8 tokens
+    assert stored == 25 + 25       # every chunk of each group
+    assert cache.groups is not None and cache.groups.held_pages() == [sum(cache.groups.keep)]
+    cache.check()
     cache.close()
 
 
@@ -197,3 +201,72 @@ def test_from_s3_in_a_second_cache() -> None:
                 cache.check()
     assert result.match_tokens == 40 and result.levels == {"s3": 40}
     assert diff(model, result, follow) <= TOL
+
+
+BRANCH_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np, torch
+    torch.set_num_threads(1)
+    from radixkv import PrefixCache
+    from radixkv.backends import CpuTier
+    from radixkv.backends.lmdb import LmdbTier
+    from radixkv.integrations.transformers import PrefixCachedLM, layout_for, namespace_for, random_model
+    root, phase, families = sys.argv[1], sys.argv[2], sys.argv[3:]
+    prefix = np.random.default_rng(20).integers(0, 256, 176)     # not a chunk multiple
+    def ask(seed):
+        return np.concatenate([prefix, np.random.default_rng(seed).integers(0, 256, 20)])
+    out = {}
+    for family in families:
+        model = random_model(family, seed=0, num_layers=4, num_kv_heads=2, vocab_size=256,
+                             sliding_window=None if family == "deepseek_v3" else 48)
+        tiers = [LmdbTier(os.path.join(root, family), max_bytes=1 << 27)]
+        if phase == "write":
+            tiers.insert(0, CpuTier(1 << 26))
+        cache = PrefixCache(layout_for(model, page_size=16), num_pages=64, chunk_size=32,
+                            namespace=namespace_for(model), tiers=tiers)
+        lm = PrefixCachedLM(model, cache)
+        rows = []
+        steps = [1, 2, "empty", 3] if phase == "write" else [4]
+        for step in steps:
+            if step == "empty":           # the whole pool goes; the tiers keep what it let go
+                cache.flush(); cache.evict(cache.pool.num_pages); cache.flush()
+                continue
+            ids = ask(step)
+            r = lm.prefill(ids, logits_to_keep=0)
+            with torch.no_grad():
+                full = model(input_ids=torch.from_numpy(ids).long()[None]).logits[0, r.match_tokens:]
+            rows.append({"match": r.match_tokens, "levels": r.levels,
+                         "diff": float((r.logits - full).abs().max()) / float(full.abs().max())})
+            cache.check()
+        cache.close()
+        out[family] = rows
+    print(json.dumps(out))
+""")
+
+BRANCH_FAMILIES = ("mistral", "gemma2", "gemma3", "qwen2", "cohere2", "deepseek_v3")
+
+
+def test_a_branch_point_found_late_is_served_from_the_cpu_tier_and_from_lmdb_after_a_restart(tmp_path: Path) -> None:
+    """The prefix becomes a reuse point only with the second request, after the first one's window
+    moved past it; a sliding page leaving every window went to the tiers first, so after the pool
+    is emptied the third request gets the prefix's whole chunks (160 tokens) from the CPU tier, and
+    a restarted process from LMDB, exactly, in every sliding family (and MLA)."""
+    pytest.importorskip("lmdb")
+    script = tmp_path / "branch.py"
+    script.write_text(BRANCH_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def phase(name: str) -> dict[str, Any]:
+        out = subprocess.run([sys.executable, str(script), str(tmp_path), name, *BRANCH_FAMILIES], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])   # type: ignore[no-any-return]
+
+    wrote, read = phase("write"), phase("read")
+    for family in BRANCH_FAMILIES:
+        first, second, third = wrote[family]
+        assert first["match"] == 0 and second["match"] == 176, (family, wrote[family])
+        assert third["match"] >= 160 and third["levels"].get("cpu", 0) >= 160, (family, third)
+        (restarted,) = read[family]
+        assert restarted["match"] == 160 and restarted["levels"] == {"lmdb": 160}, (family, restarted)
+        assert all(row["diff"] <= TOL for row in [*wrote[family], restarted]), (family, wrote[family], restarted)

@@ -34,6 +34,12 @@ layers too).  "KV" counts layer-pages of the whole model.  Two pools: one that n
 the windows save on the same tree; the target is judged there) and one of 128K tokens that
 evicts (LRU) in every cache alike (it holds the 8 requests in flight at 9K tokens each).
 
+Below the pool, a tier (``MemoryTier``, ``write_through``, chunks of 256 tokens, the evicting
+pool): the bytes it stores per cached token for each layout, against full attention.  Sliding
+pages leave the pool when they leave every window, but go to the tiers first, so the tier holds
+every chunk of every group (a hit at any chunk boundary finds its window there) at the bytes per
+token of full attention, while the pool holds a window per reuse point.
+
 The hit rate of a grouped cache can be lower: a match must end where every sliding group still has
 the last ``w - 1`` tokens' pages (a leaf, a branch point or a live request's end), so a match that
 would end inside a chain (a request that stops short of what is cached, or diverges inside a turn)
@@ -51,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixkv.backends import MemoryTier
 from radixkv.bench import Report
 from radixkv.cache import PrefixCache
 from radixkv.pool import KVLayout
@@ -107,12 +114,14 @@ def held(cache: PrefixCache) -> tuple[int, int]:
 
 
 def replay(requests: list[Turn], windows: tuple[int, ...] | None, pool_tokens: int,
-           in_flight: int) -> dict[str, Any]:
-    """Replay ``requests`` through a fresh cache of ``windows``; return the pages held (end and
-    peak, per kind), the hit rate and the counters."""
+           in_flight: int, tier: Any = None, chunk_size: int = PAGE) -> dict[str, Any]:
+    """Replay ``requests`` through a fresh cache of ``windows`` (over ``tier``, if given, with
+    chunks of ``chunk_size`` tokens); return the pages held (end and peak, per kind), the hit rate
+    and the counters."""
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=1, dtype=torch.float16, page_size=PAGE,
                       windows=windows)
-    cache = PrefixCache(layout, num_pages=pool_tokens // PAGE, chunk_size=PAGE)
+    cache = PrefixCache(layout, num_pages=pool_tokens // PAGE, chunk_size=chunk_size,
+                        tiers=[tier] if tier is not None else (), write_queue=1 << 16)
     flight: deque = deque()
     peak_full = peak_sliding = 0
     t0 = time.perf_counter()
@@ -151,11 +160,59 @@ def replay(requests: list[Turn], windows: tuple[int, ...] | None, pool_tokens: i
     cache.check()
     end_full, end_sliding = held(cache)
     stats = cache.stats()
+    stored = {}
+    if tier is not None:
+        cache.flush()
+        stored = {"chunks_stored": stats["chunks_stored"], "not_queued": stats["chunks_not_queued"],
+                  "tier_bytes": tier.used_bytes}
+        cache.close()
     return dict(seconds=time.perf_counter() - t0, hit_rate=stats["hit_rate"], end_full=end_full,
                 end_sliding=end_sliding, peak_full=peak_full, peak_sliding=peak_sliding,
                 evicted=stats["evicted_pages"], nodes=stats["nodes"],
                 dropped=stats.get("window_pages_dropped", 0),
-                reuse_points=sum(len(node.children) != 1 for node in cache.tree.nodes()))
+                reuse_points=sum(len(node.children) != 1 for node in cache.tree.nodes()), **stored)
+
+
+def tier_table(say: Report, requests: list[Turn], pool: int, in_flight: int, chunk_size: int = 256) -> dict[str, float]:
+    """What a tier below the pool stores per layout (``write_through``, chunks of ``chunk_size``):
+    bytes per cached token (distinct tokens whose whole chunks the tier holds), against full
+    attention.  A sliding page that leaves every window is stored before the pool drops it, so
+    every group's chunks reach the tier: the same bytes per token as full attention, while the pool
+    holds O(window).  Returns each layout's ratio to full attention."""
+    say()
+    say(f"## a tier below a pool of {pool} tokens (write_through, chunks of {chunk_size} tokens): what it stores")
+    say(f"{'layout':<29} {'chunks':>8} {'tier bytes':>11} {'cached tokens':>14} {'bytes/token':>12} "
+        f"{'vs full attn':>13} {'sliding pages held':>19}")
+    base = None
+    ratios = {}
+    for label, windows in LAYOUTS.items():
+        tier = _NamespaceCounts()
+        r = replay(requests, windows, pool, in_flight, tier=tier, chunk_size=chunk_size)
+        chunks = [len(keys) for keys in tier.keys.values()]        # distinct chunks per group
+        tokens = max(chunks, default=0) * chunk_size               # the tree's group stores them all
+        per_token = r["tier_bytes"] / max(1, tokens)
+        base = base if base is not None else per_token
+        ratios[label] = per_token / base
+        say(f"{label:<29} {'+'.join(map(str, chunks)):>8} {r['tier_bytes']:>11} {tokens:>14} {per_token:>12.1f} "
+            f"{per_token / base:>12.2f}x {r['end_sliding']:>19}")
+    return ratios
+
+
+class _NamespaceCounts(MemoryTier):
+    """A ``MemoryTier`` that also keeps the distinct keys it holds per namespace (a KV group's
+    chunks have a namespace of their own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: dict[bytes, set[bytes]] = {}
+
+    def put(self, key: bytes, blob: Any) -> bool:
+        self.keys.setdefault(key[:8], set()).add(key)
+        return super().put(key, blob)
+
+    def delete(self, key: bytes) -> bool:
+        self.keys.get(key[:8], set()).discard(key)
+        return super().delete(key)
 
 
 def kv_pages(windows: tuple[int, ...] | None, full: int, sliding: int) -> int:
@@ -184,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"# {name}: {len(requests)} requests, {lengths.mean():.0f} tokens on average (prompt and decoded), "
             f"median {np.median(lengths):.0f}, p90 {np.percentile(lengths, 90):.0f}, max {lengths.max()}")
         verdicts[name] = run_pools(say, requests, [int(p) for p in args.pools.split(",")], args.in_flight)
+        tier_table(say, requests, [int(p) for p in args.pools.split(",")][-1], args.in_flight)
     say()
     for name, (pool, ratio) in verdicts.items():
         say(f"target: >= {TARGET_RATIO:.0f}x fewer sliding pages for Gemma-3's 5:1 pattern at 8K context, {name} "
