@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -57,11 +56,13 @@ import torch
 
 from radixkv._checks import check_int
 from radixkv._exit import flush_at_exit
-from radixkv import ops
 from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes
-from radixkv.groups import GroupLoad, KVGroups, fetch_group_chunks
-from radixkv.pool import KVLayout, KVPool, PagePool, as_page_ids, check_device, has_duplicates
-from radixkv.request import LOAD_MODES, PendingLoad, Request, fetch_chunks
+from radixkv.observe import Observers
+from radixkv.groups import KVGroups
+from radixkv.pool import KVLayout, KVPool, PagePool, PoolExhausted, as_page_ids, check_device, has_duplicates
+from radixkv.loads import Loads
+from radixkv.request import LOAD_MODES, Request
+from radixkv.stores import Stores
 from radixkv.tree import MatchResult, RadixNode, RadixTree
 
 if TYPE_CHECKING:
@@ -75,10 +76,6 @@ __all__ = ["Match", "PoolExhausted", "PrefixCache", "Request"]
 log = logging.getLogger("radixkv.cache")
 
 _FREE, _ENGINE, _TREE = 0, 1, 2
-# An eviction's write-back (write_back, or the victim tiers of an exclusive stack) waits at most this
-# long in all for room in the tier write queue: those chunks exist nowhere else, and one eviction
-# can free more of them than the queue holds.  Past it they are dropped and counted.
-SPILL_WAIT_S = 1.0
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
 
@@ -89,10 +86,6 @@ class CacheStats(dict):  # type: ignore[type-arg]
         from radixkv.viz import stats_html
 
         return stats_html(self)
-
-
-class PoolExhausted(RuntimeError):
-    """``alloc`` cannot find enough pages even after evicting every unlocked prefix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +149,6 @@ class PrefixCache:
         self.layout = layout
         self.load_timeout = float(load_timeout)
         self.load_workers = load_workers
-        self._loader: ThreadPoolExecutor | None = None
         self.page_size = layout.page_size
         self.chunk_size = chunk_size
         self.write_policy = write_policy
@@ -184,6 +176,9 @@ class PrefixCache:
         self._pins: dict[bytes, Request] = {}       # pinned token prefixes, held like requests
         #: The most tokens ``pin`` may hold in the pool (half of it).
         self.pin_budget = num_pages * layout.page_size // 2
+        #: The listeners of this cache's events (``radixkv.observe``): the pool's here, the tiers'
+        #: through the stacks, which share the list.
+        self.observers = Observers()
         self._counters = dict.fromkeys(
             ("matches", "query_tokens", "hit_tokens", "pool_hit_tokens", "tier_hit_tokens", "inserts",
              "inserted_tokens", "duplicate_pages", "allocs", "allocated_pages", "evicted_pages", "evictions",
@@ -192,11 +187,12 @@ class PrefixCache:
         #: chunks have keys of their own namespace); ``stack`` is the first (the only one without groups).
         self.stacks: list[TierStack] = self._make_stacks(tiers, namespace, promote, write_queue, exclusive)
         self.stack = self.stacks[0] if self.stacks else None
-        #: The tiers that keep copies of what the pool holds (written at insert under
-        #: ``write_through``): all but the stack's victim tiers.
-        self._kept_tiers: frozenset[int] = frozenset()
+        #: The way down (pool -> tiers, ``radixkv.stores``); ``None`` without tiers.
+        self._stores: Stores | None = None
         if self.stack is not None:
-            self._kept_tiers = frozenset(range(len(self.stack.tiers))) - self.stack.victims
+            self._stores = Stores(tree=self.tree, pool=self.pool, groups=self.groups, stacks=self.stacks,
+                                  layout=layout, chunk_size=chunk_size, write_policy=write_policy,
+                                  counters=self._counters)
             for stack in self.stacks:
                 flush_at_exit(stack)
             # Blobs of several sizes (tails; with groups, each group's chunks): tell fixed-slot tiers
@@ -210,6 +206,14 @@ class PrefixCache:
                 # that the chunks a tier match needs are whole in the pool when they are stored.
                 self.groups.keep = self.groups.keep_for(chunk_size)
         self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
+        #: The way up (tiers -> pool, ``radixkv.loads``); ``None`` without tiers.
+        self._loads: Loads | None = None
+        if self.stack is not None:
+            self._loads = Loads(tree=self.tree, pool=self.pool, groups=self.groups, stacks=self.stacks,
+                                layout=layout, chunk_size=chunk_size, load_workers=load_workers,
+                                counters=self._counters, tier_hits=self._tier_hit_tokens,
+                                take_pages=self._take_pages, free_pages=self._free_pages, cached=self._cached,
+                                move_hold=self._move_hold, usable_match=self._usable_match, trim=self._trim)
 
     @classmethod
     def from_config(cls, config: Any = None, layout: KVLayout | None = None) -> PrefixCache:
@@ -253,8 +257,8 @@ class PrefixCache:
     def close(self) -> None:
         """Finish queued tier writes and close the tiers.  Idempotent.  Without it, queued writes
         are flushed at interpreter exit, for at most ``RADIXKV_EXIT_FLUSH_S`` seconds (10)."""
-        if self._loader is not None:
-            self._loader.shutdown(wait=False, cancel_futures=True)
+        if self._loads is not None:
+            self._loads.close()
         for stack in self.stacks:
             stack.close()
 
@@ -302,7 +306,7 @@ class PrefixCache:
 
     def _open(self, data: bytes, usable: int, load: str, deadline: float, count: bool = True) -> Request:
         result = self._usable_match(data, usable)
-        self.tree._lock(result.node)
+        self.tree.lock(result.node, trusted=True)
         if self.groups is not None:
             self.groups.hold(result.node, 1)
         req = Request(self, data, usable, result.node, result.pages, result.num_tokens)
@@ -313,21 +317,32 @@ class PrefixCache:
             c["query_tokens"] += len(data) // 4
             c["hit_tokens"] += result.num_tokens
             c["pool_hit_tokens"] += result.num_tokens
-        if load != "none" and self.stack is not None:
-            self._start_load(req, deadline)
-            if load == "wait":
-                self.wait(req)
+        if load != "none" and self._loads is not None:
+            self._loads.start(req, deadline)
+            if req._pending is not None:      # the load reports the request when it resolves
+                if load == "wait":
+                    self.wait(req)
+                return req
+        if count and self.observers:
+            self._served(req)
         return req
+
+    def _served(self, req: Request) -> None:
+        """Tell the listeners what ``req`` found cached, per level (once its load resolved)."""
+        by_level = {"pool": req.num_cached - req.tier_tokens}
+        if self.stack is not None:
+            by_level.update((t.name, n) for t, n in zip(self.stack.tiers, req.tier_tokens_by_tier) if n)
+        self.observers.served(len(req._data) // 4, {k: v for k, v in by_level.items() if v})
 
     def _usable_match(self, data: bytes, size: int) -> MatchResult:
         """The tree's match of ``data[:size]``, cut (with groups) to the longest prefix whose every
         sliding group holds its window (``KVGroups.usable``)."""
         if self.groups is None:
-            return self.tree._match(data, size)
-        node, pos, path, cut = self.tree._walk(data, size - size % (4 * self.page_size))
+            return self.tree.match_bytes(data, size)
+        node, pos, path, cut = self.tree.walk(data, size - size % (4 * self.page_size))
         parts = [n.pages for n in path] + ([cut[0].pages[:cut[1]]] if cut is not None else [])
         pages = np.concatenate(parts) if parts else _NO_PAGES
-        return self.tree._match(data[:self.groups.usable(pages) * self.page_size * 4])
+        return self.tree.match_bytes(data[:self.groups.usable(pages) * self.page_size * 4])
 
     def match(self, tokens: Any, *, leave_last: bool = True, deadline_s: float | None = None) -> Match:
         """The one-call path: ``open(tokens, load="wait")`` as a ``Match`` (see ``open``).
@@ -352,7 +367,7 @@ class PrefixCache:
             done: Future[list[torch.Tensor]] = Future()
             done.set_result([])
             return done
-        start = self.tree._match(data).num_tokens // self.chunk_size
+        start = self.tree.match_bytes(data).num_tokens // self.chunk_size
         return self.stack.prefetch(tokens, start)
 
     def _deadline(self, deadline_s: float | None) -> float:
@@ -361,48 +376,6 @@ class PrefixCache:
         elif isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s >= 0:
             raise ValueError(f"deadline_s must be a number of seconds >= 0, got {deadline_s!r}")
         return time.monotonic() + deadline_s
-
-    def _start_load(self, req: Request, deadline: float) -> None:
-        """Hand the chunks past ``req``'s pool match to a worker, if the tiers may hold any."""
-        assert self.stack is not None
-        cs, ps = self.chunk_size, self.page_size
-        first, last = req.num_cached // cs, req._usable // 4 // cs
-        if first >= last:
-            return          # not even one chunk past the pool: no worker round trip for a tail's pages
-        every = self.stack.refs_from_bytes(req._data[:last * cs * 4])     # keys chain from token 0
-        refs = every[first:]
-        # Fetch no more chunks than the pool could take without touching held or engine pages.
-        room = self.pool.num_free + self.tree.evictable_size // ps + (req.num_cached - first * cs) // ps
-        limit = min(len(refs), room // (cs // ps))
-        if limit == 0:
-            return
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(max_workers=self.load_workers, thread_name_prefix="radixkv-load")
-        if self.groups is not None:
-            self._start_group_load(req, first, first + limit, deadline)
-            return
-        tail = None             # without groups, a tail (fewer tokens than a chunk) may follow the chunks
-        if self.groups is None:
-            parent = every[first - 1].key if first else self.stack.namespace.root
-            tail = (parent, req._data[first * cs * 4:req._usable])
-        req._pending = PendingLoad(self._loader.submit(fetch_chunks, self.stack, refs, limit, deadline, tail),
-                                   first, deadline, [ref.key for ref in refs])
-
-    def _start_group_load(self, req: Request, first: int, last: int, deadline: float) -> None:
-        """``_start_load`` of a grouped cache: refs per group, and which chunks before ``first``
-        each sliding group holds whole in the pool (``fetch_group_chunks`` plans the rest)."""
-        assert self.groups is not None and self._loader is not None
-        cs, per_chunk = self.chunk_size, self.chunk_size // self.page_size
-        refs = self._refs(req._data[:last * cs * 4])
-        window: list[int] = []
-        pool_ok: list[np.ndarray] = []
-        for group in self.layout.groups:
-            ids = self.groups.pages_of(group, req._pages[:first * per_chunk]).reshape(first, per_chunk)
-            pool_ok.append(np.asarray((ids >= 0).all(axis=1)))
-            window.append(-(-(group.window - 1) // cs) if group.sliding else 0)
-        future = self._loader.submit(fetch_group_chunks, self.stacks, self.layout.groups, refs, first, last,
-                                     window, pool_ok, deadline)
-        req._pending = PendingLoad(future, first, deadline, [])   # type: ignore[arg-type]
 
     def poll(self, req: Request) -> bool:
         """Land ``req``'s pending load if it has arrived: its chunks go into new pool pages and the
@@ -415,28 +388,15 @@ class PrefixCache:
             return True
         if pending.future.done():
             req._pending = None
-            try:
-                result = pending.future.result()
-            except Exception as exc:   # noqa: BLE001 - a fault below the pool is a miss
-                self._counters["load_errors"] += 1
-                _log_load_error(exc)
-                return True
-            if isinstance(result, GroupLoad):
-                if result.end > pending.first:
-                    self._land_groups(req, pending.first, result)
-                return True
-            where, chunks, tail = result
-            if chunks:
-                landed = self._land(req, pending.first, where, chunks)
-                if self.stack is not None and self.stack.victims:     # exclusive: moved up, not copied
-                    keys = pending.keys[:len(chunks) - (tail is not None)] + ([tail] if tail is not None else [])
-                    self.stack.release(keys[:landed])
-            return True
-        if time.monotonic() < pending.deadline:
+            self._loads.resolve(req, pending)   # type: ignore[union-attr]
+        elif time.monotonic() < pending.deadline:
             return False
-        req._pending = None
-        pending.future.cancel()
-        self._counters["late_loads"] += 1
+        else:
+            req._pending = None
+            pending.future.cancel()
+            self._counters["late_loads"] += 1
+        if self.observers:
+            self._served(req)
         return True
 
     def wait(self, req: Request, timeout: float | None = None) -> bool:
@@ -449,160 +409,6 @@ class PrefixCache:
             limit = pending.remaining() if timeout is None else min(timeout, pending.remaining())
             futures_wait([pending.future], timeout=limit)
         return self.poll(req)
-
-    def _land(self, req: Request, first: int, where: list[int], chunks: list[torch.Tensor]) -> int:
-        """Put loaded chunks ``first, first + 1, ...`` of ``req`` (the last may be a tail, of fewer
-        tokens) into pool pages and the tree and move ``req``'s hold to the end of them; return how
-        many of them the pool now holds whole.  The tree may have grown meanwhile (another request
-        cached some of these tokens): only what it still lacks is copied in; what the pool has no
-        room for is left out."""
-        cs, ps = self.chunk_size, self.page_size
-        sizes = [int(chunk.shape[2]) for chunk in chunks]          # tokens: cs, or a tail's fewer
-        end = first * cs + sum(sizes)
-        if end <= req.num_cached:
-            return 0                                # a tail that ends inside what the pool holds
-        result = self._usable_match(req._data, end * 4)
-        self._move_hold(req, result.node)
-        req._pages, held = result.pages, req.num_cached
-        req.num_cached = result.num_tokens
-        have, done = result.num_tokens - first * cs, 0               # whole chunks the tree has, then
-        while done < len(sizes) and have >= sizes[done]:              # pages into the next
-            have -= sizes[done]
-            done += 1
-        skip = have // ps
-        chunks, where, sizes = chunks[done:], where[done:], sizes[done:]
-        room = self.pool.num_free + self.tree.evictable_size // ps
-        need, keep = 0, 0
-        for i, size in enumerate(sizes):
-            k = size // ps - (skip if i == 0 else 0)
-            if need + k > room:
-                break
-            need, keep = need + k, keep + 1
-        chunks, where, sizes = chunks[:keep], where[:keep], sizes[:keep]
-        if chunks:
-            new = self._take_pages(need)
-            try:
-                start = 0
-                for i, chunk in enumerate(chunks):
-                    k = sizes[i] // ps - (skip if i == 0 else 0)
-                    ops.scatter_pages(chunk.to(self.pool.device), self.pool, new[start:start + k],
-                                      skip_pages=skip if i == 0 else 0)
-                    start += k
-            except BaseException:
-                self._free_pages(new)
-                raise
-            stop = result.num_tokens + len(new) * ps
-            pages = np.concatenate([result.pages, new])
-            inserted = self.tree._insert(req._data[:stop * 4], pages)
-            assert inserted.prefix_len == result.num_tokens, "the held tree match changed under a load"
-            self._state[new] = _TREE
-            self._move_hold(req, inserted.node)
-            req._pages, req.num_cached = pages, stop
-        # Count what the tiers served (tokens resident meanwhile count as pool hits).
-        by_tier = [0] * len(self.stack.tiers)     # type: ignore[union-attr]
-        for i, tier in enumerate(where):
-            by_tier[tier] += sizes[i] - (skip * ps if i == 0 else 0)
-        for tier, n in enumerate(by_tier):
-            self._tier_hit_tokens[tier] += n
-        tier_tokens = sum(by_tier)
-        c = self._counters
-        c["hit_tokens"] += req.num_cached - held
-        c["pool_hit_tokens"] += req.num_cached - held - tier_tokens
-        c["tier_hit_tokens"] += tier_tokens
-        req.tier_tokens += tier_tokens
-        req.tier_tokens_by_tier = tuple(by_tier)
-        return done + len(chunks)
-
-    def _land_groups(self, req: Request, first: int, load: GroupLoad) -> None:
-        """``_land`` of a grouped cache: the full groups' chunks ``first..load.end-1`` go into new
-        tree pages past what the tree holds, each sliding group's window chunks into its pages
-        (filling pages the tree had dropped), sliding pages no chunk covers are dropped, and the
-        request's hold moves to the longest usable prefix.  What the pools have no room for is a
-        miss."""
-        assert self.groups is not None and self.stack is not None
-        cs, ps, per_chunk = self.chunk_size, self.page_size, self.chunk_size // self.page_size
-        data = req._data[:load.end * cs * 4]
-        held = req.num_cached
-        result = self.tree._match(data)
-        self.tree.lock(result.node)                     # what the tree has stays while pages are taken
-        try:
-            end = self._land_group_chunks(data, result, load)
-        finally:
-            self.tree.unlock(result.node)
-        self._settle(req, held, load)
-        self._trim(end)                   # after the hold moved: the window it needs stays
-
-    def _land_group_chunks(self, data: bytes, result: MatchResult, load: GroupLoad) -> RadixNode:
-        """``_land_groups``' copies; returns the node that ends what the tree now holds of ``data``."""
-        assert self.groups is not None
-        ps, per_chunk = self.page_size, self.chunk_size // self.page_size
-        total = load.end * per_chunk
-        new = _NO_PAGES
-        if total > len(result.pages):
-            if total - len(result.pages) > self.pool.num_free + self.tree.evictable_size // ps:
-                return result.node
-            try:
-                new = self._take_pages(total - len(result.pages))
-            except PoolExhausted:
-                return result.node
-        pages = np.concatenate([result.pages, new])
-        covered = [np.zeros(total, dtype=bool) for _ in self.groups.sliding]
-        try:
-            for group, (need, _, chunks) in zip(self.layout.groups, load.parts):
-                if group.sliding:
-                    s = self.groups.sliding.index(group)
-                    pool, table = self.groups.pools[s], self.groups.maps[s]
-                else:
-                    pool, table = self.pool, None         # type: ignore[assignment]
-                for j, chunk in zip(need, chunks):
-                    ids = pages[j * per_chunk:(j + 1) * per_chunk]
-                    if table is not None:
-                        gone = ids[table[ids] < 0]
-                        if gone.size > pool.num_free:
-                            continue                      # no room in the group's pool: a shorter match
-                        table[gone] = pool.alloc(gone.size)
-                        covered[s][j * per_chunk:(j + 1) * per_chunk] = True
-                        ops.scatter_pages(chunk.to(pool.device), pool, table[ids])
-                    else:
-                        skip = max(0, len(result.pages) - j * per_chunk)
-                        if skip < per_chunk:
-                            ops.scatter_pages(chunk.to(pool.device), pool, ids[skip:], skip_pages=skip)
-            for s, table in enumerate(self.groups.maps):  # new pages no sliding chunk wrote hold nothing
-                junk = new[~covered[s][len(result.pages):]]
-                if junk.size:
-                    self.groups._drop(self.groups.pools[s], table, junk)
-        except BaseException:
-            self._free_pages(new)
-            raise
-        if not new.size:
-            return result.node
-        inserted = self.tree._insert(data[:total * ps * 4], pages)
-        assert inserted.prefix_len == len(result.pages) * ps, "the held tree match changed under a load"
-        self._state[new] = _TREE
-        return inserted.node
-
-    def _settle(self, req: Request, held: int, load: GroupLoad) -> None:
-        """Move ``req``'s hold to the longest usable prefix of what ``load`` brought (never less
-        than the ``held`` tokens) and count the tokens the tiers served beyond them."""
-        usable = self._usable_match(req._data, load.end * self.chunk_size * 4)
-        if usable.num_tokens <= held:
-            return
-        self._move_hold(req, usable.node)
-        req._pages, req.num_cached = usable.pages, usable.num_tokens
-        gained = req.num_cached - held
-        if gained > 0:
-            c = self._counters
-            tier = next((where[0] for _, where, _ in load.parts if where), 0)
-            c["hit_tokens"] += gained
-            c["tier_hit_tokens"] += gained
-            self._tier_hit_tokens[tier] += gained
-            req.tier_tokens += gained
-            by_tier = [0] * len(self.stack.tiers)     # type: ignore[union-attr]
-            by_tier[tier] = gained
-            req.tier_tokens_by_tier = tuple(by_tier)
-        if self.stack is not None and self.stack.victims:
-            for stack, (need, _, _), refs in zip(self.stacks, load.parts, self._refs(req._data[:load.end * self.chunk_size * 4])):
-                stack.release([refs[j].key for j in need])      # exclusive: moved up, not copied
 
     def extend(self, req: Request, tokens: Any, pages: Any) -> torch.Tensor:
         """Cache the KV the engine computed for ``req`` and keep holding it (SGLang's
@@ -659,7 +465,7 @@ class PrefixCache:
             req._pending.future.cancel()
             req._pending = None
         req.released = True
-        self.tree._unlock(req.node)
+        self.tree.unlock(req.node, trusted=True)
         if self.groups is not None:
             self.groups.hold(req.node, -1)
             self._trim(req.node)
@@ -712,6 +518,12 @@ class PrefixCache:
             self.groups.attach(ids)
         return ids
 
+    def _cached(self, ids: np.ndarray) -> None:
+        """Engine pages ``ids`` are the tree's now (inserted), with their event."""
+        self._state[ids] = _TREE
+        if self.observers:
+            self.observers.pages("pool", int(ids.size), 0)
+
     def _free_pages(self, ids: np.ndarray) -> None:
         """Give pages (validated, not free) back to the pool, with their sliding groups' pages."""
         if ids.size:
@@ -762,7 +574,7 @@ class PrefixCache:
         if hold is not None:
             collect = None if self.groups is None and self.stack is None else (
                 lambda _, path_pages: cached.extend(path_pages))
-            result = self.tree._insert(data, ids, collect)
+            result = self.tree.insert_bytes(data, ids, collect)
             known = result.prefix_len // self.page_size
             mine = slice(len(hold._pages), known)     # the held pages lead ids and are the tree's
         else:
@@ -781,7 +593,7 @@ class PrefixCache:
                         (in_tree[:known] & (ids[:known] != np.concatenate(path_pages))).any():
                     raise ValueError("pages: a cached page is passed for tokens it does not hold")
 
-            result = self.tree._insert(data, ids, validate)
+            result = self.tree.insert_bytes(data, ids, validate)
             known = result.prefix_len // self.page_size
             mine = ~in_tree[:known]
         if self.groups is not None and known:       # the engine's pages fill the tree's tombstones
@@ -792,105 +604,23 @@ class PrefixCache:
         if duplicates.size:
             self._free_pages(duplicates)
         self._state[ids[known:]] = _TREE
+        if self.observers and len(ids) > known:
+            self.observers.pages("pool", len(ids) - known, 0)
         c = self._counters
         c["inserts"] += 1
         c["inserted_tokens"] += (len(ids) - known) * self.page_size
         c["duplicate_pages"] += int(duplicates.size)
         # Stored before the window rule runs: a sliding group's chunks are stored whole, as full
         # attention's are (the pages the rule drops later went to the tiers here or go in _trim).
-        if self.stack is not None and self.write_policy == "write_through" and self._kept_tiers:
+        if self._stores is not None:
             first = result.prefix_len // self.chunk_size             # chunks not complete before
             last = len(ids) * self.page_size // self.chunk_size
             if first < last:
-                self._store_chunks(data, np.concatenate([*cached, ids[known:]]), first, last, self._kept_tiers)
+                self._stores.inserted(data, np.concatenate([*cached, ids[known:]]), first, last)
         if hold is not None:
             self._move_hold(hold, result.node)
         self._trim(result.node)
         return result.node, result.prefix_len
-
-    def _store_chunks(self, data: bytes, pages: np.ndarray, first: int, last: int,
-                      tiers: frozenset[int] | None = None, refs: list[list[ChunkRef]] | None = None,
-                      wait: float = 0.0, group: int | None = None) -> None:
-        """Copy chunks ``first..last-1`` of a cached sequence out of the pool and queue them for
-        the tiers (all, or ``tiers``; the copy is synchronous: the pages may be reused right after),
-        per KV group (only ``layout.groups[group]``'s, when given): a sliding group's chunk only
-        where its pages are held, and for every group but the one given, the sliding groups' chunks
-        of the window before ``first`` too (pages an insert filled, a new branch point's).
-        ``refs``: the sequence's chunk refs from chunk 0 per stack, when the caller has them."""
-        per_chunk = self.chunk_size // self.page_size
-        for g, stack in enumerate(self.stacks):
-            if group is not None and g != group:
-                continue
-            pool: KVPool = self.pool               # type: ignore[assignment]
-            ids, lo = pages[:last * per_chunk], first
-            if self.groups is not None:
-                kind = self.layout.groups[g]
-                pool, ids = self.groups.pool_of(kind), self.groups.pages_of(kind, ids)
-                if kind.sliding and group is None:
-                    lo = max(0, first - (kind.window - 1 + self.chunk_size - 1) // self.chunk_size)
-            stack_refs = refs[g] if refs is not None else stack.refs_from_bytes(data[:last * self.chunk_size * 4])
-            items = []
-            for i, ref in enumerate(stack_refs[lo:last], start=lo):
-                chunk_ids = ids[i * per_chunk:(i + 1) * per_chunk]
-                if chunk_ids.size and chunk_ids.min() < 0:
-                    continue                       # dropped: outside every window
-                buf = torch.empty(stack.shape, dtype=self.layout.dtype)
-                items.append((ref, ops.gather_pages(pool, chunk_ids, buf)))
-            queued = stack.store(items, tiers=tiers, wait=wait, chain=True)
-            self._counters["chunks_stored"] += queued
-            self._counters["chunks_not_queued"] += len(items) - queued
-
-    def _refs(self, data: bytes) -> list[list[ChunkRef]]:
-        """The chunk refs of ``data`` in every stack (one hash pass per KV group)."""
-        return [stack.refs_from_bytes(data) for stack in self.stacks]
-
-    def _chunks_ending_in(self, node: RadixNode) -> tuple[bytes, int, int]:
-        """The tokens from the root to the end of ``node`` (int32 bytes) and the range
-        ``first..last-1`` of the chunks that end inside ``node``.  O(depth + tokens)."""
-        tokens = self.tree.prefix_tokens(node)
-        start = len(tokens) - node.num_tokens
-        return tokens.tobytes(), start // self.chunk_size, len(tokens) // self.chunk_size
-
-    def _spill(self, node: RadixNode) -> None:
-        """The tiers keep what the pool lets go: the chunks that end inside ``node``, about to be
-        evicted, are stored where they are not kept already (``write_back``: every tier; with
-        victim tiers, those) — a tier that holds one counts it as just used — deepest first, after
-        the prefix's tail where prefixes part inside a chunk (``_spill_tail``); under
-        ``write_through`` they are refreshed in the other local tiers' LRU order (``TierStack.touch``)."""
-        assert self.stack is not None
-        data, first, last = self._chunks_ending_in(node)
-        into = None if self.write_policy == "write_back" else self.stack.victims
-        with_tail = self.groups is None and node.branched and (into is None or bool(into))
-        if first >= last and not with_tail:
-            return
-        refs = self._refs(data[:last * self.chunk_size * 4])    # one hash pass for all
-        if with_tail:
-            self._spill_tail(node, data, refs[0], into)
-        if first >= last:
-            return
-        if into is None or into:     # these chunks exist nowhere else: wait (bounded) for queue room
-            self._store_chunks(data, self.tree.prefix_pages(node), first, last, into, refs, wait=SPILL_WAIT_S)
-        if into is not None and len(into) < len(self.stack.tiers):
-            for stack, stack_refs in zip(self.stacks, refs):
-                stack.touch([ref.key for ref in stack_refs[first:]], tiers=self._kept_tiers)
-
-    def _spill_tail(self, node: RadixNode, data: bytes, refs: list[ChunkRef], into: frozenset[int] | None) -> None:
-        """Store the tail of ``node``'s prefix (``data``): its tokens past the last chunk boundary,
-        if any, into the local tiers among ``into`` (``None``: every tier), before the chunks (it is
-        the deepest).  Only for a node that other cached sequences continued (``branched``): where
-        prefixes part, the next request is likely to stop too — a request's own end would only take
-        a slot.  ``refs``: the prefix's full chunks."""
-        assert self.stack is not None
-        cs, ps = self.chunk_size, self.page_size
-        start, end = len(refs) * cs, len(data) // 4
-        stack = self.stack
-        tiers = [i for i in (range(len(stack.tiers)) if into is None else into) if stack.tiers[i].local]
-        if end == start or not tiers:
-            return
-        ref = stack.tail_ref(refs[-1].key if refs else stack.namespace.root, data[start * 4:])
-        buf = torch.empty(self.layout.chunk_shape(end - start), dtype=self.layout.dtype)
-        kv = ops.gather_pages(self.pool, self.tree.prefix_pages(node)[start // ps:], buf)
-        self._counters["tails_stored"] += stack.store([(ref, kv)], tiers=tiers, wait=SPILL_WAIT_S, chain=True)
 
     def evict(self, num_pages: int) -> int:
         """Evict least-recently-used unlocked prefixes until ``num_pages`` pages are freed (or
@@ -904,16 +634,18 @@ class PrefixCache:
         freed = self.tree.evict(num_pages, on_evict)
         if freed.size:
             self._free_pages(freed)
+            if self.observers:
+                self.observers.pages("pool", 0, int(freed.size))
             self._counters["evicted_pages"] += int(freed.size)
             self._counters["evictions"] += 1
         for parent in parents:         # a parent left with one child may drop its window
-            if parent.parent is not None and self.tree._attached(parent):
+            if parent.parent is not None and self.tree.contains(parent):
                 self._trim(parent)
         return int(freed.size)
 
     def _on_evict(self, node: RadixNode, parents: list[RadixNode]) -> None:
-        if self.stack is not None:
-            self._spill(node)
+        if self._stores is not None:
+            self._stores.evicting(node)
         if self.groups is not None and node.parent is not None:
             parents.append(node.parent)
 
@@ -921,34 +653,15 @@ class PrefixCache:
         """The window rule after ``node`` changed (``KVGroups.trim``); nothing without groups.
         With tiers, a sliding page leaving every window is spilled like an evicted one first."""
         if self.groups is not None:
-            spill = self._spill_window if self.stack is not None and self._window_into() != frozenset() else None
+            spill = self._stores.leaving_window if self._stores is not None and self._stores.spills_windows else None
+            before = self.groups.dropped_pages
             self.groups.trim(self.tree, node, spill)
-
-    def _window_into(self) -> frozenset[int] | None:
-        """The tiers a page leaving the pool is stored into (``None``: all): under ``write_back``
-        every tier; under ``write_through`` the victim tiers (exclusive of the pool: the others
-        got the chunk at insert).  O(1)."""
-        assert self.stack is not None
-        return None if self.write_policy == "write_back" else self.stack.victims
-
-    def _spill_window(self, i: int, reuse: RadixNode, lo: int, hi: int) -> None:
-        """``KVGroups.trim``'s spill: sliding group ``i``'s pages at positions ``lo..hi-1`` on the
-        path to ``reuse`` leave every window; store the whole chunks that hold them (where all
-        their pages are still there) into the tiers an eviction writes.  A hash pass over the
-        prefix and one gather per chunk."""
-        assert self.groups is not None
-        per_chunk = self.chunk_size // self.page_size
-        pages = self.tree.prefix_pages(reuse)
-        first, last = lo // per_chunk, min(-(-hi // per_chunk), len(pages) // per_chunk)
-        if first >= last:
-            return
-        data = self.tree.prefix_tokens(reuse).tobytes()
-        group = self.layout.groups.index(self.groups.sliding[i])
-        self._store_chunks(data, pages, first, last, self._window_into(), wait=SPILL_WAIT_S, group=group)
+            if self.observers and self.groups.dropped_pages > before:
+                self.observers.pages("pool:sliding", 0, self.groups.dropped_pages - before)
 
     def _move_hold(self, req: Request, node: RadixNode) -> None:
         """Move ``req``'s hold (lock and, with groups, its end) to ``node``."""
-        self.tree._move_lock(req.node, node)
+        self.tree.move_lock(req.node, node)
         if self.groups is not None:
             self.groups.hold(node, 1)
             self.groups.hold(req.node, -1)
@@ -1100,10 +813,3 @@ class PrefixCache:
             assert node.lock_ref == expected.get(id(node), 0), \
                 f"{node!r}: lock_ref {node.lock_ref} but {expected.get(id(node), 0)} live requests hold it"
 
-
-def _log_load_error(exc: BaseException, _last: list[float] = [0.0]) -> None:
-    """Log a failed tier load once per minute (it is a miss)."""
-    now = time.monotonic()
-    if now - _last[0] >= 60.0:
-        _last[0] = now
-        log.warning("radixkv: a tier load failed and was treated as a miss: %s: %s", type(exc).__name__, exc)

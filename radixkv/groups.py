@@ -189,10 +189,12 @@ class KVGroups:
                 if cut > 0:
                     if spill is not None and (table[cur.pages[:cut]] >= 0).any():
                         spill(i, down, start, start + cut)
-                    self._drop(pool, table, cur.pages[:cut])
+                    self.drop(pool, table, cur.pages[:cut])
             end, cur = start, cur.parent     # type: ignore[assignment]
 
-    def _drop(self, pool: KVPool, table: np.ndarray, ids: np.ndarray) -> None:
+    def drop(self, pool: KVPool, table: np.ndarray, ids: np.ndarray) -> None:
+        """Free the pages that tree pages ``ids`` map to in one sliding group (``pool``, its map
+        ``table``), leaving tombstones; counted in ``dropped_pages``.  O(len(ids))."""
         held = table[ids]
         mask = held >= 0
         if mask.any():

@@ -26,7 +26,11 @@ import numpy as np
 import torch
 from radixkv._checks import check_int
 
-__all__ = ["KVGroup", "KVLayout", "KVPool", "PagePool", "as_page_ids", "check_device", "has_duplicates"]
+__all__ = ["KVGroup", "KVLayout", "KVPool", "PagePool", "PoolExhausted", "as_page_ids", "check_device", "has_duplicates"]
+
+
+class PoolExhausted(RuntimeError):
+    """``alloc`` cannot find enough pages even after evicting every unlocked prefix."""
 
 # dtypes a pool may hold; fp8 and int8 pools are moved as raw bytes by the block-copy ops.
 _POOL_DTYPES = {

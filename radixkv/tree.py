@@ -157,13 +157,13 @@ class RadixTree:
         >>> tree.match_prefix([5, 6, 8]).pages.tolist()
         [0, 1]
         """
-        return self._match(as_token_bytes(tokens))
+        return self.match_bytes(as_token_bytes(tokens))
 
-    def _match(self, data: bytes, size: int | None = None) -> MatchResult:
-        """``match_prefix`` of validated token bytes (e.g. from ``as_token_bytes``), of their first
-        ``size`` bytes when given (no copy is made)."""
+    def match_bytes(self, data: bytes, size: int | None = None) -> MatchResult:
+        """``match_prefix``'s fast path: of token bytes already validated (``as_token_bytes``), of
+        their first ``size`` bytes when given (no copy is made).  Same cost, without the conversion."""
         size = len(data) if size is None else size
-        node, pos, path, cut = self._walk(data, size - size % self._page_bytes)
+        node, pos, path, cut = self.walk(data, size - size % self._page_bytes)
         if cut is not None:
             node = self._split(*cut)
             pos += cut[1] * self._page_bytes
@@ -173,10 +173,10 @@ class RadixTree:
             path[0].pages if path else _EMPTY_PAGES)
         return MatchResult(pos // 4, pages, node)
 
-    def _walk(self, data: bytes, end: int | None = None
-              ) -> tuple[RadixNode, int, list[RadixNode], tuple[RadixNode, int] | None]:
-        """Follow ``data[:end]`` (page-aligned; ``end`` defaults to all of it) down the tree without
-        changing it.  Returns the deepest node matched whole, the bytes matched up to its end, the
+    def walk(self, data: bytes, end: int | None = None
+             ) -> tuple[RadixNode, int, list[RadixNode], tuple[RadixNode, int] | None]:
+        """Follow validated token bytes ``data[:end]`` (page-aligned; ``end`` defaults to all of
+        it) down the tree without changing it (not even recency).  O(d + L/page_size).  Returns the deepest node matched whole, the bytes matched up to its end, the
         path without the root, and, when the match goes on inside a child, ``(child, pages)``: the
         split ``_split(child, pages)`` that makes the match end on a node (the caller decides
         whether to make it)."""
@@ -281,11 +281,13 @@ class RadixTree:
                              f"(one more for a partial tail is allowed), got {len(ids)}")
         if has_duplicates(ids):
             raise ValueError("pages: the same page id is given more than once")
-        return self._insert(data, ids[:full])
+        return self.insert_bytes(data, ids[:full])
 
-    def _insert(self, data: bytes, pages: np.ndarray,
-                validate: Callable[[int, list[np.ndarray]], None] | None = None) -> InsertResult:
-        """Insert validated token bytes and exactly one page id per full page.
+    def insert_bytes(self, data: bytes, pages: np.ndarray,
+                     validate: Callable[[int, list[np.ndarray]], None] | None = None) -> InsertResult:
+        """``insert``'s fast path: validated token bytes (``as_token_bytes``; they may go on past the
+        pages) and exactly one page id per full page, none the tree holds for another position.
+        Same cost.
 
         ``validate(prefix_bytes, path_pages)`` sees how many bytes are cached already and the page
         arrays of the nodes (or node parts) holding them, before anything changes, and may raise
@@ -293,7 +295,7 @@ class RadixTree:
         """
         pb = self._page_bytes
         end = len(pages) * pb                # data may go on past the pages: no copy is made
-        node, pos, path, cut = self._walk(data, end)
+        node, pos, path, cut = self.walk(data, end)
         if validate is not None:
             path_pages = [n.pages for n in path]
             if cut is not None:
@@ -318,22 +320,26 @@ class RadixTree:
 
     # ---------------------------------------------------------------- locks
 
-    def lock(self, node: RadixNode) -> None:
+    def lock(self, node: RadixNode, *, trusted: bool = False) -> None:
         """Protect ``node`` and its ancestors from eviction (one reference each).  O(depth).
 
-        Locking the root is a no-op.
+        Locking the root is a no-op.  ``trusted``: the caller got ``node`` from this tree and it
+        is still in it, so the O(depth) check that it is (``contains``) is skipped.
         """
-        self._check_handle(node, "node")
+        if not trusted:
+            self._check_handle(node, "node")
         self._lock(node)
 
-    def unlock(self, node: RadixNode) -> None:
+    def unlock(self, node: RadixNode, *, trusted: bool = False) -> None:
         """Take back one reference from ``node`` and its ancestors.  O(depth).
 
-        Raises ``ValueError`` (and changes nothing) if ``node`` is not locked.
+        Raises ``ValueError`` (and changes nothing) if ``node`` is not locked.  ``trusted``: the
+        caller holds a lock on ``node``, from this tree; the checks are skipped.
         """
-        self._check_handle(node, "node")
-        if node is not self._root and node.lock_ref <= 0:
-            raise ValueError("node: unlock of a node that is not locked")
+        if not trusted:
+            self._check_handle(node, "node")
+            if node is not self._root and node.lock_ref <= 0:
+                raise ValueError("node: unlock of a node that is not locked")
         self._unlock(node)
 
     def _lock(self, node: RadixNode, upto: RadixNode | None = None) -> RadixNode:
@@ -351,10 +357,10 @@ class RadixTree:
             node = node.parent  # type: ignore[assignment]
         return node
 
-    def _move_lock(self, old: RadixNode, new: RadixNode) -> None:
-        """``_lock(new)`` then ``_unlock(old)`` (both in this tree, ``old`` locked): where ``new`` is
-        at or below ``old`` (a held prefix that grew) only the nodes in between change.
-        O(distance) then, O(depth) otherwise."""
+    def move_lock(self, old: RadixNode, new: RadixNode) -> None:
+        """``lock(new)`` then ``unlock(old)``, trusted (both from this tree, ``old`` locked by the
+        caller): where ``new`` is at or below ``old`` (a held prefix that grew) only the nodes in
+        between change.  O(distance) then, O(depth) otherwise."""
         if self._lock(new, upto=old) is not old:     # new is not below old: its whole path is locked
             self._unlock(old)
 
@@ -374,10 +380,10 @@ class RadixTree:
     def _check_handle(self, node: Any, name: str) -> None:
         if not isinstance(node, RadixNode):
             raise TypeError(f"{name} must be a RadixNode, got {type(node).__name__}")
-        if not self._attached(node):
+        if not self.contains(node):
             raise ValueError(f"{name} is not in this tree (evicted, or from another tree)")
 
-    def _attached(self, node: RadixNode) -> bool:
+    def contains(self, node: RadixNode) -> bool:
         """Whether ``node`` is in this tree (not evicted, not another tree's).  O(depth)."""
         top = node
         while top.parent is not None:
