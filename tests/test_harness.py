@@ -129,8 +129,11 @@ def test_the_contract_catches_a_tier_that_evicts_a_pinned_key() -> None:
     """A tier that says it pinned keys and evicts them anyway fails the contract (the shipped tiers,
     which pin, pass it: tests/test_backends.py, tests/test_policy.py)."""
 
-    class PinsNothing(CpuTier):
+    class PinsNothing(CpuTier):      # says it pinned every key, and unpinned them
         def pin(self, keys: Any) -> int:
+            return len(keys)
+
+        def unpin(self, keys: Any) -> int:
             return len(keys)
 
     with pytest.raises(AssertionError) as failure:

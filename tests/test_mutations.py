@@ -37,6 +37,7 @@ from radixkv.testing.requests import RequestMachine, SlidingRequestMachine
 from radixkv.testing.settings import MUTATION
 from radixkv.tiers import TierStack
 from radixkv.tree import RadixTree
+from sqlite_tier import SqliteTier
 
 
 Patch = Callable[[pytest.MonkeyPatch], Any]
@@ -372,6 +373,90 @@ def _set(name: str, value: Callable[[LmdbTier], Any]) -> Callable[[LmdbTier], No
     return lambda tier: setattr(tier, name, value(tier))
 
 
+# A user's tier (tests/sqlite_tier.py), checked with the LMDB contracts' knobs: LRU by bytes, exact
+# used_bytes, persistent, and a TTL of 5 seconds for LmdbTtlContract.
+
+def sqlite(**knobs: Any) -> Callable[..., SqliteTier]:
+    """A factory of ``SqliteTier(path, 1000, **knobs)`` on the contract's clock."""
+    return lambda path, clock: SqliteTier(path, 1000, clock=clock, **knobs)
+
+
+def _sqlite_victim(order: str) -> Callable[[SqliteTier], bytes | None]:
+    def victim(self: SqliteTier) -> bytes | None:
+        row = self._db.execute(f"SELECT key FROM entries {order} LIMIT 1").fetchone()
+        return None if row is None else bytes(row[0])
+    return victim
+
+
+def _sqlite_get(where: str, live: bool) -> Callable[[SqliteTier, bytes], bytes | None]:
+    """A ``get`` that finds its row by ``where`` and checks its expiry or not."""
+    def get(self: SqliteTier, key: bytes) -> bytes | None:
+        check_key(key)
+        with self._lock:
+            row = self._db.execute(f"SELECT key, blob, expires FROM entries WHERE {where}", (key,)).fetchone()
+            if row is None or (live and not self._live(row[2])):
+                self._counts["misses"] += 1
+                return None
+            self._db.execute("UPDATE entries SET access = ? WHERE key = ?", (self._stamp(), row[0]))
+            self._counts["hits"] += 1
+            return bytes(row[1])
+    return get
+
+
+def _sqlite_delete_keeps_bytes(self: SqliteTier, key: bytes) -> bool:
+    check_key(key)
+    with self._lock:                               # a delete of its own: forgets the byte total
+        return self._db.execute("DELETE FROM entries WHERE key = ?", (key,)).rowcount > 0
+
+
+def _sqlite_reads_extend_ttl(mp: pytest.MonkeyPatch) -> Any:
+    def make(get: Callable[..., Any]) -> Callable[..., Any]:
+        def bad(self: SqliteTier, key: bytes) -> Any:
+            got = get(self, key)
+            if got is not None:                    # an access renews the expiry
+                with self._lock:
+                    self._db.execute("UPDATE entries SET expires = ? WHERE key = ?", (self._clock() + self._ttl, key))
+            return got
+        return bad
+    wrap(mp, SqliteTier, "get", make)
+    return sqlite(ttl=5.0)
+
+
+def _sqlite_refused_put_keeps_old(mp: pytest.MonkeyPatch) -> Any:
+    def make(put: Callable[..., bool]) -> Callable[..., bool]:
+        def bad(self: SqliteTier, key: bytes, blob: Any) -> bool:
+            if len(blob_view(blob)) > self._max_bytes:
+                with self._lock:
+                    self._counts.update(puts=1, rejected=1)
+                return False                       # returns before removing the old row
+            return put(self, key, blob)
+        return bad
+    wrap(mp, SqliteTier, "put", make)
+    return sqlite(ttl=5.0)
+
+
+def _sqlite_purge_inverted(self: SqliteTier) -> int:
+    if self._ttl is None:
+        return 0
+    doomed = [bytes(k) for (k,) in self._db.execute(       # ">" for "<=": purges the live rows
+        "SELECT key FROM entries WHERE expires IS NOT NULL AND expires > ?", (self._clock(),))]
+    for key in doomed:
+        self._remove(key)
+    self._counts[self._count_expired] += len(doomed)
+    return len(doomed)
+
+
+def _sqlite_counts_expired_twice(mp: pytest.MonkeyPatch) -> Any:
+    def make(purge: Callable[..., int]) -> Callable[..., int]:
+        def bad(self: SqliteTier) -> int:
+            n = purge(self)
+            self._counts["evictions"] += n         # counted again, on top of count_expired
+            return n
+        return bad
+    wrap(mp, SqliteTier, "_purge_expired", make)
+    return sqlite(ttl=5.0)
+
+
 TIER_MUTANTS = [
     Mutant("cpu-stores-nothing", "CpuTier.put", "put returns True and stores nothing", "CpuContract",
            _stores_nothing),
@@ -444,6 +529,32 @@ TIER_MUTANTS = [
            "LmdbTtlContract", factory(lmdb(ttl=5.0, after=_set("_ttl_us", lambda t: -t._ttl_us)))),
     Mutant("lmdb-ttl-in-ms", "LmdbTier._ttl_us", "ttl seconds read as milliseconds", "LmdbTtlContract",
            factory(lmdb(ttl=5.0, after=_set("_ttl_us", lambda t: t._ttl_us // 1000)))),
+    Mutant("sqlite-serves-expired", "SqliteTier.get", "get serves a row past its expiry", "LmdbTtlContract",
+           lambda mp: (mp.setattr(SqliteTier, "get", _sqlite_get("key = ?", live=False)), sqlite(ttl=5.0))[1]),
+    Mutant("sqlite-evicts-mru", "SqliteTier._victim", "evicts the most recently accessed row (ORDER BY ... DESC)",
+           "LmdbTtlContract",
+           lambda mp: (mp.setattr(SqliteTier, "_victim", _sqlite_victim("WHERE pinned = 0 ORDER BY access DESC")),
+                       sqlite(ttl=5.0))[1]),
+    Mutant("sqlite-evicts-pinned", "SqliteTier._victim", "the victim query forgets the pinned rows",
+           "LmdbContract",
+           lambda mp: (mp.setattr(SqliteTier, "_victim", _sqlite_victim("ORDER BY access")), sqlite())[1]),
+    Mutant("sqlite-delete-keeps-bytes", "SqliteTier.delete", "delete leaves used_bytes as it was",
+           "LmdbTtlContract",
+           lambda mp: (mp.setattr(SqliteTier, "delete", _sqlite_delete_keeps_bytes), sqlite(ttl=5.0))[1]),
+    Mutant("sqlite-get-ignores-namespace", "SqliteTier.get", "get matches the chunk key only: another key's blob",
+           "LmdbContract",
+           lambda mp: (mp.setattr(SqliteTier, "get", _sqlite_get("substr(key, 9) = substr(?, 9)", live=True)),
+                       sqlite())[1]),
+    Mutant("sqlite-reads-extend-ttl", "SqliteTier.get", "a read renews the expiry", "LmdbTtlContract",
+           _sqlite_reads_extend_ttl),
+    Mutant("sqlite-refused-put-keeps-old", "SqliteTier.put", "a put over max_bytes keeps the old row",
+           "LmdbTtlContract", _sqlite_refused_put_keeps_old),
+    Mutant("sqlite-purges-live-rows", "SqliteTier._purge_expired", "the expiry comparison is inverted",
+           "LmdbTtlContract",
+           lambda mp: (mp.setattr(SqliteTier, "_purge_expired", _sqlite_purge_inverted), sqlite(ttl=5.0))[1]),
+    Mutant("sqlite-counts-expired-twice", "SqliteTier._purge_expired",
+           "each expired row purged counts as two evictions", "LmdbTtlContract",
+           _sqlite_counts_expired_twice),
 ]
 
 
