@@ -30,6 +30,7 @@ import torch
 
 from radixkv.bench import Report
 from radixkv.cache import PrefixCache
+from radixkv.observe import Listener
 from radixkv.pool import KVLayout
 from radixkv.tree import RadixTree
 from radixkv.workloads import ChatWorkload
@@ -40,7 +41,7 @@ TARGET_LIST_RPS = 10_000
 
 
 def run_workload(requests: list, page_size: int, pool_tokens: int, in_flight: int,
-                 api: str = "match", as_lists: bool = False) -> dict:
+                 api: str = "match", as_lists: bool = False, listener: bool = False) -> dict:
     """Replay ``requests`` through a fresh cache; return timings and counters.
 
     ``as_lists``: each request's tokens are handed over as a Python list, made (untimed) when the
@@ -52,9 +53,12 @@ def run_workload(requests: list, page_size: int, pool_tokens: int, in_flight: in
     are converted twice).  ``api="request"``: the per-request path (``open``, ``alloc``,
     ``extend``, ``free`` of the partial tail page, ``release``: converted once).  The timings of
     ``match_us`` / ``insert_us`` are of ``match`` / ``open`` and of ``insert`` / ``extend`` + the rest.
+    ``listener``: a no-op ``radixkv.observe.Listener`` hears the cache's events (the seam's cost).
     """
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16, page_size=page_size)
     cache = PrefixCache(layout, num_pages=pool_tokens // page_size, chunk_size=page_size)
+    if listener:
+        cache.observers.add(Listener())
     t_match = t_insert = t_evict = t_alloc = 0.0
     flight: deque = deque()
     clock = time.perf_counter
@@ -148,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-sizes", default="16,1")
     ap.add_argument("--repeat", type=int, default=5, help="rounds; each row reports its median round")
     ap.add_argument("--evict-sizes", default="10000,100000", help="two tree sizes (leaves) for the evict cost")
+    ap.add_argument("--listener", action="store_true",
+                    help="also run the per-request path with a no-op listener attached (the observer seam's cost)")
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
 
@@ -169,13 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     runs = [("int32 array", "match", False), ("int32 array", "request", False),
             ("Python list", "match", True), ("Python list", "request", True)]
     sizes = [int(p) for p in args.page_sizes.split(",")]
+    if args.listener:
+        runs.append(("Python list", "request+listener", True))
     rows = [(form, api, as_lists, ps) for ps in sizes for form, api, as_lists in (runs if ps == sizes[0] else runs[:1])]
     # This machine's speed drifts by up to 2x over a minute: every row runs once per round, the
     # rounds one after another, and a row reports its median round (its req/s range beside it).
     rounds: dict[tuple[str, str, int], list[dict]] = {(form, api, ps): [] for form, api, _, ps in rows}
     for _ in range(args.repeat):
         for form, api, as_lists, ps in rows:
-            rounds[(form, api, ps)].append(run_workload(requests, ps, args.pool_tokens, args.in_flight, api, as_lists))
+            rounds[(form, api, ps)].append(run_workload(requests, ps, args.pool_tokens, args.in_flight,
+                                                        api.removesuffix("+listener"), as_lists,
+                                                        listener=api.endswith("+listener")))
     results = {}
     for (form, api, ps), got in rounds.items():
         r = sorted(got, key=lambda x: x["rps"])[len(got) // 2]
