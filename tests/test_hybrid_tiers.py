@@ -154,22 +154,23 @@ SCRIPT = textwrap.dedent("""
 RESTART_FAMILIES = ("gemma3", "mistral", "deepseek_v3")
 
 
+def run_phase(script: str, tmp_path: Path, phase: str, families: tuple[str, ...]) -> dict[str, Any]:
+    """Run ``script`` (a phase of a test in a process of its own: a restart) with ``tmp_path``, the
+    phase name and the families; the JSON it prints last."""
+    path = tmp_path / "phase.py"
+    path.write_text(script)
+    out = subprocess.run([sys.executable, str(path), str(tmp_path), phase, *families],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])   # type: ignore[no-any-return]
+
+
 def test_from_lmdb_in_a_restarted_process(tmp_path: Path) -> None:
     """Gemma-3 (hybrid), Mistral (every layer sliding) and DeepSeek-V3 (MLA): one process caches a
     45-token prompt in LMDB and exits; a new process serves its 40 tokens of whole chunks, exactly."""
     pytest.importorskip("lmdb")
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def phase(name: str) -> dict[str, Any]:
-        out = subprocess.run([sys.executable, str(script), str(tmp_path), name, *RESTART_FAMILIES], env=env,
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])   # type: ignore[no-any-return]
-
-    wrote = phase("write")
-    read = phase("read")
+    wrote = run_phase(SCRIPT, tmp_path, "write", RESTART_FAMILIES)
+    read = run_phase(SCRIPT, tmp_path, "read", RESTART_FAMILIES)
     for family in RESTART_FAMILIES:
         assert wrote[family]["match"] == 0 and wrote[family]["diff"] <= TOL, (family, wrote[family])
         assert read[family]["match"] == 40 and read[family]["levels"] == {"lmdb": 40}, (family, read[family])
@@ -252,17 +253,8 @@ def test_a_branch_point_found_late_is_served_from_the_cpu_tier_and_from_lmdb_aft
     is emptied the third request gets the prefix's whole chunks (160 tokens) from the CPU tier, and
     a restarted process from LMDB, exactly, in every sliding family (and MLA)."""
     pytest.importorskip("lmdb")
-    script = tmp_path / "branch.py"
-    script.write_text(BRANCH_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def phase(name: str) -> dict[str, Any]:
-        out = subprocess.run([sys.executable, str(script), str(tmp_path), name, *BRANCH_FAMILIES], env=env,
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])   # type: ignore[no-any-return]
-
-    wrote, read = phase("write"), phase("read")
+    wrote = run_phase(BRANCH_SCRIPT, tmp_path, "write", BRANCH_FAMILIES)
+    read = run_phase(BRANCH_SCRIPT, tmp_path, "read", BRANCH_FAMILIES)
     for family in BRANCH_FAMILIES:
         first, second, third = wrote[family]
         assert first["match"] == 0 and second["match"] == 176, (family, wrote[family])
