@@ -21,8 +21,10 @@ their module (and its dependency) on first use.
 max_blob_bytes):`` (a context variable, so it passes through wrappers unchanged): a remote tier
 gives up when ``time.monotonic()`` passes ``deadline`` and raises ``DeadlineExceeded`` (with what it
 had by then in ``partial``), and refuses to download a blob over ``max_blob_bytes``
-(``OversizeBlob``).  Local tiers do not wait on other machines and ignore both.  ``BoundedPool`` is
-the worker pool and deadline-bounded wait the remote backends share.
+(``OversizeBlob``).  Local tiers do not wait on other machines and ignore both.  A remote tier that
+refuses a stored blob for its size (a miss: a bad entry, which it deletes) tells the caller through
+``report_oversize``, so that a ``TierStack`` counts it like a corrupt blob.  ``BoundedPool`` is the
+worker pool and deadline-bounded wait the remote backends share.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any, Callable, Container, Iterable, Iterator, Sequence, TypeV
 
 __all__ = ["KEY_BYTES", "NAMESPACE_BYTES", "Blob", "BoundedPool", "DeadlineExceeded", "MemoryTier", "OversizeBlob",
            "Tier", "available", "blob_view", "bounded", "check_key", "check_namespace_id", "count_leading", "create",
-           "current_deadline", "current_max_blob_bytes", "redact", "register"]
+           "current_deadline", "current_max_blob_bytes", "redact", "register", "report_oversize"]
 
 KEY_BYTES = 24
 NAMESPACE_BYTES = 8
@@ -340,18 +342,22 @@ class OversizeBlob(ValueError):
     entry: the stack deletes it like a corrupt one)."""
 
 
-_BOUNDS: contextvars.ContextVar[tuple[float | None, int | None]] = contextvars.ContextVar(
-    "radixkv_tier_bounds", default=(None, None))
+_BOUNDS: contextvars.ContextVar[tuple[float | None, int | None, Callable[[bytes], None] | None]] = \
+    contextvars.ContextVar("radixkv_tier_bounds", default=(None, None, None))
 
 
 @contextmanager
-def bounded(deadline: float | None = None, max_blob_bytes: int | None = None) -> Iterator[None]:
+def bounded(deadline: float | None = None, max_blob_bytes: int | None = None,
+            on_oversize: Callable[[bytes], None] | None = None) -> Iterator[None]:
     """Bound every tier call in the block: remote tiers stop waiting at ``deadline`` (absolute
-    ``time.monotonic()`` seconds) and download no blob over ``max_blob_bytes``.  ``None`` keeps
-    the enclosing bound (or the tier's own default).  O(1); per thread and per task."""
-    old_deadline, old_max = _BOUNDS.get()
+    ``time.monotonic()`` seconds) and download no blob over ``max_blob_bytes``; a blob refused for
+    its size is reported to ``on_oversize(tier key)`` (``report_oversize``), from whichever thread
+    the tier refused it on.  ``None`` keeps the enclosing bound (or the tier's own default).  O(1);
+    per thread and per task (a tier's worker runs in a copy of its caller's context)."""
+    old_deadline, old_max, old_report = _BOUNDS.get()
     token = _BOUNDS.set((old_deadline if deadline is None else deadline,
-                         old_max if max_blob_bytes is None else max_blob_bytes))
+                         old_max if max_blob_bytes is None else max_blob_bytes,
+                         old_report if on_oversize is None else on_oversize))
     try:
         yield
     finally:
@@ -368,6 +374,15 @@ def current_max_blob_bytes() -> int | None:
     return _BOUNDS.get()[1]
 
 
+def report_oversize(key: bytes) -> None:
+    """What a remote tier calls when it refused the blob under ``key`` for its size (a miss, and a
+    bad entry it deletes): tells ``bounded``'s ``on_oversize``, if the caller gave one.  O(1) plus
+    the callback."""
+    report = _BOUNDS.get()[2]
+    if report is not None:
+        report(key)
+
+
 class BoundedPool:
     """The worker threads of a remote tier (made on first use, ``size`` of them), and a wait on
     them that ends at a deadline.
@@ -376,8 +391,17 @@ class BoundedPool:
     the worker), or on the calling thread when that is one of the pool's own (a task that waited
     on tasks queued behind it could deadlock the pool).  ``gather`` waits for the futures until
     the deadline; what did not finish by then is abandoned — cancelled if it had not started, else
-    left to end on its own (its socket timeouts bound it) — and counted through ``on_abandon``.
-    Thread-safe.
+    left to end on its own (its socket timeouts bound it, but a trickling answer keeps every read
+    short and can hold it for as long as it trickles) — and counted through ``on_abandon``.
+
+    **Abandoned calls do not clog the pool.**  When a running call is abandoned, the pool retires
+    its executor (shut down without waiting: its threads end as their calls do, and what was queued
+    on it still runs there or is cancelled by its own caller) and later calls get a fresh one, so
+    that a fault that ended leaves no stuck thread between the next request and the endpoint.  One
+    retired executor at a time: while one still has unfinished calls (``stuck``), the pool keeps
+    its executor, and later calls may wait behind abandoned ones (their own deadline still bounds
+    them; a tier's breaker keeps requests away meanwhile).  So a pool never has more than
+    ``2 * size`` threads, and at most ``size`` of them stuck.  Thread-safe.
     """
 
     def __init__(self, size: int, name: str) -> None:
@@ -387,6 +411,17 @@ class BoundedPool:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._closed = False
+        # Calls submitted and not yet finished (or cancelled), per executor: the current one's, and
+        # the retired one's until they are all done.
+        self._unfinished: dict[ThreadPoolExecutor, int] = {}
+        self.retired = 0  # executors retired because abandoned calls held their threads (for stats)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        # Lock held.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.size, thread_name_prefix=self.name,
+                                            initializer=setattr, initargs=(self._local, "active", True))
+        return self._pool
 
     def warm(self) -> None:
         """Start every worker thread now, from a background thread, so that the first calls do not
@@ -395,9 +430,7 @@ class BoundedPool:
             with self._lock:
                 if self._closed or self._pool is not None:
                     return
-                self._pool = ThreadPoolExecutor(self.size, thread_name_prefix=self.name,
-                                                initializer=setattr, initargs=(self._local, "active", True))
-                pool = self._pool
+                pool = self._executor()
             gate = threading.Barrier(self.size)  # each start task holds its thread until all started
 
             def hold() -> None:
@@ -409,7 +442,7 @@ class BoundedPool:
             for _ in range(self.size):
                 try:
                     pool.submit(hold)
-                except RuntimeError:  # closed meanwhile
+                except RuntimeError:  # closed or retired meanwhile
                     gate.abort()
                     return
 
@@ -431,11 +464,27 @@ class BoundedPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.size, thread_name_prefix=self.name,
-                                                initializer=setattr, initargs=(self._local, "active", True))
-            pool = self._pool
-        return pool.submit(contextvars.copy_context().run, fn, *args)
+            pool = self._executor()
+            future = pool.submit(contextvars.copy_context().run, fn, *args)
+            self._unfinished[pool] = self._unfinished.get(pool, 0) + 1
+        future._radixkv_executor = pool  # type: ignore[attr-defined]  # which executor a late call holds
+        future.add_done_callback(lambda _: self._finished(pool))  # runs at once if already done
+        return future
+
+    def _finished(self, pool: ThreadPoolExecutor) -> None:
+        with self._lock:
+            left = self._unfinished.get(pool, 0) - 1
+            if left > 0 or pool is self._pool:
+                self._unfinished[pool] = max(0, left)
+            else:
+                self._unfinished.pop(pool, None)
+
+    @property
+    def stuck(self) -> int:
+        """Calls not finished on retired executors (abandoned ones, and any queued behind them
+        until their callers cancel them).  O(1)."""
+        with self._lock:
+            return sum(n for pool, n in self._unfinished.items() if pool is not self._pool)
 
     def gather(self, futures: Sequence[Future[T]], deadline: float,
                on_abandon: Callable[[int], None] | None = None) -> list[T]:
@@ -443,7 +492,8 @@ class BoundedPool:
 
         A fault raises (the first, once the others finished or the deadline passed).  At the
         deadline, ``DeadlineExceeded`` with ``partial`` = the results (``None`` where a call did
-        not finish or failed), after ``on_abandon(number abandoned)``.  O(len(futures))."""
+        not finish or failed), after ``on_abandon(number abandoned)``; a running call abandoned on
+        the current executor retires it (see the class).  O(len(futures))."""
         _wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
         results: list[Any] = []
         error: BaseException | None = None
@@ -456,8 +506,8 @@ class BoundedPool:
                 error = error or f.exception()
         late = [f for f in futures if not f.done()]
         if late:
-            for f in late:
-                f.cancel()
+            running = [f for f in late if not f.cancel()]
+            self._retire({getattr(f, "_radixkv_executor", None) for f in running})
             if on_abandon is not None:
                 on_abandon(len(late))
             raise DeadlineExceeded(f"{self.name}: {len(late)} of {len(futures)} requests did not finish "
@@ -465,6 +515,30 @@ class BoundedPool:
         if error is not None:
             raise error
         return results
+
+    def _retire(self, holding: set[Any]) -> None:
+        """Retire the current executor if abandoned calls hold its threads and no retired one has
+        unfinished calls left; start the fresh one's threads."""
+        with self._lock:
+            pool = self._pool
+            if self._closed or pool is None or pool not in holding:
+                return
+            if any(n for other, n in self._unfinished.items() if other is not pool):
+                return  # one retired executor at a time: at most ``size`` stuck threads
+            self._pool = None
+            self.retired += 1
+        pool.shutdown(wait=False)
+        self.warm()
+
+    def check(self) -> None:
+        """Assert the bound on retired executors: at most one has unfinished calls, none counts
+        below zero.  O(1)."""
+        with self._lock:
+            retired = [n for pool, n in self._unfinished.items() if pool is not self._pool and n]
+            assert len(retired) <= 1 or self._closed, \
+                f"{self.name}: {len(retired)} retired executors still running calls"
+            assert all(n >= 0 for n in self._unfinished.values()), f"{self.name}: negative call count"
+            assert self._pool is None or not self._closed, f"{self.name}: an executor after close"
 
     def close(self) -> None:
         """Refuse new calls, cancel queued ones and let running ones end on their own (never waits

@@ -26,8 +26,19 @@ Storage contract:
   answers slowly or trickles its answer is abandoned at the deadline — its connections are
   closed, which ends the blocked reads — and the call raises ``DeadlineExceeded``.  Every failed
   or late request feeds a ``CircuitBreaker`` (the S3 tier's): after ``failure_threshold`` in a
-  row, the server is skipped for a back-off period (lookups answer "miss" at once, puts return
-  ``False``), then probed.  redis-py's own retries are limited to ``max_attempts``.
+  row, the server is skipped (lookups answer "miss" and puts ``False`` at once, on the caller's
+  thread, without touching the pool or the network) until a background probe — one ``PING`` with
+  a 1 KiB message, on a connection of its own that is closed at the probe's bound of
+  ``min(2 s, connect_timeout_s + read_timeout_s)`` — finds it answering (the message makes a
+  server that trickles its answers fail the probe as it fails requests).  Probes start after
+  ``backoff_s`` (default 1 s), doubling on each failed one up to ``max_backoff_s`` (default
+  ``max(5 s, backoff_s)``), jittered by +-20%: a probe costs requests nothing, so the tier is back
+  within about 5 s of a fault's end.  redis-py's own retries are limited to ``max_attempts``.
+* **Construction** sends one ``PING``: an unreachable server is a ``ConnectionError``.  With
+  ``lazy=True`` (an engine that must start while the server is down) it never raises: the ``PING``
+  is waited for at most ``connect_timeout_s``, and if it fails one warning (the URL redacted) says
+  that the tier starts as misses with its breaker open; the background probe takes it into use
+  once the server answers, without a restart.
 * **Credentials** come from the URL (``redis://user:password@host``) or the ``password``
   argument; they are never logged or shown in a ``repr`` (logs name the redacted URL).
 * Thread-safe (one redis-py client and connection pool per tier).  Build it after ``fork()``.
@@ -38,6 +49,8 @@ and unlinks them in batches, so it removes exactly one namespace, whatever other
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import threading
 import time
 from collections import Counter
@@ -46,14 +59,16 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from radixkv._checks import check_int
 from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, Tier, blob_view, bounded, check_key,
-                              check_namespace_id, current_max_blob_bytes, redact)
-from radixkv.backends.s3 import CircuitBreaker, call_deadline
+                              check_namespace_id, current_max_blob_bytes, redact, report_oversize)
+from radixkv.backends.s3 import _PROBE_BOUND_S, CircuitBreaker, _within, call_deadline
 
 __all__ = ["RedisTier", "parse_redis_url"]
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _SCAN_BATCH = 1000
 _GROUP = 8  # keys per pipelined GET round trip; groups go out concurrently
+_PROBE_MESSAGE = b"radixkv-probe:" + b"x" * 1010  # 1 KiB: what a breaker's PING asks back
 
 
 def parse_redis_url(url: str) -> dict[str, Any]:
@@ -94,11 +109,19 @@ class _Skipped(Exception):
     """The breaker refused the request: answer a miss without touching the network."""
 
 
+# Set while a call runs on its caller's thread because the breaker is not closed: its requests are
+# skipped at once (as the S3 tier's).
+_SKIP: contextvars.ContextVar[bool] = contextvars.ContextVar("radixkv_redis_skip", default=False)
+
+
 class RedisTier(Tier):
     """Chunks as values in a Redis/Valkey server; see the module docstring for the contract.
 
     ``url`` names the server (``parse_redis_url``); ``client`` (a ``redis.Redis``) replaces it and
-    the timeout settings.  Construction costs one ``PING`` unless ``lazy``.
+    the timeout settings.  ``breaker`` defaults to ``CircuitBreaker(failure_threshold, backoff_s,
+    max_backoff_s)`` (``backoff_s=1``, ``max_backoff_s=max(5, backoff_s)``: see ``CircuitBreaker``
+    for why); a breaker given without a probe gets the tier's (a ``PING``).  Construction costs one
+    ``PING`` (with ``lazy``, waited for at most ``connect_timeout_s``).
     """
 
     name = "redis"
@@ -107,7 +130,7 @@ class RedisTier(Tier):
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, client: Any = None, prefix: str | None = None,
                  ttl_s: float | None = None, connect_timeout_s: float = 1.0, read_timeout_s: float = 2.0,
                  timeout_s: float = 10.0, max_attempts: int = 1, max_concurrency: int = 8,
-                 max_object_bytes: int = 1 << 30, failure_threshold: int = 3, backoff_s: float = 5.0,
+                 max_object_bytes: int = 1 << 30, failure_threshold: int = 3, backoff_s: float = 1.0,
                  max_backoff_s: float | None = None, breaker: CircuitBreaker | None = None,
                  lazy: bool = False) -> None:
         settings = parse_redis_url(url)
@@ -137,6 +160,10 @@ class RedisTier(Tier):
         self.max_concurrency = max_concurrency
         self.breaker = breaker or CircuitBreaker(failure_threshold, backoff_s, max_backoff_s,
                                                  name=f"Redis server {self.url}")
+        self._probe_timeout_s = min(_PROBE_BOUND_S, float(connect_timeout_s) + float(read_timeout_s))
+        self._probe_conns: set[Any] = set()  # the probes' own connections, closed by _cancel_probes
+        if not self.breaker.has_probe:
+            self.breaker.set_probe(self._probe, self._probe_timeout_s, self._cancel_probes)
         if client is None:
             client = redis.Redis(host=settings["host"], port=settings["port"], db=settings["db"],
                                  username=settings["username"], password=settings["password"], ssl=settings["ssl"],
@@ -157,6 +184,13 @@ class RedisTier(Tier):
             except self._redis_errors as e:
                 raise ConnectionError(f"Redis server {self.url} is unreachable ({type(e).__name__}); pass "
                                       "lazy=True to start without it") from None
+        else:
+            error = _within(lambda: self._probe(float(connect_timeout_s)), float(connect_timeout_s),
+                            "radixkv-redis-check", self._cancel_probes)
+            if error is not None:
+                self.breaker.trip()
+                log.warning("Redis server %s is not usable now (%s); the tier starts as misses and is taken "
+                            "into use when it answers (probed in the background)", self.url, type(error).__name__)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisTier:
@@ -177,24 +211,68 @@ class RedisTier(Tier):
     def _deadline(self, calls: int = 1) -> float:
         return call_deadline(self.timeout_s, calls, self.max_concurrency)
 
-    def _abandoned(self, n: int) -> None:
-        """Requests still running at their deadline: count them, tell the breaker now, and close
-        the connections they block on (the blocked reads then end at once)."""
-        self._count(timeouts=n)
-        self.breaker.record_failures(n)
+    def _probe(self, timeout_s: float | None = None) -> None:
+        """The breaker's background probe: one ``PING`` with a 1 KiB message (answered in full only
+        by a server that answers at a useful rate) on a connection of its own (so that the pool's
+        connections, maybe blocked on a trickle, are not in its way), each socket wait bounded by
+        the probe's bound; the connection is closed after (or by ``_cancel_probes``).  Raises
+        unless the message comes back."""
+        if self._closed:
+            raise RuntimeError("RedisTier is closed")
+        bound = self._probe_timeout_s if timeout_s is None else timeout_s
+        pool = self._client.connection_pool
         try:
-            self._client.connection_pool.disconnect(inuse_connections=True)
-        except Exception:  # noqa: BLE001 - best effort: the reads end by their socket timeout anyway
-            pass
+            conn = pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": bound,
+                                            "socket_connect_timeout": bound})
+        except TypeError:  # a connection class without these settings: the client's own
+            self._client.ping()
+            return
+        with self._lock:
+            self._probe_conns.add(conn)
+        try:
+            conn.send_command("PING", _PROBE_MESSAGE)
+            answer = conn.read_response()
+            if answer not in (_PROBE_MESSAGE, _PROBE_MESSAGE.decode()):
+                raise ConnectionError(f"Redis server {self.url} answered PING with something else")
+        finally:
+            with self._lock:
+                self._probe_conns.discard(conn)
+            conn.disconnect()
+
+    def _cancel_probes(self) -> None:
+        """Close the connections of running probes: a probe past its bound ends at once."""
+        with self._lock:
+            conns = list(self._probe_conns)
+        for conn in conns:
+            conn.disconnect()
+
+    def _abandoned(self, epoch: int) -> Callable[[int], None]:
+        """What to do with ``n`` requests still running at their deadline: count them, tell the
+        breaker now, and close the connections they block on (the blocked reads then end at once) —
+        unless the breaker opened or closed since they were sent (``epoch``: the connections in use
+        then belong to other requests)."""
+        def abandoned(n: int) -> None:
+            self._count(timeouts=n)
+            if self.breaker.epoch != epoch:
+                return
+            self.breaker.record_failures(n, epoch)
+            try:
+                self._client.connection_pool.disconnect(inuse_connections=True)
+            except Exception:  # noqa: BLE001 - best effort: the reads end by their socket timeout anyway
+                pass
+        return abandoned
 
     def _request(self, fn: Callable[[], T]) -> T:
         """One guarded round trip: ``_Skipped`` while the breaker is open; a fault, or an answer
         after the deadline, is recorded and raised (credentials redacted)."""
         if self._closed:
             raise RuntimeError("RedisTier is closed")
+        if _SKIP.get():
+            raise _Skipped
         deadline = self._deadline()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"Redis server {self.url}: the deadline passed before the request was sent")
+        epoch = self.breaker.epoch
         if not self.breaker.allow():
             raise _Skipped
         ok = False
@@ -207,23 +285,32 @@ class RedisTier(Tier):
         except self._redis_errors as e:
             raise ConnectionError(f"Redis server {self.url}: {type(e).__name__}: {redact(str(e))}") from None
         finally:
-            self.breaker.record(ok)
+            self.breaker.record(ok, epoch)
 
     def _bounded(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
-        """``fn(item)`` for each item on the tier's pool at once, until the deadline (as S3's)."""
+        """``fn(item)`` for each item on the tier's pool at once, until the deadline (as S3's);
+        on the caller's thread, without a request, while the breaker is not closed (each ``fn``
+        answers its "skipped")."""
         if self._closed:
             raise RuntimeError("RedisTier is closed")
+        epoch = self.breaker.epoch
+        if not self.breaker.allow():  # (the tier's breaker always has a probe: no request is one)
+            token = _SKIP.set(True)
+            try:
+                return [fn(item) for item in items]
+            finally:
+                _SKIP.reset(token)
         deadline = self._deadline(len(items))
         with bounded(deadline):
             futures = [self._pool.submit(fn, item) for item in items]
-        return self._pool.gather(futures, deadline, self._abandoned)
+        return self._pool.gather(futures, deadline, self._abandoned(epoch))
 
     # ---------------------------------------------------------------- the Tier protocol
 
     def get(self, key: bytes) -> Blob | None:
         """The value, or ``None`` if absent, evicted, expired, over the size bound (unread, counted
-        in ``oversize``; deleted when the bound is the caller's) or the breaker is open.  One round
-        trip, within the deadline."""
+        in ``oversize`` and told to the caller through ``report_oversize``; deleted when the bound
+        is the caller's) or the breaker is open.  One round trip, within the deadline."""
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
@@ -236,15 +323,16 @@ class RedisTier(Tier):
         limit = current_max_blob_bytes()
         limit = self.max_object_bytes if limit is None else min(limit, self.max_object_bytes)
         groups = [names[i:i + _GROUP] for i in range(0, len(names), _GROUP)]
+        tier_keys = [list(keys[i:i + _GROUP]) for i in range(0, len(names), _GROUP)]
         try:
-            results = self._bounded(lambda group: self._get_group(group, limit), groups)
+            results = self._bounded(lambda i: self._get_group(groups[i], tier_keys[i], limit), range(len(groups)))
         except DeadlineExceeded as e:
             partial = [blob for group, got in zip(groups, e.partial or [None] * len(groups))
                        for blob in (got if got is not None else [None] * len(group))]
             raise DeadlineExceeded(str(e), partial=partial) from None
         return [blob for group in results for blob in group]
 
-    def _get_group(self, names: list[bytes], limit: int) -> list[Blob | None]:
+    def _get_group(self, names: list[bytes], keys: list[bytes], limit: int) -> list[Blob | None]:
         outcome: Counter[str] = Counter(gets=len(names))
         try:
             def fetch() -> list[Any]:
@@ -275,12 +363,13 @@ class RedisTier(Tier):
                 raise
             blobs: list[Blob | None] = []
             oversize = []
-            for name, value in zip(names, values):
+            for name, key, value in zip(names, keys, values):
                 if value is None:
                     outcome["misses"] += 1
                     blobs.append(None)
                 elif len(value) > limit:
                     oversize.append(name)
+                    report_oversize(key)
                     blobs.append(None)
                 else:
                     outcome["hits"] += 1
@@ -404,11 +493,13 @@ class RedisTier(Tier):
         return 0
 
     def stats(self) -> dict[str, int | float]:
-        """Request counters, the breaker's state (``breaker_open``) and how often it opened.  O(1)."""
+        """Request counters, the breaker's state (``breaker_open``), how often it opened and probed,
+        and the calls still stuck on threads the pool retired (``stuck_calls``).  O(1)."""
         with self._lock:
             counts = dict(self._counts)
         return {**counts, "used_bytes": 0, "breaker_open": int(self.breaker.state != "closed"),
-                "breaker_opened": self.breaker.opened}
+                "breaker_opened": self.breaker.opened, "breaker_probes": self.breaker.probes,
+                "stuck_calls": self._pool.stuck}
 
     def close(self) -> None:
         """Refuse further requests, stop the pool (never waiting on a hung request) and close the
@@ -424,10 +515,11 @@ class RedisTier(Tier):
             pass
 
     def check(self) -> None:
-        """Counters add up (every get and put ended in one outcome), the breaker is consistent, key
-        names map back to keys.  O(1)."""
+        """Counters add up (every get and put ended in one outcome), the breaker and the pool are
+        consistent, key names map back to keys.  O(1)."""
         super().check()
         self.breaker.check()
+        self._pool.check()
         with self._lock:
             c = dict(self._counts)
         assert all(v >= 0 for v in c.values()), f"negative counter in {c}"

@@ -38,9 +38,10 @@ Storage contract:
   run on the tier's pool and the caller stops waiting at the deadline (``DeadlineExceeded``, with
   what arrived in ``partial``); a body is read one socket read at a time, each bounded by what is
   left, so a body trickling in under ``read_timeout_s`` still ends at the deadline.  A request
-  abandoned while the server has not even sent its headers keeps its pool thread until its socket
-  read times out or the answer completes (at most ``max_concurrency`` such threads; the breaker
-  stops new ones).  An object's size is read from its headers first: one over the bound
+  abandoned while the server has not even sent its headers keeps its thread until its socket read
+  times out or the answer completes; the pool then retires those threads and later requests run
+  on fresh ones (``BoundedPool``: at most ``max_concurrency`` stuck threads), so a fault that ended
+  leaves none in their way.  An object's size is read from its headers first: one over the bound
   (``max_object_bytes``, or the stack's expected chunk size) is a miss (``oversize``) whose body is
   never read and which drives no allocation.
 * **Credentials in the endpoint URL** (``http://AK:SECRET@host``) are taken out of it and given to
@@ -48,14 +49,18 @@ Storage contract:
 * **Faults.**  Timeouts and retries are explicit: ``connect_timeout_s``, ``read_timeout_s`` (per
   socket read, not per transfer) and ``max_attempts`` (the first request included: botocore's
   ``total_max_attempts``, "standard" mode), so a request to a hung endpoint gives up after about
-  ``max_attempts * (connect_timeout_s + read_timeout_s)``, or at its deadline if that is sooner.  A request that still fails raises
-  (``TierStack`` turns it into a miss) and feeds a ``CircuitBreaker``: after ``failure_threshold``
-  failures in a row (concurrent requests fail together; a request past its deadline is a failure
-  too, recorded when the caller gives up on it) the tier is skipped for a back-off period
-  — lookups answer "miss" at once, puts return ``False`` — then one request probes the endpoint,
-  and a failed probe doubles the back-off (up to ``max_backoff_s``).  Once open, a dead endpoint
-  costs the engine one timeout per back-off period, not one per request.  Failed writes are
-  counted (``put_errors``) and never retried beyond ``max_attempts``.
+  ``max_attempts * (connect_timeout_s + read_timeout_s)``, or at its deadline if that is sooner.  A
+  request that still fails raises (``TierStack`` turns it into a miss) and feeds a
+  ``CircuitBreaker``: after ``failure_threshold`` failures in a row (concurrent requests fail
+  together; a request past its deadline is a failure too, recorded when the caller gives up on it)
+  the tier is skipped — lookups answer "miss" and puts ``False`` at once, on the caller's thread,
+  without touching the pool or the network — until a background probe (one ``HEAD`` of the
+  bucket, bounded by ``min(2 s, connect_timeout_s + read_timeout_s)``) finds the endpoint
+  answering.  Probes start after ``backoff_s`` (default 1 s), doubling on each failed one up to
+  ``max_backoff_s`` (default ``max(5 s, backoff_s)``), jittered by +-20%: a probe costs requests
+  nothing, so the tier is back within about 5 s of a fault's end.  Once open, a dead, hung or
+  trickling endpoint costs the engine nothing per request.  Failed writes are counted
+  (``put_errors``) and never retried beyond ``max_attempts``.
 * **TTL.**  With ``ttl_s`` (every namespace) or ``namespace_ttl_s`` (``{namespace id: seconds}``)
   an object whose ``LastModified`` is older than that is a miss (counted as ``expired``).  Reads
   only hide old objects; a lifecycle rule deletes them for good, e.g. for 7 days under ``kv/``::
@@ -72,9 +77,12 @@ Storage contract:
 * **Credentials** come from boto3's usual chain (environment, config files, instance roles) and
   are never logged; logs name the endpoint and bucket only.
 * **Construction checks the bucket** with one ``HEAD``: a missing bucket is a ``ValueError``
-  naming it, an unreachable endpoint a ``ConnectionError`` — at construction, not at the first
-  request.  ``lazy=True`` skips the check (an engine that must start while the store is down);
-  the breaker then handles an absent endpoint like any other fault.
+  naming it, a refusal a ``PermissionError``, an unreachable endpoint a ``ConnectionError`` — at
+  construction, not at the first request.  With ``lazy=True`` (an engine that must start while
+  the store is down) construction never raises for any of these: the ``HEAD`` is waited for at
+  most ``connect_timeout_s``, and if it fails one warning (the endpoint redacted) says that the
+  tier starts as misses with its breaker open; the background probe takes it into use once the
+  bucket answers, without a restart.
 * Thread-safe: one boto3 client (thread-safe) and one worker pool per tier.  Safe to use after
   ``fork()`` only if built after it (the client's connection pool is not fork-safe).
 
@@ -83,9 +91,11 @@ Configuration reads a URL: ``S3Tier.from_url("s3://my-bucket/kv", endpoint_url=.
 
 from __future__ import annotations
 
+import contextvars
 import datetime as _dt
 import io
 import logging
+import random
 import re
 import threading
 import time
@@ -96,7 +106,7 @@ from urllib.parse import unquote, urlsplit
 
 from radixkv._checks import check_int
 from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, OversizeBlob, Tier, blob_view, bounded, check_key,
-                              check_namespace_id, current_deadline, current_max_blob_bytes, redact)
+                              check_namespace_id, current_deadline, current_max_blob_bytes, redact, report_oversize)
 
 __all__ = ["CircuitBreaker", "S3Tier", "call_deadline", "parse_remote_url"]
 
@@ -178,35 +188,99 @@ def parse_remote_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+_PROBE_CALLS = 3  # probe calls a breaker lets run at once (the ones past their bound, still stuck, and one)
+_JITTER = 0.2     # each back-off is drawn from +-20% around its nominal value (then capped)
+
+
+def _within(fn: Callable[[], Any], timeout_s: float, name: str,
+            on_timeout: Callable[[], Any] | None = None) -> BaseException | None:
+    """Run ``fn()`` on a daemon thread of its own and wait at most ``timeout_s`` for it: ``None``
+    if it returned, the exception it raised, or ``TimeoutError`` if it had not ended by then (then
+    ``on_timeout()`` is called, to end it if it can, and it is left to end on its own).  Costs one
+    thread start."""
+    done = threading.Event()
+    outcome: list[BaseException | None] = [TimeoutError(f"no answer within {timeout_s:g} s")]
+
+    def run() -> None:
+        try:
+            fn()
+            outcome[0] = None
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            outcome[0] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    if done.wait(timeout_s):
+        return outcome[0]
+    if on_timeout is not None:
+        try:
+            on_timeout()
+        except Exception:  # noqa: BLE001 - best effort: the call ends on its own otherwise
+            pass
+    return TimeoutError(f"no answer within {timeout_s:g} s")
+
+
 class CircuitBreaker:
-    """Closed -> open after ``failure_threshold`` failures in a row -> half-open after the back-off
-    -> closed on a successful probe, or open again with twice the back-off (up to ``max_backoff_s``,
-    default ``max(60, backoff_s)``).
+    """Closed -> open after ``failure_threshold`` failures in a row -> probed in the background
+    after a back-off -> closed on a successful probe, or open again for a longer back-off.
 
-    ``allow()`` says whether a request may go out now: always when closed, never while open, and
-    for exactly one probe at a time when half-open.  Every allowed request must end in
-    ``record(ok)``.  Opening and closing are logged (a warning naming ``name``).  All methods are
-    O(1) and thread-safe; ``clock`` (monotonic seconds) is injectable for tests.
+    **Requests never pay for a probe.**  While the breaker is not closed, ``allow()`` answers
+    ``False`` at once, on the caller's thread (the tier answers "skipped": a miss, a put not
+    made), whatever the endpoint does.  Once the back-off has passed, the first ``allow()`` starts
+    one probe on a background thread and still answers ``False``: ``probe`` (a callable that raises
+    unless the endpoint answers: the S3 tier's ``HEAD`` of its bucket, the Redis tier's ``PING``),
+    bounded by ``probe_timeout_s``.  One probe at a time (``"half_open"`` while it runs); a probe
+    call still running past its bound is ended by ``cancel`` when one is given (the Redis tier
+    closes the probe's connection), else left to end on its own, and a probe round finds at most
+    ``_PROBE_CALLS`` (3) of them running, else fails without a call, so a trickling endpoint cannot
+    pile up threads.  A success closes the breaker; a failure (or no answer within the bound) opens
+    it again with the back-off doubled, up to ``max_backoff_s``.  Each back-off is jittered (drawn
+    within +-20% of its nominal value, and never over ``max_backoff_s``), so that instances sharing
+    an endpoint do not probe it in step.  Without a ``probe`` (``set_probe``), the first request
+    after the back-off is let through as the probe instead (``allow()`` is ``True`` once).
 
-    >>> t = [0.0]
-    >>> b = CircuitBreaker(failure_threshold=2, backoff_s=10, clock=lambda: t[0])
+    **Defaults: ``backoff_s=1``, ``max_backoff_s=max(5, backoff_s)``.**  A probe is one cheap
+    request made off the request path, so probing often costs requests nothing, and a short cap
+    means the tier is used again within about 5 s (plus one probe) after a fault ends; while the
+    fault lasts, an instance sends about one probe per 5 s.
+
+    ``record(ok)`` reports a request the breaker allowed: failures count while it is closed, and
+    outcomes are ignored otherwise (requests that were in flight when it opened), as are outcomes
+    reported with an older ``epoch`` (it changes whenever the breaker opens or closes: a request
+    that began before a fault and ends after it says nothing about the endpoint now).  Opening and
+    closing are logged (a warning naming ``name``; a failed probe only at debug level).  All methods
+    are O(1) (``allow`` may start a thread) and thread-safe; ``clock`` (monotonic seconds) is
+    injectable for tests, and ``wait_probe`` waits for a background probe to end.
+
+    >>> t, up = [0.0], threading.Event()
+    >>> def ping() -> None:
+    ...     if not up.is_set():
+    ...         raise ConnectionError("no answer")
+    >>> b = CircuitBreaker(failure_threshold=2, backoff_s=10, clock=lambda: t[0], probe=ping)
     >>> b.allow(), b.record(False), b.allow(), b.record(False), b.state
     (True, None, True, None, 'open')
-    >>> b.allow()                       # skipped: no request, no timeout
+    >>> b.allow()                       # skipped at once: no request, no timeout
     False
-    >>> t[0] = 10.0; b.allow(), b.allow(), b.state   # one probe, the others still skip
-    (True, False, 'half_open')
-    >>> b.record(True); b.state
-    'closed'
+    >>> t[0] = 13.0; b.allow()          # the back-off passed: a probe starts, the request still skips
+    False
+    >>> b.wait_probe(10), b.state, b.opened     # it failed: open again, for about twice as long
+    (True, 'open', 2)
+    >>> up.set(); t[0] = 100.0; b.allow(), b.wait_probe(10), b.state
+    (False, True, 'closed')
+    >>> b.allow()
+    True
     """
 
-    def __init__(self, failure_threshold: int = 3, backoff_s: float = 5.0, max_backoff_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, name: str = "S3 endpoint") -> None:
+    def __init__(self, failure_threshold: int = 3, backoff_s: float = 1.0, max_backoff_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, name: str = "S3 endpoint", *,
+                 probe: Callable[[], Any] | None = None, probe_timeout_s: float = 2.0,
+                 cancel: Callable[[], Any] | None = None) -> None:
         check_int(failure_threshold, "failure_threshold", 1)
         if not (isinstance(backoff_s, (int, float)) and backoff_s > 0):
             raise ValueError(f"backoff_s must be a positive number, got {backoff_s!r}")
         if max_backoff_s is None:
-            max_backoff_s = max(60.0, backoff_s)
+            max_backoff_s = max(5.0, backoff_s)
         if not (isinstance(max_backoff_s, (int, float)) and max_backoff_s >= backoff_s):
             raise ValueError(f"max_backoff_s must be a number >= backoff_s, got {max_backoff_s!r}")
         self.name = name  # for logs
@@ -214,56 +288,165 @@ class CircuitBreaker:
         self.backoff_s = float(backoff_s)
         self.max_backoff_s = float(max_backoff_s)
         self._clock = clock
+        self._random = random.Random()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a background probe ends
         self._state = "closed"
+        self._epoch = 0             # changes whenever the breaker opens or closes
         self._failures = 0          # consecutive, while closed
         self._backoff = self.backoff_s
         self._retry_at = 0.0        # while open: when the next probe may go
+        self._probe: Callable[[], Any] | None = None
+        self._cancel: Callable[[], Any] | None = None
+        self.probe_timeout_s = 2.0
+        self._probing = False       # a background probe round is running
+        self._calls = 0             # probe calls running (a round's, and any past their bound)
         self.opened = 0             # times the breaker opened (for stats)
+        self.probes = 0             # background probe rounds (for stats)
+        if probe is not None:
+            self.set_probe(probe, probe_timeout_s, cancel)
 
     @property
     def state(self) -> str:
         """``"closed"``, ``"open"`` or ``"half_open"`` (a probe is in flight).  O(1)."""
         return self._state
 
+    @property
+    def epoch(self) -> int:
+        """A number that changes whenever the breaker opens or closes (see ``record``).  O(1)."""
+        return self._epoch
+
+    @property
+    def has_probe(self) -> bool:
+        """Whether the breaker probes in the background (``set_probe``).  O(1)."""
+        return self._probe is not None
+
+    def set_probe(self, probe: Callable[[], Any], timeout_s: float, cancel: Callable[[], Any] | None = None) -> None:
+        """Probe the endpoint with ``probe()`` (raises unless it answers), waiting at most
+        ``timeout_s`` for it, then calling ``cancel()`` (if given) to end it.  A tier sets its own
+        on a breaker it was given without one."""
+        if not callable(probe):
+            raise TypeError(f"probe must be callable, got {type(probe).__name__}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ValueError(f"probe timeout must be a positive number of seconds, got {timeout_s!r}")
+        with self._lock:
+            self._probe, self.probe_timeout_s, self._cancel = probe, float(timeout_s), cancel
+
     def allow(self) -> bool:
-        """Whether a request may be sent now; ``True`` obliges the caller to ``record`` its outcome."""
+        """Whether a request may be sent now: only while closed (never waits).  Once the back-off
+        has passed, starts the background probe.  ``True`` obliges the caller to ``record``."""
         with self._lock:
             if self._state == "closed":
                 return True
-            if self._state == "open" and self._clock() >= self._retry_at:
-                self._state = "half_open"
-                return True
-            return False
+            if self._state != "open" or self._clock() < self._retry_at:
+                return False
+            self._state = "half_open"
+            if self._probe is None:
+                return True  # no probe: this request is the probe
+            self._probing = True
+            self.probes += 1
+        try:
+            threading.Thread(target=self._probe_round, name="radixkv-probe", daemon=True).start()
+        except RuntimeError:  # no thread (interpreter exit, limits): the probe failed; retried later
+            self._probed(False)
+        return False
 
-    def record(self, ok: bool) -> None:
-        """The outcome of an allowed request: ``ok`` when the endpoint answered (a 404 included)."""
+    def _probe_round(self) -> None:
+        """One background probe: ``probe()`` within ``probe_timeout_s``, unless too many earlier
+        probe calls are still running."""
+        ok = False
+        try:
+            with self._lock:
+                probe, timeout_s, cancel = self._probe, self.probe_timeout_s, self._cancel
+                start = probe is not None and self._calls < _PROBE_CALLS
+                if start:
+                    self._calls += 1
+            if start:
+                assert probe is not None
+
+                def call() -> None:
+                    try:
+                        probe()
+                    finally:
+                        with self._lock:
+                            self._calls -= 1
+
+                error = _within(call, timeout_s, "radixkv-probe-call", cancel)
+                ok = error is None
+                if error is not None:
+                    log.debug("%s: probe failed: %s", self.name, type(error).__name__)
+        finally:
+            self._probed(ok)
+
+    def _probed(self, ok: bool) -> None:
         with self._lock:
-            if ok:
-                if self._state != "closed":
-                    log.warning("%s answers again; back in use", self.name)
-                self._state, self._failures, self._backoff = "closed", 0, self.backoff_s
-                return
+            self._probing = False
             if self._state == "half_open":
-                self._backoff = min(2 * self._backoff, self.max_backoff_s)
-                self._open()
+                self._after_probe(ok)
+            self._idle.notify_all()
+
+    def _after_probe(self, ok: bool) -> None:
+        # Lock held; half open.
+        if ok:
+            log.warning("%s answers again; back in use", self.name)
+            self._state, self._failures, self._backoff = "closed", 0, self.backoff_s
+            self._epoch += 1
+        else:
+            self._backoff = min(2 * self._backoff, self.max_backoff_s)
+            self._open(quiet=True)
+
+    def wait_probe(self, timeout: float | None = None) -> bool:
+        """Wait until no background probe is running; whether none is (``False``: ``timeout``
+        seconds passed first).  For tests and shutdown."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._probing, timeout)
+
+    def record(self, ok: bool, epoch: int | None = None) -> None:
+        """The outcome of an allowed request: ``ok`` when the endpoint answered (a 404 included).
+        ``epoch``: the breaker's ``epoch`` when the request was allowed; outcomes of an older one
+        are ignored."""
+        with self._lock:
+            if epoch is not None and epoch != self._epoch:
+                return
+            if self._state == "half_open" and not self._probing:  # a request stood in for the probe
+                self._after_probe(ok)
             elif self._state == "closed":
-                self._failures += 1
-                if self._failures >= self.failure_threshold:
-                    self._open()
-            # open: a request that was in flight when another one opened the breaker; ignore.
+                if ok:
+                    self._failures = 0
+                else:
+                    self._failures += 1
+                    if self._failures >= self.failure_threshold:
+                        self._open()
+            # open, or a background probe running: a request that was in flight when it opened.
 
-    def record_failures(self, n: int) -> None:
-        """``record(False)`` ``n`` times: requests given up on at their deadline."""
+    def record_failures(self, n: int, epoch: int | None = None) -> None:
+        """``record(False, epoch)`` ``n`` times: requests given up on at their deadline."""
         for _ in range(n):
-            self.record(False)
+            self.record(False, epoch)
 
-    def _open(self) -> None:
+    def trip(self) -> None:
+        """Open now, whatever the state (a tier that starts while its endpoint is not usable: its
+        caller logs why): requests are skipped, and probed for after the back-off.  O(1)."""
+        with self._lock:
+            if self._state == "closed":
+                self._open(quiet=True, why="not usable")
+
+    def _open(self, quiet: bool = False, why: str = "still failing") -> None:
         # Lock held.
+        was_closed = self._state == "closed"
         self._state, self._failures = "open", 0
-        self._retry_at = self._clock() + self._backoff
+        if was_closed:
+            self._epoch += 1
+        # +-20% around the nominal back-off, within the cap: at the cap, 80-100% of it (never in step)
+        high = min(self.max_backoff_s, self._backoff * (1 + _JITTER))
+        wait = self._random.uniform(self._backoff * (1 - _JITTER), high)
+        self._retry_at = self._clock() + wait
         self.opened += 1
-        log.warning("%s failing; skipped for %.1f s", self.name, self._backoff)
+        if quiet:
+            log.debug("%s %s; probed in %.1f s", self.name, why, wait)
+        else:
+            log.warning("%s failing; skipped (misses at once) and probed in the background, first in "
+                        "%.1f s", self.name, wait)
 
     def check(self) -> None:
         """Assert the breaker's invariants.  O(1)."""
@@ -272,6 +455,9 @@ class CircuitBreaker:
             assert 0 <= self._failures < self.failure_threshold, f"{self._failures} failures while closed"
             assert self._state == "closed" or self._failures == 0, "failures counted while not closed"
             assert self.backoff_s <= self._backoff <= self.max_backoff_s, f"back-off {self._backoff} out of range"
+            assert not self._probing or self._state == "half_open", "a background probe while not half open"
+            assert 0 <= self._calls <= _PROBE_CALLS, f"{self._calls} probe calls running"
+            assert self.probes <= self.opened, "more probe rounds than times opened"
 
 
 def call_deadline(timeout_s: float, calls: int = 1, concurrency: int = 1) -> float:
@@ -287,13 +473,22 @@ class _Skipped(Exception):
     """The breaker refused the request: answer a miss without touching the network."""
 
 
+# Set while a call runs on its caller's thread because the breaker is not closed: every request of
+# it is skipped at once (the breaker is not asked again: it may close meanwhile, and a request made
+# on the caller's thread would not be bounded by the pool's wait).
+_SKIP: contextvars.ContextVar[bool] = contextvars.ContextVar("radixkv_s3_skip", default=False)
+_PROBE_BOUND_S = 2.0  # a probe's bound at most: an endpoint slower than a request's default deadline is no use
+
+
 class S3Tier(Tier):
     """Chunks as objects in an S3-compatible bucket; see the module docstring for the contract.
 
     ``client`` (a boto3 S3 client) replaces ``endpoint_url``, ``region`` and the timeout and retry
     settings, which are then the client's own.  ``breaker`` defaults to
-    ``CircuitBreaker(failure_threshold, backoff_s, max_backoff_s)``.  Construction costs one
-    ``HEAD`` of the bucket unless ``lazy``.
+    ``CircuitBreaker(failure_threshold, backoff_s, max_backoff_s)`` (``backoff_s=1``,
+    ``max_backoff_s=max(5, backoff_s)``: see ``CircuitBreaker`` for why); a breaker given without
+    a probe gets the tier's (a ``HEAD`` of the bucket).  Construction costs one ``HEAD`` of the
+    bucket (with ``lazy``, waited for at most ``connect_timeout_s``).
     """
 
     name = "s3"
@@ -304,7 +499,7 @@ class S3Tier(Tier):
                  connect_timeout_s: float = 1.0, read_timeout_s: float = 5.0, max_attempts: int = 2,
                  max_concurrency: int = 16, multipart_threshold: int = 64 << 20,
                  multipart_chunksize: int = 16 << 20,
-                 failure_threshold: int = 3, backoff_s: float = 5.0, max_backoff_s: float | None = None,
+                 failure_threshold: int = 3, backoff_s: float = 1.0, max_backoff_s: float | None = None,
                  breaker: CircuitBreaker | None = None,
                  ttl_s: float | None = None, namespace_ttl_s: Mapping[bytes, float | None] | None = None,
                  clock: Callable[[], float] = time.time, lazy: bool = False,
@@ -342,6 +537,8 @@ class S3Tier(Tier):
         self._clock = clock
         self.breaker = breaker or CircuitBreaker(failure_threshold, backoff_s, max_backoff_s,
                                                  name=f"S3 bucket {bucket!r} at {self._where}")
+        if not self.breaker.has_probe:
+            self.breaker.set_probe(self._probe, min(_PROBE_BOUND_S, self.connect_timeout_s + self.read_timeout_s))
         try:
             import boto3
             from boto3.s3.transfer import TransferConfig
@@ -373,6 +570,15 @@ class S3Tier(Tier):
         self._closed = False
         if not lazy:
             self._check_bucket()
+        else:
+            error = _within(lambda: self._check_bucket(hint=""), self.connect_timeout_s, "radixkv-s3-check")
+            if error is not None:
+                self.breaker.trip()
+                if isinstance(error, TimeoutError):
+                    error = TimeoutError(f"S3 bucket {bucket!r} at {self._where} did not answer within "
+                                         f"{self.connect_timeout_s:g} s")
+                log.warning("%s; the tier starts as misses and is taken into use when it answers (probed in "
+                            "the background)", redact(str(error)))
 
     @classmethod
     def from_url(cls, url: str, endpoint_url: str | None = None, **kwargs: Any) -> S3Tier:
@@ -381,10 +587,12 @@ class S3Tier(Tier):
         bucket, prefix = parse_remote_url(url)
         return cls(bucket, prefix, endpoint_url=endpoint_url, **kwargs)
 
-    def _check_bucket(self) -> None:
+    def _check_bucket(self, hint: str = "; pass lazy=True to start without it") -> None:
+        """One ``HEAD`` of the bucket: ``ValueError`` if it does not exist, ``PermissionError`` if
+        refused, ``ConnectionError`` (ending with ``hint``) if the endpoint does not answer."""
         from botocore.exceptions import ClientError
 
-        where = f"bucket {self.bucket!r} at {self._where}"
+        where = f"S3 bucket {self.bucket!r} at {self._where}"
         try:
             self._client.head_bucket(Bucket=self.bucket)
         except ClientError as e:
@@ -394,8 +602,14 @@ class S3Tier(Tier):
             raise PermissionError(f"{where}: HEAD answered {code}; check the credentials and the "
                                   "bucket policy") from None
         except Exception as e:
-            raise ConnectionError(f"{where} is unreachable ({type(e).__name__}); pass lazy=True to "
-                                  "start without it") from None
+            raise ConnectionError(f"{where} is unreachable ({type(e).__name__}){hint}") from None
+
+    def _probe(self) -> None:
+        """The breaker's background probe: one ``HEAD`` of the bucket, which must answer 200 (a
+        missing or refused bucket keeps the tier skipped).  Raises otherwise."""
+        if self._closed:
+            raise RuntimeError("S3Tier is closed")
+        self._client.head_bucket(Bucket=self.bucket)
 
     # ---------------------------------------------------------------- requests
 
@@ -411,33 +625,36 @@ class S3Tier(Tier):
     def _deadline(self, calls: int = 1) -> float:
         return call_deadline(self.timeout_s, calls, self.max_concurrency)
 
-    def _abandoned(self, n: int) -> None:
-        """``n`` requests still running at their deadline: timeouts, and failures for the breaker
-        now (not when their sockets finally give up), so that a slow endpoint opens it like a dead one."""
-        self._count(timeouts=n)
-        self.breaker.record_failures(n)
+    def _abandoned(self, epoch: int) -> Callable[[int], None]:
+        """What to do with ``n`` requests still running at their deadline: count timeouts, and
+        tell the breaker now (not when their sockets finally give up), so that a slow endpoint
+        opens it like a dead one — unless it opened or closed since they were sent (``epoch``)."""
+        def abandoned(n: int) -> None:
+            self._count(timeouts=n)
+            self.breaker.record_failures(n, epoch)
+        return abandoned
 
     def _bounded(self, fn: Callable[..., T], items: Sequence[Any]) -> list[T]:
         """``fn(item)`` for each item on the tier's pool, all at once (up to ``max_concurrency``),
         waiting until the deadline: ``DeadlineExceeded`` (with the results that arrived) past it,
-        else the first fault once every call finished.  Inline when called from the pool."""
+        else the first fault once every call finished.  Inline when called from the pool, and on
+        the caller's thread, without a request, while the breaker is not closed (each ``fn``
+        answers its "skipped")."""
         if self._closed:
             raise RuntimeError("S3Tier is closed")
         if self._pool.on_worker():
             return _wait_all([self._pool.submit(fn, item) for item in items])
+        epoch = self.breaker.epoch
+        if not self.breaker.allow():  # (the tier's breaker always has a probe: no request is one)
+            token = _SKIP.set(True)
+            try:
+                return [fn(item) for item in items]
+            finally:
+                _SKIP.reset(token)
         deadline = self._deadline(len(items))
-        # While the breaker is not closed the first call goes alone: it is the probe, which the
-        # others would otherwise skip.
-        head = 1 if len(items) > 1 and self.breaker.state != "closed" else 0
-        results: list[T] = []
         with bounded(deadline):
-            if head:
-                results = self._pool.gather([self._pool.submit(fn, items[0])], deadline, self._abandoned)
-            futures = [self._pool.submit(fn, item) for item in items[head:]]
-        try:
-            return results + self._pool.gather(futures, deadline, self._abandoned)
-        except DeadlineExceeded as e:
-            raise DeadlineExceeded(str(e), partial=results + list(e.partial)) from None
+            futures = [self._pool.submit(fn, item) for item in items]
+        return self._pool.gather(futures, deadline, self._abandoned(epoch))
 
     def _request(self, op: Callable[..., T], **kwargs: Any) -> T:
         """One guarded request: ``_Skipped`` when the breaker is open; a not-found answer is
@@ -445,9 +662,12 @@ class S3Tier(Tier):
         after the deadline, is recorded and raised."""
         if self._closed:
             raise RuntimeError("S3Tier is closed")
+        if _SKIP.get():
+            raise _Skipped
         deadline = self._deadline()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"S3 bucket {self.bucket!r}: the deadline passed before the request was sent")
+        epoch = self.breaker.epoch
         if not self.breaker.allow():
             raise _Skipped
         ok = False
@@ -470,7 +690,7 @@ class S3Tier(Tier):
                 raise
             raise _redact_error(e) from None
         finally:
-            self.breaker.record(ok)
+            self.breaker.record(ok, epoch)
 
     def _read_object(self, key: bytes | None, **kwargs: Any) -> tuple[Mapping[str, Any], bytearray | None]:
         """One GET and its body, as one guarded request (a body that does not arrive by the
@@ -540,8 +760,9 @@ class S3Tier(Tier):
         is open.  One GET for objects under ``multipart_threshold``; larger ones get their other
         ``multipart_chunksize`` ranges concurrently (into a ``bytearray``).  Bounded by the deadline
         (``DeadlineExceeded``); an object over the size bound (``max_object_bytes``, or the caller's
-        through ``bounded``) is a miss decided from its headers, counted in ``oversize`` (and
-        deleted when the bound is the caller's).  Raises on a fault.  Thread-safe."""
+        through ``bounded``) is a miss decided from its headers, counted in ``oversize`` and told
+        to the caller (``report_oversize``), and deleted when the bound is the caller's.  Raises on
+        a fault.  Thread-safe."""
         check_key(key)
         return self._bounded(self._get, [key])[0]
 
@@ -579,6 +800,7 @@ class S3Tier(Tier):
                     self._delete(name)
                 except Exception:  # noqa: BLE001 - best effort: the object stays a miss either way
                     pass
+            report_oversize(key)
             return None
         finally:
             self._count(gets=1, **{outcome: 1})
@@ -600,7 +822,7 @@ class S3Tier(Tier):
         # On a pool of their own: the caller is usually one of the main pool's workers, and range
         # requests start nothing further, so they cannot deadlock.
         self._ranges.gather([self._ranges.submit(fetch, start) for start in starts], self._deadline(),
-                            self._abandoned)
+                            self._abandoned(self.breaker.epoch))
         return out
 
     def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
@@ -625,9 +847,11 @@ class S3Tier(Tier):
     def _put(self, item: tuple[bytes, Blob]) -> bool:
         key, blob = item
         name = self.object_key(key)
-        body = blob if type(blob) is bytes else blob_view(blob).tobytes()
         outcome = "put_errors"
         try:
+            if _SKIP.get():
+                raise _Skipped  # before the copy below
+            body = blob if type(blob) is bytes else blob_view(blob).tobytes()
             if len(body) >= self._threshold:
                 self._request(lambda **kw: self._client.upload_fileobj(
                     io.BytesIO(body), kw["Bucket"], name, Config=self._transfer))
@@ -743,12 +967,14 @@ class S3Tier(Tier):
         return 0
 
     def stats(self) -> dict[str, int | float]:
-        """Request counters, the breaker's state (``breaker_open``: 1 while skipping) and how many
-        times it opened.  O(1)."""
+        """Request counters, the breaker's state (``breaker_open``: 1 while skipping), how many
+        times it opened and probed, and the calls still stuck on threads the pools retired
+        (``stuck_calls``).  O(1)."""
         with self._lock:
             counts = dict(self._counts)
         return {**counts, "used_bytes": 0,
-                "breaker_open": int(self.breaker.state != "closed"), "breaker_opened": self.breaker.opened}
+                "breaker_open": int(self.breaker.state != "closed"), "breaker_opened": self.breaker.opened,
+                "breaker_probes": self.breaker.probes, "stuck_calls": self._pool.stuck + self._ranges.stuck}
 
     def close(self) -> None:
         """Refuse further requests and stop the pool: queued requests are cancelled, running ones
@@ -760,10 +986,12 @@ class S3Tier(Tier):
         self._ranges.close()
 
     def check(self) -> None:
-        """The counters add up (every get and put ended in exactly one outcome), the breaker is
-        consistent and object names map back to keys.  O(1)."""
+        """The counters add up (every get and put ended in exactly one outcome), the breaker and the
+        pools are consistent and object names map back to keys.  O(1)."""
         super().check()
         self.breaker.check()
+        self._pool.check()
+        self._ranges.check()
         with self._lock:
             c = dict(self._counts)
         assert all(v >= 0 for v in c.values()), f"negative counter in {c}"

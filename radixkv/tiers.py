@@ -9,8 +9,8 @@ tier keys.  Tier 0 is the fastest (e.g. ``CpuTier``), the last the slowest (e.g.
   nothing later can be reused (causal attention).  One ``contains_prefix`` round trip per tier.
 * ``load(refs)`` fetches and verifies chunks (``radixkv.format``) for leading refs and stops at
   the first one no tier can deliver intact.  A hit below tier 0 is promoted into the tiers above
-  it (``promote=True``), in the background.  A corrupt blob is a miss: counted, deleted from its
-  tier, and the next tier down is tried.
+  it (``promote=True``), in the background.  A corrupt blob (or one a remote tier refuses as
+  larger than a chunk) is a miss: counted, deleted from its tier, and the next tier down is tried.
 * ``store(items)`` encodes and writes chunks down every tier from one background thread, through
   a bounded queue: when the queue is full the write is dropped and counted, never waited for
   (unless the caller says how long it may wait: an eviction's chunks exist nowhere else).
@@ -239,9 +239,9 @@ class TierStack:
     def _bounded_call(self, i: int, default: Any, deadline: float, fn: Callable[..., Any], *args: Any) -> Any:
         """``_call`` of a read within ``deadline``: past it, the tier's ``DeadlineExceeded`` is a
         fault counted in ``timeouts`` too, and its ``partial`` answer (if of ``default``'s type)
-        is what the call returns."""
+        is what the call returns.  A blob the tier refuses for its size is counted as corrupt."""
         try:
-            with bounded(deadline, self._blob_bytes[i]):
+            with bounded(deadline, self._blob_bytes[i], lambda key: self._oversize(i, key)):
                 return fn(*args)
         except DeadlineExceeded as exc:
             with self._stats_lock:
@@ -418,6 +418,15 @@ class TierStack:
             self._call(t, None, self.tiers[t].delete, key)
         else:
             self._enqueue(("delete", t, key))
+
+    def _oversize(self, t: int, key: bytes) -> None:
+        """A remote tier refused the blob under ``key`` for its size (``report_oversize``): a bad
+        blob, counted and logged like a corrupt one; the tier deletes it itself (it read nothing
+        of it).  Any thread."""
+        self._add("corrupt", tier=t)
+        self._log("corrupt blob", t, self.tiers[t].name,
+                  OversizeBlob(f"a stored blob under {key[len(self._prefix):].hex()} is larger than a chunk "
+                               f"({self._blob_bytes[t]} bytes); not read"))
 
     def _loaded(self, t: int, ref: ChunkRef, chunk: torch.Tensor, blob: Any) -> torch.Tensor:
         """Count a chunk delivered by tier ``t`` and queue its promotion to the tiers above."""
@@ -715,7 +724,8 @@ class TierStack:
 
     def stats(self) -> dict[str, Any]:
         """Counters: per tier (lists in stack order) ``tier_lookups`` (``contains_prefix`` calls),
-        ``hits`` (chunks loaded), ``corrupt`` (blobs that failed verification), ``forged`` (blobs
+        ``hits`` (chunks loaded), ``corrupt`` (blobs that failed verification, or that a remote tier
+        refused as larger than a chunk: its own ``oversize``), ``forged`` (blobs
         without a valid MAC or AEAD tag under this stack's secrets), ``errors`` (faults),
         ``timeouts`` (reads that did not finish by their deadline; also in ``errors``),
         ``stored`` (chunks written), ``touched`` (chunks whose recency ``touch`` refreshed),

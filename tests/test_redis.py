@@ -118,6 +118,19 @@ def test_lookups_are_one_round_trip_and_oversize_values_are_never_read(tier: Red
     stats = tier.stats()
     assert stats["oversize"] == 2 and stats["bytes_read"] == before
     assert tier.contains_prefix([key(0)]) == 0, "an oversize value under a caller's bound is deleted"
+    # Through a stack: refused unread, deleted, and counted as corrupt by the stack too.
+    stack = TierStack([tier], namespace=Namespace(model="oversize").bind(LAYOUT), layout=LAYOUT, chunk_size=4)
+    refs = stack.refs(list(range(8)))
+    assert stack.store([(r, torch.ones(LAYOUT.chunk_shape(4), dtype=torch.float16)) for r in refs]) == 2
+    assert stack.flush(10)
+    name = stack.namespace.id + refs[1].key
+    tier._client.set(tier.redis_key(name), bytes(1 << 20))  # a 1 MiB value where a chunk should be
+    before = tier.stats()["bytes_read"]
+    assert len(stack.load(refs, where=[0, 0])) == 1
+    assert tier.stats()["oversize"] == 3 and tier.stats()["bytes_read"] - before < 1 << 10
+    assert stack.stats()["corrupt"] == [1], "the stack did not count the refused value as corrupt"
+    assert tier.contains_prefix([name]) == 0, "the oversize value was not deleted"
+    stack.close()  # closes the tier too (the fixture checks it after)
 
 
 def test_ttl_is_the_servers_expiry(server: RedisServer) -> None:
@@ -204,8 +217,14 @@ def test_server_killed_mid_workload_then_restarted(caplog: pytest.LogCaptureFixt
         assert [match() for _ in range(10)] == [0] * 10  # misses, never an exception
         assert time.perf_counter() - t0 < 10 and tier.breaker.opened >= 1
         own.start()  # same port, empty
-        time.sleep(0.3)  # the back-off passes
-        assert match() == 0 and tier.breaker.state == "closed"
+        # A match after the back-off starts a background probe (and is a miss meanwhile); the probe
+        # closes the breaker.
+        deadline = time.monotonic() + 30
+        while tier.breaker.state != "closed":
+            assert time.monotonic() < deadline, "the breaker did not close after the server came back"
+            assert match() == 0
+            time.sleep(0.05)
+        assert match() == 0
         cache.stack.store(zip(cache.stack.refs(tokens), chunks))
         assert cache.stack.flush(10) and match() == 16
         assert sum(cache.stack.stats()["errors"]) >= 1

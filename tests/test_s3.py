@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -113,7 +114,7 @@ def test_from_url_and_the_registry_build_the_tier(s3_server: MotoServer, raw: An
 def test_a_missing_bucket_is_a_clear_error_at_construction(s3_server: MotoServer) -> None:
     with pytest.raises(ValueError, match="bucket 'no-such-bucket' at http://127.0.0.1.*does not exist"):
         S3Tier("no-such-bucket", endpoint_url=s3_server.endpoint_url)
-    S3Tier("no-such-bucket", endpoint_url=s3_server.endpoint_url, lazy=True).close()  # lazy: no check
+    S3Tier("no-such-bucket", endpoint_url=s3_server.endpoint_url, lazy=True).close()  # lazy: a warning, no error
 
 
 def test_an_unreachable_endpoint_is_a_clear_error_unless_lazy(s3_server: MotoServer) -> None:
@@ -124,11 +125,12 @@ def test_an_unreachable_endpoint_is_a_clear_error_unless_lazy(s3_server: MotoSer
         S3Tier(BUCKET, endpoint_url=dead, connect_timeout_s=TIMEOUT_S, max_attempts=1)
     with S3Tier(BUCKET, endpoint_url=dead, connect_timeout_s=TIMEOUT_S, max_attempts=1, lazy=True,
                 failure_threshold=1) as tier:
-        with pytest.raises(Exception):
-            tier.get(key(0))  # a fault raises (the stack turns it into a miss) ...
-        assert tier.get(key(0)) is None and tier.contains_prefix([key(0)]) == 0  # ... then the breaker skips
+        # Lazy: the failed check opened the breaker, so requests are skipped, never sent.
+        assert tier.breaker.state != "closed"
+        assert tier.get(key(0)) is None and tier.contains_prefix([key(0)]) == 0
         assert tier.put(key(0), b"x") is False
         assert tier.stats()["skipped"] == 1 and tier.stats()["skipped_puts"] == 1
+        assert tier.stats()["get_errors"] == 0 and tier.stats()["put_errors"] == 0
         tier.check()
 
 
@@ -144,9 +146,64 @@ def test_bad_arguments_raise_naming_them(raw: Any, kwargs: dict[str, Any], match
 
 
 def test_breaker_validates_its_arguments() -> None:
-    for kwargs in ({"failure_threshold": 0}, {"backoff_s": 0}, {"backoff_s": 5, "max_backoff_s": 1}):
+    for kwargs in ({"failure_threshold": 0}, {"backoff_s": 0}, {"backoff_s": 5, "max_backoff_s": 1},
+                   {"probe": lambda: None, "probe_timeout_s": 0}):
         with pytest.raises(ValueError):
             CircuitBreaker(**kwargs)
+    assert CircuitBreaker().max_backoff_s == 5.0 and CircuitBreaker(backoff_s=8).max_backoff_s == 8.0
+
+
+def test_breaker_backs_off_twice_as_long_after_each_failed_probe_jittered_and_capped() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(failure_threshold=1, backoff_s=1.0, max_backoff_s=5.0, clock=lambda: now[0],
+                             probe=lambda: 1 / 0)
+    breaker.record(False)
+    waits = []
+    for _ in range(8):
+        assert breaker.state == "open"
+        waits.append(breaker._retry_at - now[0])
+        now[0] = breaker._retry_at - 1e-6
+        assert breaker.allow() is False and breaker.state == "open", "probed before the back-off passed"
+        now[0] = breaker._retry_at
+        assert breaker.allow() is False, "a request was let through as the probe"
+        assert breaker.wait_probe(30)
+        breaker.check()
+    for wait, nominal in zip(waits, [1, 2, 4, 5, 5, 5, 5, 5]):
+        assert 0.8 * nominal <= wait <= min(5.0, 1.2 * nominal), (waits, nominal)
+    assert all(w != n for w, n in zip(waits, [1, 2, 4, 5, 5, 5, 5, 5])), f"not jittered: {waits}"
+    assert breaker.probes == 8 and breaker.opened == 9
+
+
+def test_breaker_bounds_a_hung_probe_and_the_probe_calls_left_running() -> None:
+    from radixkv.backends.s3 import _PROBE_CALLS
+
+    now, release, calls = [0.0], threading.Event(), []
+
+    def hang() -> None:
+        calls.append(1)
+        release.wait(60)
+
+    breaker = CircuitBreaker(failure_threshold=1, backoff_s=1.0, clock=lambda: now[0], probe=hang,
+                             probe_timeout_s=0.05)
+    try:
+        breaker.record(False)
+        for _ in range(_PROBE_CALLS + 2):
+            now[0] += 10.0
+            assert breaker.allow() is False and breaker.wait_probe(30)
+            assert breaker.state == "open"  # no answer within its bound: a failed probe
+            breaker.check()
+        assert len(calls) == _PROBE_CALLS, "more hung probe calls than the bound"
+        release.set()
+        deadline = time.monotonic() + 30
+        while breaker._calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        breaker.set_probe(hang, 30.0)  # an answer now comes at once: bound it generously
+        now[0] += 10.0
+        assert breaker.allow() is False and breaker.wait_probe(30) and len(calls) == _PROBE_CALLS + 1
+        assert breaker.state == "closed" and breaker.allow() is True
+        breaker.check()
+    finally:
+        release.set()
 
 
 # -- the contract -----------------------------------------------------------------------------
@@ -362,16 +419,21 @@ def test_a_dead_endpoint_costs_one_timeout_then_misses_until_it_comes_back(
         # The first match's HEADs (and the writer's put) time out together and open the breaker;
         # every later match is a miss at once.
         assert lost < 5 * TIMEOUT_S, f"lost {lost:.2f} s while the endpoint hung"
-        now[0] += 1.0  # the back-off passed: the next request probes, times out, and re-opens
+        errors = stack.stats()["errors"]
+        now[0] += 1.0  # the back-off passed: the next request starts a background probe, and skips
         t0 = time.perf_counter()
         assert workload(2) == [0, 0]
         probe = time.perf_counter() - t0
-        assert probe < 5 * TIMEOUT_S and breaker.opened == 2, f"the probe cost {probe:.2f} s"
+        assert probe < 5 * TIMEOUT_S, f"the matches beside the probe cost {probe:.2f} s"
+        assert breaker.wait_probe(30) and breaker.opened == 2 and breaker.state == "open"  # it timed out
+        assert stack.stats()["errors"] == errors, "a request was the probe"
     finally:
         own_server.resume()
     own_server.client().head_bucket(Bucket=BUCKET)  # it answers again (after the requests it owed)
     now[0] += 1.0
-    assert workload(1) == [16] and breaker.state == "closed"  # recovered by itself
+    assert workload(1) == [0]  # this match starts the probe (skipped meanwhile) ...
+    assert breaker.wait_probe(30) and breaker.state == "closed"  # ... which closes the breaker
+    assert workload(1) == [16]  # recovered by itself
     m = cache.match(tokens)
     assert torch.equal(cache.pool.kv[0, 0, m.pages, 0, 0, 0], torch.arange(8, dtype=torch.float16))
     cache.release(m)
@@ -384,7 +446,7 @@ def test_a_dead_endpoint_costs_one_timeout_then_misses_until_it_comes_back(
     own_server.start()  # the same port; moto lost its objects, so the bucket comes back empty
     own_server.client().create_bucket(Bucket=BUCKET)
     now[0] += 1.0
-    assert workload(1) == [0] and breaker.state == "closed"
+    assert workload(1) == [0] and breaker.wait_probe(30) and breaker.state == "closed"
     stack.store(zip(stack.refs(tokens), [spare] * 4))
     assert stack.flush(10) and workload(1) == [16]
     cache.check()

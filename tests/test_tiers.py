@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixkv.backends import Blob, MemoryTier, Tier
+from radixkv.backends import Blob, MemoryTier, Tier, current_max_blob_bytes, report_oversize
 from radixkv.backends.cpu import CpuTier
 from radixkv.format import encode_chunk
 from radixkv.hashing import Namespace
@@ -243,6 +243,40 @@ def test_a_corrupt_blob_below_is_a_miss_counted_and_deleted(refs: list[ChunkRef]
     assert stats["corrupt"] == [0, 1] and stats["load_misses"] == 1 and stats["errors"] == [0, 0]
     assert bottom.get(NS.id + refs[0].key) is None, "the corrupt blob was not deleted"
     assert stack.flush(timeout=10) and top.get(NS.id + refs[0].key) is None, "corrupt data was promoted"
+    stack.close()
+
+
+class RefusingRemoteTier(MemoryTier):
+    """A remote tier that refuses a blob over the caller's size bound unread, deletes it and says so
+    (``report_oversize``), as the S3 and Redis tiers do."""
+
+    local = False
+
+    def get_many(self, keys):  # type: ignore[no-untyped-def]
+        bound = current_max_blob_bytes()
+        blobs = []
+        for key in keys:
+            blob = self.get(key)
+            if blob is not None and bound is not None and len(blob) > bound:
+                self.delete(key)
+                report_oversize(key)
+                blob = None
+            blobs.append(blob)
+        return blobs
+
+
+def test_a_blob_a_remote_tier_refuses_for_its_size_counts_as_corrupt(refs: list[ChunkRef]) -> None:
+    tier = RefusingRemoteTier()
+    put(tier, refs, [0])
+    tier.put(NS.id + refs[1].key, bytes(1 << 16))  # far larger than any chunk of this layout
+    stack = make_stack([tier])
+    assert len(stack.load(refs[:2])) == 1
+    stats = stack.stats()
+    assert stats["corrupt"] == [1] and stats["errors"] == [0] and stats["load_misses"] == 1
+    assert tier.get(NS.id + refs[1].key) is None
+    report_oversize(NS.id + refs[1].key)  # outside a bounded call: told to no one
+    assert stack.stats()["corrupt"] == [1]
+    stack.check()
     stack.close()
 
 

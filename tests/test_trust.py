@@ -1,14 +1,21 @@
 """Shared tiers you can trust: forged chunks are never served, secrets rotate, encrypted chunks
 reveal no token, every remote wait ends by its deadline (slow and trickling endpoints, in front of a
-real S3 server), oversize objects are never downloaded, credentials never reach a log, and
-drop_namespace drops exactly one namespace."""
+real S3 server), a failing endpoint (slow, trickling or paused; S3 and Redis) costs matches nothing
+once its breaker opens and is used again soon after the fault ends, a tier built while its endpoint
+is down starts as misses and is taken into use when it comes up, oversize objects are never
+downloaded (and count as corrupt), credentials never reach a log, and drop_namespace drops exactly
+one namespace."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import statistics
+import threading
 import time
 import uuid
+from contextlib import ExitStack
 from typing import Any, Iterator
 
 import pytest
@@ -229,6 +236,7 @@ def test_an_oversize_object_under_a_chunk_key_is_never_downloaded(s3: MotoServer
         assert len(loaded) == 1
         stats = tier.stats()
         assert stats["oversize"] == 1 and stats["bytes_read"] - before < 1 << 20, "the 24 MiB body was read"
+        assert stack.stats()["corrupt"] == [1], "the stack did not count the refused object as corrupt"
         assert tier.contains_prefix([NS.id + refs[1].key]) == 0, "the oversize object was not deleted"
         tier.check()
 
@@ -274,9 +282,209 @@ def test_credentials_in_the_endpoint_url_never_reach_a_log_when_it_is_dead(caplo
         assert stack.load(refs, where=[0] * len(refs)) == []
         stack.store([(refs[0], chunks(1)[0])])
         stack.flush(10)
-        assert sum(stack.stats()["errors"]) >= 1
+        # Built lazily while dead: one warning, then misses (skipped at once, not errors).
+        assert caplog.text.count("starts as misses") == 1
+        assert tier.stats()["skipped_puts"] == 1 and tier.stats()["breaker_open"] == 1
         shown = caplog.text + repr(tier) + repr(stack) + str(tier.stats())
     assert secret_key not in shown and "AKDEAD:" not in shown
     with pytest.raises(ValueError, match="credentials in the URL"):
         S3Tier(BUCKET, endpoint_url=f"http://AK:{secret_key}@127.0.0.1:1", client=object(), lazy=True)
     assert os.environ.get("AWS_SECRET_ACCESS_KEY") != secret_key
+
+
+# -- a failing endpoint costs matches nothing once its breaker opens, and is used again after --
+
+FAULT_DEADLINE_S = 1.0  # each match's deadline: lookup and load together
+
+
+def _redis_available() -> bool:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return False
+    from radixkv.testing.redisserver import redis_server_binary
+
+    return redis_server_binary() is not None
+
+
+class _Endpoint:
+    """A real server (moto's S3 or redis-server) behind a ``FaultyProxy``, and a tier on the proxy:
+    ``fault(kind)`` makes it slow, trickling or paused (SIGSTOP of the server), ``heal()`` undoes it."""
+
+    def __init__(self, kind: str, stack: ExitStack, s3: MotoServer | None) -> None:
+        self.kind = kind
+        if kind == "s3":
+            assert s3 is not None
+            self.server: Any = stack.enter_context(MotoServer())  # its own: the paused one is SIGSTOPped
+            self.server.client().create_bucket(Bucket=BUCKET)
+        else:
+            if not _redis_available():
+                pytest.skip("redis-py or redis-server is not installed")
+            from radixkv.testing.redisserver import RedisServer
+
+            self.server = stack.enter_context(RedisServer())
+        self.proxy = stack.enter_context(FaultyProxy(("127.0.0.1", self.server.port), delay_s=3.0,
+                                                     trickle_bytes=16, trickle_interval_s=0.5))
+        self.paused = False
+        stack.callback(self.heal)
+
+    def tier(self, **kw: Any) -> Tier:
+        if self.kind == "s3":
+            return S3Tier(BUCKET, f"fault/{uuid.uuid4().hex[:8]}", endpoint_url=self.proxy.url, read_timeout_s=5.0,
+                          **kw)
+        from radixkv.backends.redis import RedisTier
+
+        return RedisTier(f"redis://127.0.0.1:{self.proxy.port}/0", prefix=f"f{uuid.uuid4().hex[:8]}",
+                         read_timeout_s=5.0, **kw)
+
+    def fault(self, mode: str) -> None:
+        if mode == "paused":
+            os.kill(self.server.process.pid, signal.SIGSTOP)  # connections hang, as with a dead host
+            self.paused = True
+        else:
+            self.proxy.mode = mode  # slower than any deadline (3 s a piece), or 16 bytes per 0.5 s
+
+    def heal(self) -> None:
+        self.proxy.mode = "pass"  # new data passes; what already trickles goes on
+        if self.paused:
+            os.kill(self.server.process.pid, signal.SIGCONT)
+            self.paused = False
+
+
+def _match(stack: TierStack, refs: list[Any]) -> tuple[float, int]:
+    """One request's lookup and load under one deadline, as an engine does: (seconds, chunks loaded)."""
+    t0 = time.monotonic()
+    deadline = t0 + FAULT_DEADLINE_S
+    where = stack.lookup([r.key for r in refs], deadline=deadline)
+    loaded = stack.load(refs[:len(where)], where=where, deadline=deadline)
+    return time.monotonic() - t0, len(loaded)
+
+
+def _until(condition: Any, timeout_s: float, what: str, step_s: float = 0.1) -> float:
+    """Poll ``condition()`` until it holds (bounded); the seconds it took."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(step_s)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("fault", ["slow", "trickle", "paused"])
+@pytest.mark.parametrize("kind", ["s3", "redis"])
+def test_once_the_breaker_opens_a_failing_endpoint_costs_matches_nothing_and_is_used_again_after_it(
+        s3: MotoServer, kind: str, fault: str) -> None:
+    with ExitStack() as resources:
+        endpoint = _Endpoint(kind, resources, s3)
+        tier = endpoint.tier()
+        stack = stack_of(tier, secret=SECRET, timeout_s=FAULT_DEADLINE_S)
+        resources.callback(stack.close, 1)
+        refs = stack.refs(list(range(4 * 16)))  # 16 chunks: a window of concurrent requests
+        kv = chunks(1)[0]
+        assert stack.store([(r, kv) for r in refs]) == len(refs) and stack.flush(60)
+        assert _match(stack, refs)[1] == len(refs)
+
+        endpoint.fault(fault)
+        # The first matches each cost at most their deadline, and open the breaker.
+        _until(lambda: _match(stack, refs)[0] >= 0 and tier.breaker.state != "closed", 30, "the breaker opened")
+        others = stack.refs(list(range(10_000, 10_000 + 4 * 20)))
+        errors = stack.stats()["errors"]
+        times = []
+        for i in range(20):  # spaced, so that background probes fail while requests go on
+            times.append(_match(stack, refs)[0])
+            stack.store([(others[i], kv)])  # the writer's puts are skipped too
+            time.sleep(0.1)
+        median = statistics.median(times)
+        assert median < 0.05, f"median match {median * 1e3:.0f} ms during the {fault} fault (max {max(times):.2f} s)"
+        assert tier.breaker.probes >= 1, "the breaker never probed during the fault"
+        assert stack.stats()["errors"] == errors, "a request waited on the endpoint (it was made a probe)"
+
+        endpoint.heal()
+        # Back in use by itself (a background probe closes the breaker): hits again, polled.
+        _until(lambda: _match(stack, refs)[1] == len(refs), 30, f"hits after the {fault} fault ended")
+        assert tier.breaker.state == "closed"
+        stats = tier.stats()
+        assert stats["breaker_opened"] >= 1 and stats["skipped_puts"] >= 1
+        tier.check()
+
+
+@pytest.mark.parametrize("kind", ["s3", "redis"])
+def test_a_tier_built_lazily_while_its_endpoint_is_down_starts_as_misses_and_is_used_once_it_answers(
+        s3: MotoServer, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    from radixkv.testing.s3server import free_port
+
+    if kind == "redis" and not _redis_available():
+        pytest.skip("redis-py or redis-server is not installed")
+    caplog.set_level(logging.WARNING)
+    port = free_port()  # nothing listens there yet
+    with ExitStack() as resources:
+        if kind == "s3":
+            tier: Tier = S3Tier(BUCKET, "lazy", endpoint_url=f"http://127.0.0.1:{port}", lazy=True)
+        else:
+            from radixkv.backends.redis import RedisTier
+
+            tier = RedisTier(f"redis://127.0.0.1:{port}/0", prefix="lazy", lazy=True)
+        stack = stack_of(tier, secret=SECRET, timeout_s=FAULT_DEADLINE_S)
+        resources.callback(stack.close, 1)
+        assert caplog.text.count("starts as misses") == 1 and f"127.0.0.1:{port}" in caplog.text
+        refs = stack.refs(TOKENS)
+        kv = chunks(1)[0]
+        times = []
+        for _ in range(10):  # misses at once, never an exception
+            times.append(_match(stack, refs)[0])
+            stack.store([(r, kv) for r in refs])
+        assert stack.flush(10) and max(times) < FAULT_DEADLINE_S / 2, f"misses took up to {max(times):.2f} s"
+        assert stack.stats()["errors"] == [0] and tier.stats()["hits"] == 0 and tier.stats()["stored"] == 0
+
+        if kind == "s3":
+            server: Any = resources.enter_context(MotoServer(port))
+            _match(stack, refs)  # up, but the bucket does not exist yet: still misses
+            server.client().create_bucket(Bucket=BUCKET)
+        else:
+            from radixkv.testing.redisserver import RedisServer
+
+            resources.enter_context(RedisServer(port=port))
+
+        def serves() -> bool:
+            stack.store([(r, kv) for r in refs])
+            stack.flush(10)
+            return _match(stack, refs)[1] == len(refs)
+
+        _until(serves, 30, "the lazily built tier stores and serves hits", step_s=0.2)
+        assert tier.stats()["stored"] >= len(refs) and tier.breaker.state == "closed"
+        tier.check()
+
+
+def test_a_pool_retires_threads_stuck_on_abandoned_calls_and_bounds_them() -> None:
+    from radixkv.backends import BoundedPool, DeadlineExceeded
+
+    pool = BoundedPool(2, "radixkv-test-pool")
+    release, started = threading.Event(), threading.Semaphore(0)
+    abandoned: list[int] = []
+
+    def hold() -> None:  # a call whose socket trickles: it holds its thread
+        started.release()
+        release.wait(60)
+
+    def running(futures: list[Any]) -> list[Any]:
+        assert all(started.acquire(timeout=30) for _ in futures), "the calls did not start"
+        return futures
+
+    try:
+        stuck = running([pool.submit(hold) for _ in range(2)])  # every thread held
+        with pytest.raises(DeadlineExceeded):
+            pool.gather(stuck, time.monotonic() + 0.05, abandoned.append)
+        assert abandoned == [2] and pool.retired == 1 and pool.stuck == 2
+        # The next call runs on a fresh executor, not behind the stuck ones.
+        assert pool.gather([pool.submit(lambda: 7)], time.monotonic() + 30) == [7]
+        # Stuck again while the first retired executor still holds its calls: kept (bounded threads).
+        more = running([pool.submit(hold) for _ in range(2)])
+        with pytest.raises(DeadlineExceeded):
+            pool.gather(more, time.monotonic() + 0.05)
+        assert pool.retired == 1
+        pool.check()
+        release.set()
+        _until(lambda: pool.stuck == 0, 30, "the retired executor's calls ended")
+        pool.check()
+    finally:
+        release.set()
+        pool.close()
