@@ -199,7 +199,24 @@ class Tier(abc.ABC):
         return None
 
     def stats(self) -> dict[str, int | float]:
-        """Counters (hits, misses, evictions, ...) and sizes; a new dict each call.  Cheap."""
+        """Counters and sizes by name; a new dict each call.  Cheap.
+
+        A tier reports the counters it keeps.  These names mean the same in every tier (the tier
+        contract, ``radixkv.testing.TierContract``, checks the ones present):
+
+        * ``hits``, ``misses``: reads (``get``, each key of ``get_many``, ``read``) that found a
+          blob, and that did not.
+        * ``puts``: blobs offered to ``put``/``put_many``; ``rejected``: those not stored.
+        * ``evictions``: entries removed to make room for a put.  **Expired entries:** a tier may
+          count here an entry it drops because its TTL passed (an eviction by time), or not
+          (``LmdbTier`` counts them apart, as ``expired``), but once at most.  So with a TTL,
+          ``evictions`` is known only within a range: at least the live entries evicted, at most
+          one more per expired entry dropped meanwhile.
+        * ``entries``: the entries stored; ``used_bytes``: the property's value.  With a TTL both
+          may include expired entries not dropped yet.
+
+        Other names (``expired``, errors, timeouts, ...) are the tier's own, documented with it.
+        """
         cap = self.capacity_bytes
         result: dict[str, int | float] = {"used_bytes": self.used_bytes}
         if cap is not None:

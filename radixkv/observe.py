@@ -18,10 +18,12 @@ Contract:
     chunk moved up out of an exclusive tier, a delete);
   - ``cleared(level, namespace)``: a level dropped everything of ``namespace`` (``None``: of
     every namespace);
-  - ``io(level, op, seconds, nbytes, items, outcome)``: a ``"lookup"``, ``"load"`` or
-    ``"store"`` at a level took ``seconds``, moved ``nbytes`` bytes of ``items`` chunks, and
-    ended in ``outcome``: ``"ok"``, ``"miss"``, ``"corrupt"``, ``"forged"``, ``"timeout"`` or
-    ``"error"``;
+  - ``io(level, op, seconds, nbytes, items, outcome)``: a ``"lookup"`` (one call asking a tier
+    for ``items`` keys), a ``"tail"`` probe (one key: a tail a local tier may hold), a ``"load"``
+    (a remote fetch of ``items`` blobs, with its time; then one event per chunk delivered, with its
+    decoded bytes) or a ``"store"`` (one write of ``items`` blobs) at a level took ``seconds``,
+    moved ``nbytes`` bytes, and ended in ``outcome``: ``"ok"``, ``"corrupt"``, ``"forged"``,
+    ``"timeout"`` or ``"error"``;
   - ``served(query_tokens, by_level)``: a request of ``query_tokens`` tokens found
     ``by_level[level]`` of them cached at each level (the pool's, then the tiers' that a load
     brought; levels with none are left out).
@@ -50,7 +52,7 @@ __all__ = ["Counts", "Listener", "Observers"]
 log = logging.getLogger(__name__)
 
 #: The ``io`` outcomes.
-OUTCOMES = ("ok", "miss", "corrupt", "forged", "timeout", "error")
+OUTCOMES = ("ok", "corrupt", "forged", "timeout", "error")
 
 
 class Listener:

@@ -66,6 +66,7 @@ import torch
 
 from radixkv._checks import check_int
 from radixkv.backends import DeadlineExceeded, OversizeBlob, Tier, bounded, redact
+from radixkv.observe import Observers
 from radixkv.format import ChunkAuthError, ChunkFormatError, Seal, decode_chunk, encode_chunk, encoded_size
 from radixkv.hashing import Namespace, as_token_bytes, keys_from_token_bytes, tail_key
 from radixkv.pool import KVLayout
@@ -204,6 +205,9 @@ class TierStack:
         self._writer = threading.Thread(target=self._write_loop, name="radixkv-tier-writer", daemon=True)
         self._writer.start()
         self._prefetcher: ThreadPoolExecutor | None = None
+        #: The listeners of the tiers' events (``radixkv.observe``); a ``PrefixCache`` puts its own
+        #: list here, so that one listener hears the pool and the tiers.
+        self.observers = Observers()
 
     def __repr__(self) -> str:
         seal = {0: "checksum", 1: "mac", 2: "aead"}
@@ -236,23 +240,31 @@ class TierStack:
             raise TypeError(f"deadline must be a time.monotonic() value or None, got {type(deadline).__name__}")
         return float(deadline)
 
-    def _bounded_call(self, i: int, default: Any, deadline: float, fn: Callable[..., Any], *args: Any) -> Any:
+    def _bounded_call(self, i: int, default: Any, deadline: float, fn: Callable[..., Any], *args: Any,
+                      op: str = "lookup") -> Any:
         """``_call`` of a read within ``deadline``: past it, the tier's ``DeadlineExceeded`` is a
         fault counted in ``timeouts`` too, and its ``partial`` answer (if of ``default``'s type)
-        is what the call returns.  A blob the tier refuses for its size is counted as corrupt."""
+        is what the call returns.  A blob the tier refuses for its size is counted as corrupt.
+        Listeners hear it as an ``io`` of ``op`` (``"ok"``, ``"timeout"`` or ``"error"``)."""
+        t0, outcome = time.perf_counter(), "ok"
         try:
             with bounded(deadline, self._blob_bytes[i], lambda key: self._oversize(i, key)):
                 return fn(*args)
         except DeadlineExceeded as exc:
+            outcome = "timeout"
             with self._stats_lock:
                 self._per_tier["errors"][i] += 1
                 self._per_tier["timeouts"][i] += 1
             self._log("deadline passed", i, self.tiers[i].name, exc)
             return exc.partial if isinstance(exc.partial, type(default)) else default
         except Exception as exc:  # noqa: BLE001 - a tier's fault must never reach the engine
+            outcome = "error"
             self._add("errors", tier=i)
             self._log("error", i, self.tiers[i].name, exc)
             return default
+        finally:
+            if self.observers:
+                self.observers.io(self.tiers[i].name, op, time.perf_counter() - t0, 0, len(args[0]), outcome)
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -298,7 +310,8 @@ class TierStack:
         for end in range(longest, 0, -page_bytes):
             ref = self.tail_ref(parent, data[:end])
             for i in local:
-                if self._bounded_call(i, 0, deadline, self.tiers[i].contains_prefix, [self._prefix + ref.key]) == 1:
+                if self._bounded_call(i, 0, deadline, self.tiers[i].contains_prefix, [self._prefix + ref.key],
+                                      op="tail") == 1:
                     return i, ref
         return None
 
@@ -378,7 +391,7 @@ class TierStack:
                 if not window:
                     break
                 keys = [self._prefix + refs[i].key for i in window]
-                blobs = self._bounded_call(t, [None] * len(window), deadline, tier.get_many, keys)
+                blobs = self._bounded_call(t, [None] * len(window), deadline, tier.get_many, keys, op="load")
                 if not isinstance(blobs, list) or len(blobs) != len(window):
                     self._call(t, None, _bad_answer, tier, blobs)
                     blobs = [None] * len(window)
@@ -414,6 +427,9 @@ class TierStack:
         self._add(kind, tier=t)
         self._log(f"{kind} blob", t, self.tiers[t].name, exc)
         key = self._prefix + ref.key
+        if self.observers:
+            self.observers.io(self.tiers[t].name, "load", 0.0, 0, 1, kind)
+            self.observers.chunks(self.tiers[t].name, self._prefix, (), (ref.key,))
         if self.tiers[t].local:
             self._call(t, None, self.tiers[t].delete, key)
         else:
@@ -435,6 +451,8 @@ class TierStack:
             self._per_tier["hits"][t] += 1
             self._per_tier["tier_bytes_loaded"][t] += nbytes
             self._counts["bytes_loaded"] += nbytes
+        if self.observers:
+            self.observers.io(self.tiers[t].name, "load", 0.0, nbytes, 1, "ok")
         upper = [u for u in range(t) if u not in self.victims] if self.promote else []
         if upper:
             if all(self.seals[u] == self.seals[t] for u in upper) and blob is not None:
@@ -658,6 +676,8 @@ class TierStack:
                 for i in self.victims:
                     deletes[i].append(item[1])
                     self._add("released", tier=i)
+                    if self.observers:
+                        self.observers.chunks(self.tiers[i].name, self._prefix, (), (item[1][len(self._prefix):],))
             elif item[0] == "promote":
                 _, upper, ref, blob, kv = item
                 for i in upper:
@@ -692,6 +712,7 @@ class TierStack:
                 writes = per_tier[i] + fresh
                 if not writes:
                     continue
+                t0 = time.perf_counter()
                 stored = self._call(i, None, tier.put_many, writes)
                 with self._stats_lock:
                     repin = [k for k, _ in writes if k in self._pinned] if tier.local else []
@@ -703,6 +724,20 @@ class TierStack:
                     self._per_tier["stored"][i] += int(stored)
                     self._per_tier["tier_bytes_stored"][i] += nbytes
                     self._counts["bytes_stored"] += nbytes
+            if self.observers:
+                self._heard_store(i, writes, stored, time.perf_counter() - t0)
+
+    def _heard_store(self, i: int, writes: list[tuple[bytes, bytes]], stored: Any, seconds: float) -> None:
+        """Tell the listeners of tier ``i``'s ``put_many`` of ``writes`` (``stored``: how many it took,
+        ``None`` after a fault).  Which ones it took is not said by the protocol: all, when it took as
+        many as were written."""
+        name = self.tiers[i].name
+        nbytes = sum(len(b) for _, b in writes)
+        self.observers.io(name, "store", seconds, nbytes if stored is not None else 0, len(writes),
+                          "error" if stored is None else "ok")
+        if stored is not None and int(stored) == len(writes):
+            n = len(self._prefix)
+            self.observers.chunks(name, self._prefix, tuple(k[n:] for k, _ in writes), ())
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; ``False`` if ``timeout`` seconds passed first.
@@ -720,7 +755,10 @@ class TierStack:
         if type(ns_id) is not bytes or len(ns_id) != len(self._prefix):
             raise ValueError(f"ns_id must be {len(self._prefix)} bytes (Namespace.id), got {ns_id!r}")
         self.flush()
-        return sum(self._call(i, 0, tier.drop_namespace, ns_id) for i, tier in enumerate(self.tiers))
+        dropped = sum(self._call(i, 0, tier.drop_namespace, ns_id) for i, tier in enumerate(self.tiers))
+        for tier in self.tiers if self.observers else ():
+            self.observers.cleared(tier.name, ns_id)
+        return dropped
 
     def stats(self) -> dict[str, Any]:
         """Counters: per tier (lists in stack order) ``tier_lookups`` (``contains_prefix`` calls),

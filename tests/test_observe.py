@@ -39,6 +39,15 @@ def test_a_listener_hears_what_stats_counts() -> None:
         assert counts.served_tokens["cpu"] == stats["tier_hit_tokens"] > 0
         assert counts.pages_dropped["pool"] == stats["evicted_pages"] > 0
         assert counts.pages_held["pool"] - counts.pages_dropped["pool"] == stats["pages_cached"]
+        tiers = stats["stack"]
+        assert counts.chunks_held["cpu"] == tiers["stored"][0] > 0
+        assert counts.chunks_dropped["cpu"] == tiers["released"][0] + tiers["corrupt"][0] + tiers["forged"][0] > 0
+        assert counts.io_bytes["cpu", "store"] == tiers["tier_bytes_stored"][0]
+        assert counts.io_bytes["cpu", "load"] == tiers["tier_bytes_loaded"][0] > 0
+        assert counts.io_items["cpu", "load", "ok"] == tiers["hits"][0]
+        assert sum(n for (level, op, _), n in counts.ios.items() if (level, op) == ("cpu", "lookup")) == \
+            tiers["tier_lookups"][0]
+        assert not [k for k in counts.ios if k[2] in ("error", "timeout")]
         cache.check()
 
 
