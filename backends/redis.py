@@ -49,7 +49,6 @@ and unlinks them in batches, so it removes exactly one namespace, whatever other
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
 import time
@@ -60,7 +59,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from radixkv._checks import check_int
 from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, Tier, blob_view, bounded, check_key,
                               check_namespace_id, current_max_blob_bytes, redact, report_oversize)
-from radixkv.backends.s3 import _PROBE_BOUND_S, CircuitBreaker, _within, call_deadline
+from radixkv.backends.remote import (PROBE_BOUND_S, SKIPPING, CircuitBreaker, Skipped, call_deadline, skip_all,
+                                     within)
 
 __all__ = ["RedisTier", "parse_redis_url"]
 
@@ -103,15 +103,6 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     return {"host": parts.hostname, "port": port, "db": int(path or 0), "ssl": parts.scheme == "rediss",
             "username": unquote(parts.username) if parts.username else None,
             "password": unquote(parts.password) if parts.password else None, "prefix": prefix}
-
-
-class _Skipped(Exception):
-    """The breaker refused the request: answer a miss without touching the network."""
-
-
-# Set while a call runs on its caller's thread because the breaker is not closed: its requests are
-# skipped at once (as the S3 tier's).
-_SKIP: contextvars.ContextVar[bool] = contextvars.ContextVar("radixkv_redis_skip", default=False)
 
 
 class RedisTier(Tier):
@@ -160,7 +151,7 @@ class RedisTier(Tier):
         self.max_concurrency = max_concurrency
         self.breaker = breaker or CircuitBreaker(failure_threshold, backoff_s, max_backoff_s,
                                                  name=f"Redis server {self.url}")
-        self._probe_timeout_s = min(_PROBE_BOUND_S, float(connect_timeout_s) + float(read_timeout_s))
+        self._probe_timeout_s = min(PROBE_BOUND_S, float(connect_timeout_s) + float(read_timeout_s))
         self._probe_conns: set[Any] = set()  # the probes' own connections, closed by _cancel_probes
         if not self.breaker.has_probe:
             self.breaker.set_probe(self._probe, self._probe_timeout_s, self._cancel_probes)
@@ -185,7 +176,7 @@ class RedisTier(Tier):
                 raise ConnectionError(f"Redis server {self.url} is unreachable ({type(e).__name__}); pass "
                                       "lazy=True to start without it") from None
         else:
-            error = _within(lambda: self._probe(float(connect_timeout_s)), float(connect_timeout_s),
+            error = within(lambda: self._probe(float(connect_timeout_s)), float(connect_timeout_s),
                             "radixkv-redis-check", self._cancel_probes)
             if error is not None:
                 self.breaker.trip()
@@ -263,18 +254,18 @@ class RedisTier(Tier):
         return abandoned
 
     def _request(self, fn: Callable[[], T]) -> T:
-        """One guarded round trip: ``_Skipped`` while the breaker is open; a fault, or an answer
+        """One guarded round trip: ``Skipped`` while the breaker is open; a fault, or an answer
         after the deadline, is recorded and raised (credentials redacted)."""
         if self._closed:
             raise RuntimeError("RedisTier is closed")
-        if _SKIP.get():
-            raise _Skipped
+        if SKIPPING.get():
+            raise Skipped
         deadline = self._deadline()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"Redis server {self.url}: the deadline passed before the request was sent")
         epoch = self.breaker.epoch
         if not self.breaker.allow():
-            raise _Skipped
+            raise Skipped
         ok = False
         try:
             result = fn()
@@ -295,11 +286,7 @@ class RedisTier(Tier):
             raise RuntimeError("RedisTier is closed")
         epoch = self.breaker.epoch
         if not self.breaker.allow():  # (the tier's breaker always has a probe: no request is one)
-            token = _SKIP.set(True)
-            try:
-                return [fn(item) for item in items]
-            finally:
-                _SKIP.reset(token)
+            return skip_all(fn, items)
         deadline = self._deadline(len(items))
         with bounded(deadline):
             futures = [self._pool.submit(fn, item) for item in items]
@@ -355,7 +342,7 @@ class RedisTier(Tier):
 
             try:
                 values = self._request(fetch)
-            except _Skipped:
+            except Skipped:
                 outcome["skipped"] += len(names)
                 return [None] * len(names)
             except BaseException:
@@ -414,7 +401,7 @@ class RedisTier(Tier):
                 outcome = "stored"
                 self._count(bytes_written=sum(len(v) for _, v in batch))
                 return len(batch)
-            except _Skipped:
+            except Skipped:
                 outcome = "skipped_puts"
                 return 0
             finally:
@@ -438,7 +425,7 @@ class RedisTier(Tier):
 
             try:
                 found = self._request(ask)
-            except _Skipped:
+            except Skipped:
                 return 0
             n = 0
             while n < len(found) and found[n]:
@@ -458,7 +445,7 @@ class RedisTier(Tier):
         def drop(_: Any) -> bool:
             try:
                 gone = bool(self._request(lambda: self._client.delete(name)))
-            except _Skipped:
+            except Skipped:
                 raise ConnectionError(f"Redis server {self.url} is failing; delete skipped") from None
             self._count(deletes=int(gone))
             return gone
@@ -480,7 +467,7 @@ class RedisTier(Tier):
                         dropped += int(self._request(lambda: self._client.unlink(*names)))
                     if not cursor:
                         break
-            except _Skipped:
+            except Skipped:
                 raise ConnectionError(f"Redis server {self.url} is failing; drop skipped") from None
             self._count(deletes=dropped)
             return dropped

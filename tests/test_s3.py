@@ -175,7 +175,7 @@ def test_breaker_backs_off_twice_as_long_after_each_failed_probe_jittered_and_ca
 
 
 def test_breaker_bounds_a_hung_probe_and_the_probe_calls_left_running() -> None:
-    from radixkv.backends.s3 import _PROBE_CALLS
+    from radixkv.backends.remote import PROBE_CALLS as _PROBE_CALLS
 
     now, release, calls = [0.0], threading.Event(), []
 
