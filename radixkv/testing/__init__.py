@@ -19,8 +19,8 @@ from typing import Any
 _NAMES = {
     "FaultyPrefixCacheMachine": "index", "PrefixCacheMachine": "index", "RadixTreeMachine": "index",
     "TieredPrefixCacheMachine": "index", "token_lists": "index", "token_sequences": "index",
-    "Clock": "tiers", "FaultyTier": "tiers", "PersistentTierContract": "tiers", "RecordingTier": "tiers",
-    "TierContract": "tiers", "TierFault": "tiers", "blobs": "tiers", "key_universe": "tiers",
+    "Clock": "tiers", "FaultyTier": "wrappers", "PersistentTierContract": "tiers", "RecordingTier": "wrappers",
+    "TierContract": "tiers", "TierFault": "wrappers", "blobs": "tiers", "key_universe": "tiers",
     "make_blob": "tiers", "namespace_ids": "tiers", "tier_keys": "tiers",
     "GatedTier": "requests", "RequestMachine": "requests",
 }
