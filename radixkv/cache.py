@@ -19,25 +19,15 @@ Every page is in exactly one place at any moment: free in the pool, held by the 
 the engine (allocated and not yet cached).  ``check()`` verifies it, and that every live request's
 pages are in the tree, locked, and hold its tokens' prefix.
 
-With ``tiers``, lookups are a waterfall: ``open``/``match`` continue from the first chunk the tree
-does not fully cover, ask the ``TierStack`` which of the following chunks the tiers hold, load and
-verify them on a worker by a deadline, scatter them into new pool pages (only the pages past the
-tree's match when that match ends inside a chunk) and insert them into the tree.  Writes go down
-asynchronously.  ``write_through`` stores every new full chunk when it is inserted, in every tier
-that keeps copies of the pool; ``write_back`` stores nothing then.  When the tree evicts the node a
-chunk ends in, the chunk is stored below where it is not kept already (``write_back``: every tier;
-``write_through``: the victim tiers) and refreshed in the other local tiers' LRU order, so the tiers
-keep what the pool lets go.
-
-``exclusive`` (the default: measured better or equal at every pool size, ``python -m radixkv.bench
-policy``) makes the local volatile tiers private to the cache (a ``CpuTier``: ``Tier.victim``)
-exclusive of the pool: they hold only what the pool evicted, a chunk loaded from them moves up (it
-is deleted below), and nothing is promoted into them — so the pool and such a tier together hold
-as much as their sizes add up to, instead of the tier holding copies of what the pool has.
-Persistent tiers (LMDB, S3, Redis) stay inclusive: under ``write_through`` they get every chunk at
-insert, so a crash loses nothing that was cached.  Either way the chunk's pages are copied out
-synchronously and the copy is queued, so a write takes no lock on the tree: nothing can be left
-locked by a write that fails or is dropped.
+With ``tiers`` (a ``TierStack`` per KV group over the same backends) the two directions of data
+have modules of their own: ``radixkv.loads`` (tiers -> pool: ``open`` continues the pool's match
+from the first chunk the tree does not fully cover; a worker looks the chunks up and loads them by
+a deadline; ``poll``/``wait`` land them into new pages and the tree) and ``radixkv.stores`` (pool
+-> tiers: ``write_through`` stores every chunk an insert completes in the tiers that keep copies;
+an eviction stores what the pool lets go where it is not kept already; ``exclusive``, the default,
+makes the local volatile tiers hold only what the pool evicted).  Writes are queued, never waited
+for, and take no lock on the tree.  What happens at each level is told to ``observers``
+(``radixkv.observe``).
 
 A ``PrefixCache`` is used from one engine thread; the tier stack does its writes on its own thread.
 """
