@@ -1,0 +1,201 @@
+"""The fleet index against a plain reference model: any order of batches, gaps and the replays that
+fill them, given-up gaps, clears, restarts, memory bounds; lookups and holdings agree after every
+step, and ``check()`` holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+pytest.importorskip("msgspec")
+
+from radixkv.fleet.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch  # noqa: E402
+from radixkv.fleet.index import Index, Match, medium_key, medium_rank  # noqa: E402
+
+
+class Reference:
+    """The index's contract, written plainly: lists and sets, replays of whole histories."""
+
+    def __init__(self, max_blocks: int, max_pending: int) -> None:
+        self.max_blocks, self.max_pending = max_blocks, max_pending
+        self.inst: dict[str, dict[str, Any]] = {}
+
+    def apply(self, name: str, seq: int, batch: EventBatch) -> None:
+        st_ = self.inst.setdefault(name, {"next": None, "pending": {}, "order": [], "held": {}})
+        if st_["next"] is None or seq < st_["next"]:
+            if st_["next"] is not None:
+                self.clear(st_)
+                st_["pending"] = {}
+            st_["next"] = seq
+        st_["pending"][seq] = batch
+        if seq > st_["next"] and len(st_["pending"]) > self.max_pending:    # a gap given up
+            self.clear(st_)
+            st_["next"] = min(st_["pending"])
+        self.drain(st_)
+
+    def skip(self, name: str) -> None:
+        st_ = self.inst[name]
+        if st_["pending"]:
+            self.clear(st_)
+            st_["next"] = min(st_["pending"])
+            self.drain(st_)
+
+    def drain(self, st_: dict[str, Any]) -> None:
+        while st_["next"] in st_["pending"]:
+            for ev in st_["pending"].pop(st_["next"]).events:
+                self.event(st_, ev)
+            st_["next"] += 1
+
+    @staticmethod
+    def clear(st_: dict[str, Any]) -> None:
+        st_["order"], st_["held"] = [], {}
+
+    def event(self, st_: dict[str, Any], ev: Any) -> None:
+        order, held = st_["order"], st_["held"]
+        if isinstance(ev, AllBlocksCleared):
+            self.clear(st_)
+        elif isinstance(ev, BlockStored):
+            parent, m = ev.parent_block_hash, medium_key(ev.medium)
+            for h in ev.block_hashes:
+                if h in order:
+                    order.remove(h)
+                order.append(h)
+                media = held[h][1] if h in held else set()
+                held[h] = (parent, media | {m})
+                parent = h
+            while len(order) > self.max_blocks:
+                del held[order.pop(0)]
+        else:
+            m = medium_key(ev.medium)
+            for h in ev.block_hashes:
+                if h in held and m in held[h][1]:
+                    held[h][1].discard(m)
+                    if not held[h][1]:
+                        del held[h]
+                        order.remove(h)
+
+    def lookup(self, hashes: list[int], include_stale: bool) -> dict[str, Match]:
+        out = {}
+        for name, st_ in self.inst.items():
+            if st_["pending"] and not include_stale:
+                continue
+            media = {m for _, ms in st_["held"].values() for m in ms}
+            best = None
+            for m in sorted(media, key=medium_rank):
+                run = 0
+                for h in hashes:
+                    if h not in st_["held"] or m not in st_["held"][h][1]:
+                        break
+                    run += 1
+                if run and (best is None or run > best.blocks):
+                    best = Match(run, m)
+            if best is not None:
+                out[name] = best
+        return out
+
+
+INSTANCES = ["a", "b", "c"]
+hashes = st.lists(st.integers(0, 9), min_size=1, max_size=5)
+media = st.sampled_from(["GPU", "CPU", "cpu", "STORAGE", None, "disk"])
+stored = st.builds(lambda hs, p, m: BlockStored(block_hashes=hs, parent_block_hash=p, token_ids=[], block_size=4,
+                                                 lora_id=None, medium=m, lora_name=None),
+                   hashes, st.one_of(st.none(), st.integers(0, 9)), media)
+removed = st.builds(lambda hs, m: BlockRemoved(block_hashes=hs, medium=m), hashes, media)
+event = st.one_of(stored, stored, removed, st.just(AllBlocksCleared()))
+batches = st.builds(lambda evs: EventBatch(ts=0.0, events=evs), st.lists(event, max_size=3))
+op = st.one_of(
+    st.tuples(st.just("apply"), st.sampled_from(INSTANCES), st.integers(-2, 3), batches, st.booleans()),
+    st.tuples(st.just("apply"), st.sampled_from(INSTANCES), st.integers(-2, 3), batches, st.booleans()),
+    st.tuples(st.just("skip"), st.sampled_from(INSTANCES)),
+    st.tuples(st.just("lookup"), st.lists(st.integers(0, 9), max_size=8), st.booleans()),
+)
+
+
+# cheap examples (a few ms): four times the profile's count, so that rarer paths (a gap given up
+# after max_pending waiting batches, eviction past max_blocks mid-chain) come up in every run
+@settings(max_examples=4 * settings.default.max_examples)
+@given(ops=st.lists(op, max_size=40), max_blocks=st.integers(1, 8), max_pending=st.integers(1, 4))
+def test_index_matches_reference(ops: list[tuple], max_blocks: int, max_pending: int) -> None:
+    idx, ref = Index(max_blocks=max_blocks, max_pending=max_pending), Reference(max_blocks, max_pending)
+    for o in ops:
+        if o[0] == "apply":
+            _, name, delta, batch, live = o
+            st_ = ref.inst.get(name)
+            base = 0 if st_ is None else st_["next"]
+            if live and st_ is not None and st_["pending"]:
+                base = max(st_["pending"]) + 1    # the live stream goes on past a gap
+            seq = max(0, base + delta)            # in order, gaps (> 0), restarts, replays (< 0)
+            idx.apply(name, seq, batch)
+            ref.apply(name, seq, batch)
+        elif o[0] == "skip":
+            if o[1] in ref.inst:
+                idx.skip_gap(o[1])
+                ref.skip(o[1])
+        else:
+            assert idx.lookup(o[1], include_stale=o[2]) == ref.lookup(o[1], o[2])
+        idx.check()
+        for name, st_ in ref.inst.items():
+            assert idx.stale(name) == bool(st_["pending"])
+            assert idx.next_seq(name) == st_["next"]
+            want = {h: (p, sorted(ms, key=medium_rank)) for h, (p, ms) in st_["held"].items()}
+            assert idx.held(name) == want
+            assert list(idx.held(name)) == st_["order"]
+
+
+def stored_on(medium: str, hs: list[int], parent: int | None = None) -> EventBatch:
+    return EventBatch(ts=0.0, events=[BlockStored(block_hashes=hs, parent_block_hash=parent, token_ids=[],
+                                                  block_size=16, lora_id=None, medium=medium, lora_name=None)])
+
+
+def test_fastest_medium_and_longest_run() -> None:
+    idx = Index()
+    idx.apply("x", 0, stored_on("CPU", [1, 2, 3]))
+    idx.apply("x", 1, stored_on("GPU", [1, 2]))
+    idx.apply("y", 5, stored_on("STORAGE", [1, 2]))
+    idx.apply("y", 6, stored_on("GPU", [1, 2]))
+    assert idx.lookup([1, 2, 3, 4]) == {"x": Match(3, "CPU"), "y": Match(2, "GPU")}
+    assert idx.lookup([9]) == {}
+
+
+def test_gap_then_replay_then_restart() -> None:
+    idx = Index()
+    idx.apply("x", 0, stored_on("GPU", [1]))
+    idx.apply("x", 2, EventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[1], medium="GPU")]))
+    assert idx.stale("x") and idx.lookup([1]) == {} and idx.lookup([1], include_stale=True) == {"x": Match(1, "GPU")}
+    idx.apply("x", 1, stored_on("GPU", [1, 2]))               # the replay fills the gap
+    assert not idx.stale("x") and idx.lookup([1, 2]) == {}
+    idx.apply("x", 3, stored_on("GPU", [5]))
+    idx.apply("x", 0, stored_on("GPU", [7]))                  # a restart
+    assert idx.lookup([5]) == {} and idx.lookup([7]) == {"x": Match(1, "GPU")}
+    idx.remove("x")
+    idx.check()
+    assert len(idx) == 0 and idx.instances() == []
+
+
+def test_bad_input_names_the_argument() -> None:
+    with pytest.raises(ValueError, match="max_blocks"):
+        Index(max_blocks=0)
+    with pytest.raises(TypeError, match="max_pending"):
+        Index(max_pending=1.5)  # type: ignore[arg-type]
+    idx = Index()
+    with pytest.raises(TypeError, match="instance"):
+        idx.apply(1, 0, stored_on("GPU", [1]))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="seq"):
+        idx.apply("x", "0", stored_on("GPU", [1]))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="batch"):
+        idx.apply("x", 0, [])
+    with pytest.raises(KeyError, match="nobody"):
+        idx.stale("nobody")
+
+
+def test_bench_fleet_index_smoke(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from radixkv.bench import BENCHMARKS
+    from radixkv.bench.fleet_index import main
+    assert "fleet_index" in BENCHMARKS
+    out = tmp_path / "r.txt"
+    assert main(["--instances", "3", "--prompt-blocks", "100", "--background", "200", "--memory-blocks", "3000",
+                 "--repeat", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# python -m radixkv.bench fleet_index") and "lookups/s" in text and "bytes a block" in text
