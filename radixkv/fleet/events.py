@@ -225,6 +225,12 @@ class Publisher:
         """How many batches the replay buffer holds now (at most ``buffer_steps``)."""
         return len(self._buffer)
 
+    @property
+    def last_sent(self) -> int | None:
+        """The sequence number of the last batch sent (``None`` before the first)."""
+        buf = self._buffer
+        return buf[-1][0] if buf else None
+
     def _run(self) -> None:
         while True:
             if self._replay is not None:
