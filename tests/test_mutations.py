@@ -35,6 +35,8 @@ from radixkv.testing import (FaultyPrefixCacheMachine, PrefixCacheMachine, Radix
 from radixkv.testing.backends import CpuTierContract, LmdbTierContract, LmdbTtlTierContract, MemoryTierContract
 from radixkv.testing.requests import RequestMachine, SlidingRequestMachine
 from radixkv.testing.settings import MUTATION
+from radixkv.loads import Loads
+from radixkv.stores import Stores
 from radixkv.tiers import TierStack
 from radixkv.tree import RadixTree
 from sqlite_tier import SqliteTier
@@ -640,7 +642,7 @@ def _insert_keeps_parent_in_lru(mp: pytest.MonkeyPatch) -> None:
                 self._lru_add(parent)
             return result
         return bad
-    wrap(mp, RadixTree, "_insert", make)
+    wrap(mp, RadixTree, "insert_bytes", make)
 
 
 def _evict_one_leaf_more(mp: pytest.MonkeyPatch) -> None:
@@ -719,13 +721,13 @@ def _load_ignores_skip(mp: pytest.MonkeyPatch) -> None:
 
 def _first_chunk_not_stored(mp: pytest.MonkeyPatch) -> None:
     def make(store: Callable[..., None]) -> Callable[..., None]:
-        def bad(self: PrefixCache, data: bytes, pages: Any, first: int, last: int, *rest: Any, **kw: Any) -> None:
+        def bad(self: Stores, data: bytes, pages: Any, first: int, last: int, *rest: Any, **kw: Any) -> None:
             if first == 0:
                 first = 1
             if first < last:
                 store(self, data, pages, first, last, *rest, **kw)
         return bad
-    wrap(mp, PrefixCache, "_store_chunks", make)
+    wrap(mp, Stores, "store_chunks", make)
 
 
 def _tail_one_page_early(mp: pytest.MonkeyPatch) -> None:
@@ -733,47 +735,47 @@ def _tail_one_page_early(mp: pytest.MonkeyPatch) -> None:
     real = RadixTree.prefix_pages
 
     def make(spill_tail: Callable[..., None]) -> Callable[..., None]:
-        def bad(self: PrefixCache, *args: Any) -> None:
+        def bad(self: Stores, *args: Any) -> None:
             mp.setattr(RadixTree, "prefix_pages", lambda tree, node: np.roll(real(tree, node), 1))
             try:
                 spill_tail(self, *args)
             finally:
                 mp.setattr(RadixTree, "prefix_pages", real)
         return bad
-    wrap(mp, PrefixCache, "_spill_tail", make)
+    wrap(mp, Stores, "_tail", make)
 
 
 def _land_counts_whole_first_chunk(mp: pytest.MonkeyPatch) -> None:
     def make(land: Callable[..., Any]) -> Callable[..., Any]:
-        def bad(self: PrefixCache, req: Any, *args: Any, **kw: Any) -> Any:
-            held, before = req.num_cached, sum(self._tier_hit_tokens)
+        def bad(self: Loads, req: Any, *args: Any, **kw: Any) -> Any:
+            held, before = req.num_cached, sum(self.tier_hits)
             out = land(self, req, *args, **kw)
-            if sum(self._tier_hit_tokens) > before and held % self.chunk_size:
-                self._tier_hit_tokens[0] += held % self.chunk_size     # counts pages the tree had
+            if sum(self.tier_hits) > before and held % self.chunk_size:
+                self.tier_hits[0] += held % self.chunk_size     # counts pages the tree had
             return out
         return bad
-    wrap(mp, PrefixCache, "_land", make)
+    wrap(mp, Loads, "land", make)
 
 
 def _land_leaves_old_node_locked(mp: pytest.MonkeyPatch) -> None:
     def make(land: Callable[..., Any]) -> Callable[..., Any]:
-        def bad(self: PrefixCache, req: Any, *args: Any, **kw: Any) -> Any:
+        def bad(self: Loads, req: Any, *args: Any, **kw: Any) -> Any:
             old = req.node
             out = land(self, req, *args, **kw)
             if req.node is not old:
                 self.tree.lock(old)                # the shorter match stays locked as well
             return out
         return bad
-    wrap(mp, PrefixCache, "_land", make)
+    wrap(mp, Loads, "land", make)
 
 
 def _no_refresh(mp: pytest.MonkeyPatch) -> None:
     def make(spill: Callable[..., None]) -> Callable[..., None]:
-        def bad(self: PrefixCache, node: Any) -> None:
+        def bad(self: Stores, node: Any) -> None:
             if self.write_policy != "write_through":
                 spill(self, node)
         return bad
-    wrap(mp, PrefixCache, "_spill", make)
+    wrap(mp, Stores, "evicting", make)
 
 
 def _store_drops_last(mp: pytest.MonkeyPatch) -> None:
@@ -800,7 +802,7 @@ ENGINE_MUTANTS = [
            "RadixTreeMachine", _unlock_forgets_lru),
     Mutant("tree-lock-only-the-node", "RadixTree.lock/unlock", "ancestors are not locked", "RadixTreeMachine",
            _lock_only_the_node),
-    Mutant("tree-insert-keeps-parent-in-lru", "RadixTree._insert", "a parent that gains a child stays evictable",
+    Mutant("tree-insert-keeps-parent-in-lru", "RadixTree.insert_bytes", "a parent that gains a child stays evictable",
            "RadixTreeMachine", _insert_keeps_parent_in_lru),
     Mutant("tree-touch-ignores-recency", "RadixTree._touch", "matches do not refresh recency",
            "RadixTreeMachine", lambda mp: mp.setattr(RadixTree, "_touch", lambda self, path: None)),
@@ -825,20 +827,20 @@ ENGINE_MUTANTS = [
            _match_covers_last_token),
     Mutant("cache-hit-tokens-pool-only", "PrefixCache.match", "hit_tokens leaves out tier hits",
            "TieredPrefixCacheMachine", _hit_tokens_pool_only),
-    Mutant("cache-load-ignores-skip", "ops.scatter_pages (PrefixCache._land)",
+    Mutant("cache-load-ignores-skip", "ops.scatter_pages (Loads.land)",
            "a load into a chunk ignores skip_pages", "TieredPrefixCacheMachine", _load_ignores_skip),
-    Mutant("cache-load-counts-whole-chunk", "PrefixCache._land",
+    Mutant("cache-load-counts-whole-chunk", "Loads.land",
            "tier hit tokens count the pages the tree already had", "TieredPrefixCacheMachine",
            _land_counts_whole_first_chunk),
-    Mutant("cache-load-leaves-old-lock", "PrefixCache._land", "a load leaves the tree match locked",
+    Mutant("cache-load-leaves-old-lock", "Loads.land", "a load leaves the tree match locked",
            "TieredPrefixCacheMachine", _land_leaves_old_node_locked),
-    Mutant("cache-first-chunk-not-stored", "PrefixCache._store_chunks", "the first chunk never reaches the tiers",
+    Mutant("cache-first-chunk-not-stored", "Stores.store_chunks", "the first chunk never reaches the tiers",
            "TieredPrefixCacheMachine", _first_chunk_not_stored),
-    Mutant("cache-evict-no-refresh", "PrefixCache._spill", "write_through eviction does not refresh tier recency",
+    Mutant("cache-evict-no-refresh", "Stores.evicting", "write_through eviction does not refresh tier recency",
            "TieredPrefixCacheMachine", _no_refresh),
-    Mutant("cache-evict-no-spill", "PrefixCache._spill", "write_back does not store what it evicts",
-           "WriteBackMachine", lambda mp: mp.setattr(PrefixCache, "_spill", lambda self, node: None)),
-    Mutant("cache-tail-one-page-early", "PrefixCache._spill_tail", "a tail holds the KV of the page before it",
+    Mutant("cache-evict-no-spill", "Stores.evicting", "write_back does not store what it evicts",
+           "WriteBackMachine", lambda mp: mp.setattr(Stores, "evicting", lambda self, node: None)),
+    Mutant("cache-tail-one-page-early", "Stores._tail", "a tail holds the KV of the page before it",
            "WriteBackMachine", _tail_one_page_early),
     Mutant("stack-store-drops-last", "TierStack.store", "the last chunk of a store is lost uncounted",
            "TieredPrefixCacheMachine", _store_drops_last),
@@ -908,16 +910,16 @@ def _grow_repeats_a_token(mp: pytest.MonkeyPatch) -> None:
 
 
 def _land_drops_the_load(mp: pytest.MonkeyPatch) -> None:
-    mp.setattr(PrefixCache, "_land", lambda self, req, *args, **kw: 0)
+    mp.setattr(Loads, "land", lambda self, req, *args, **kw: 0)
 
 
 def _trim_one_page_too_many(mp: pytest.MonkeyPatch) -> None:
     def make(trim: Callable[..., None]) -> Callable[..., None]:
-        def bad(self: KVGroups, tree: Any, node: Any) -> None:
+        def bad(self: KVGroups, tree: Any, node: Any, spill: Any = None) -> None:
             keep = self.keep
             self.keep = [k - 1 for k in keep]      # the window starts one page late
             try:
-                trim(self, tree, node)
+                trim(self, tree, node, spill)
             finally:
                 self.keep = keep
         return bad
@@ -965,7 +967,7 @@ REQUEST_MUTANTS = [
            "RequestMachine", _wait_does_not_wait),
     Mutant("request-grow-repeats-a-token", "Request._grow", "extend converts from one token too early",
            "RequestMachine", _grow_repeats_a_token),
-    Mutant("cache-land-drops-the-load", "PrefixCache._land", "a load that arrived is dropped (a silent miss)",
+    Mutant("cache-land-drops-the-load", "Loads.land", "a load that arrived is dropped (a silent miss)",
            "TieredPrefixCacheMachine", _land_drops_the_load),
 ]
 
