@@ -239,7 +239,11 @@ def test_a_request_loads_its_prefix_from_a_tier_while_others_decode(llama: Any, 
         document = tokens(41, seed=12)                       # 5 chunks, written through
         warm = serve_into_the_tier(engine, document + tokens(2, seed=13))
         busy = [engine.add(tokens(9 + i, seed=14 + i), max_new_tokens=12) for i in range(2)]
-        engine.step()
+        for _ in range(200):                                 # their own lookups done: both decoding
+            engine.step()
+            if all(r.output for r in busy):
+                break
+        assert all(r.output for r in busy)
         tier.gate.clear()                                    # the load will wait in the tier
         late = engine.add(document + tokens(3, seed=16), max_new_tokens=5)
         for _ in range(4):
