@@ -287,6 +287,11 @@ def _launch(tmp: Path, name: str, spec: dict[str, Any]) -> tuple[subprocess.Pope
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "radixkv-moto-secret",
            "AWS_DEFAULT_REGION": "us-east-1", "TOKENIZERS_PARALLELISM": "false"}
+    if "ATEN_CPU_CAPABILITY" in env:
+        # Forced to an older CPU's kernels, torch's inductor still generates C++ for the CPU it sees
+        # and fails to compile it (`at::vec` undeclared) for vLLM's torch.compile'd sampler helpers:
+        # run them eagerly (the same math) instead.
+        env["TORCHDYNAMO_DISABLE"] = "1"
     with open(log, "wb") as f:   # the engine's children inherit these: a file, never a pipe
         proc = subprocess.Popen([sys.executable, str(HERE / "vllm_cases.py"), str(spec_path), str(out)],
                                 stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
