@@ -39,6 +39,7 @@ from radixkv.loads import Loads
 from radixkv.stores import Stores
 from radixkv.tiers import TierStack
 from radixkv.tree import RadixTree
+from mutants_engine import ROWS as ENGINE_ROWS
 from sqlite_tier import SqliteTier
 
 
@@ -972,6 +973,7 @@ REQUEST_MUTANTS = [
 ]
 
 MUTANTS = TIER_MUTANTS + ENGINE_MUTANTS + REQUEST_MUTANTS + GROUP_MUTANTS
+MUTANTS += [Mutant(*row) for row in ENGINE_ROWS]      # tests/mutants_engine.py
 
 
 def run_mutant(mutant: Mutant, tmp_path: Path) -> tuple[bool, str]:

@@ -22,6 +22,41 @@ TestRequestMachine = RequestMachine.TestCase
 TestSlidingRequestMachine = SlidingRequestMachine.TestCase      # sliding-window layers in every run
 
 
+def test_the_machine_loads_into_a_chunk_and_reloads_a_stores_first_chunk(monkeypatch):
+    """A short run of the request machine lands a tier load that starts inside a chunk (its tree
+    match ends a page into it) and loads back the first chunk of a store: the cases a mutant of
+    either must meet."""
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from radixkv import ops
+    from radixkv.testing.settings import MUTATION
+    from radixkv.tiers import TierStack
+
+    skips, firsts, reloaded = [], set(), []
+    scatter, store, load = ops.scatter_pages, TierStack.store, TierStack.load
+
+    def scatter_pages(src, pool, ids, skip_pages=0):
+        skips.append(skip_pages)
+        return scatter(src, pool, ids, skip_pages=skip_pages)
+
+    def store_chunks(self, items, **kw):
+        items = list(items)
+        firsts.update(ref.key for ref, _ in items[:1])
+        return store(self, items, **kw)
+
+    def load_chunks(self, refs, **kw):
+        chunks = load(self, refs, **kw)
+        reloaded.extend(ref.key in firsts for ref in list(refs)[:len(chunks)])
+        return chunks
+
+    monkeypatch.setattr(ops, "scatter_pages", scatter_pages)
+    monkeypatch.setattr(TierStack, "store", store_chunks)
+    monkeypatch.setattr(TierStack, "load", load_chunks)
+    run_state_machine_as_test(RequestMachine, settings=settings(MUTATION, max_examples=10))
+    assert any(skips) and any(reloaded)
+
+
 class ExclusiveCpuRequestMachine(RequestMachine):
     """The same engine over an exclusive CPU tier ordered by S3-FIFO: chunks move between the pool
     and the tier (stored when evicted, deleted when loaded back) while requests hold their pages."""

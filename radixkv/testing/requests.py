@@ -8,6 +8,19 @@ steps.  The "engine" writes each token's id and position into its KV slot, so af
 the machine checks that every page a live request holds still holds that request's tokens: a held
 page that was freed, reused or overwritten fails the run, as does a wrong ``check()``.
 
+Whether or not ``check()`` runs, an ``EvictionModel`` (``radixkv.testing.index``) follows every call
+and checks what it evicts: least recently used unheld leaves first, and (where no sliding pool
+smaller than the main one is short) exactly as many pages as ``alloc`` or a load was short;
+``evictable_size`` and ``protected_size`` agree with what live requests and pins hold; ``open``
+and the one-call ``match`` hold whole pages, leave the last token when asked and cover at least
+what the pool held.  With an exact tier below (the default ``MemoryTier``), every chunk of a
+full-attention group the pool takes in is stored there (``write_through``), and every chunk the
+pool lets go that the tier holds counts as just used there (``TierStack.touch``).  Rules aim at
+the cases a random walk rarely meets: a sequence reloaded after the pool let it go, the load
+starting a page into a chunk or at the first chunk of a store; and a prefix of a least recently
+used leaf (or all of the leaf cached first) used just before an eviction, which must then outlive
+the leaves used before it.
+
 Two runs in three use a layout with sliding-window layers (``layer_windows``: a full layer and one or
 two sliding ones, or every layer sliding, windows of 2–8 tokens; sometimes a small
 ``window_pages``), so the KV groups are covered too: the engine writes every group's pages (a
@@ -36,9 +49,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv.backends import Blob, MemoryTier, Tier
-from radixkv.cache import PoolExhausted, PrefixCache
+from radixkv.cache import Match, PoolExhausted, PrefixCache
 from radixkv.pool import KVGroup, KVLayout
 from radixkv.request import Request
+from radixkv.testing.index import EvictionModel, Held, resident_tokens
+from radixkv.testing.wrappers import RecordingTier
 
 __all__ = ["GatedTier", "RequestMachine", "SlidingRequestMachine", "layer_windows"]
 
@@ -149,7 +164,9 @@ class RequestMachine(RuleBasedStateMachine):
             window_pages = data.draw(st.one_of(st.none(), st.integers(max(2, num_pages // 3), num_pages)),
                                      label="window_pages")
             chunk_pages = data.draw(st.integers(1, 2), label="chunk_pages")
-        self.gated = GatedTier(*self.make_tiers())
+        #: Every access and write of the tier below, for the recency check of evictions.
+        self.recorder = RecordingTier(*self.make_tiers())
+        self.gated = GatedTier(self.recorder)
         self.cache = PrefixCache(layout, num_pages=num_pages, chunk_size=chunk_pages * page_size,
                                  tiers=[self.gated], load_timeout=30.0, window_pages=window_pages)
         self.ps = page_size
@@ -162,6 +179,10 @@ class RequestMachine(RuleBasedStateMachine):
         self.pinned: dict[tuple[int, ...], list[int]] = {}
         self.stored: set[tuple[int, ...]] = set()   # chunk-aligned prefixes cached so far
         self.pin_held: dict[tuple[int, ...], int] = {}
+        self.model = EvictionModel(page_size)
+        self.matched: list[tuple[list[int], int]] = []   # one-call matches held during a step
+        self.resident: dict[bytes, str] = {}        # tier key of each chunk the pool held -> its name
+        self.mark = self.recorder.mark()
 
     def teardown(self) -> None:
         if hasattr(self, "cache"):
@@ -205,7 +226,7 @@ class RequestMachine(RuleBasedStateMachine):
         n = 0
         while (n + 1) * cs <= len(tokens) - 1 and tuple(tokens[:(n + 1) * cs]) in self.stored:
             n += 1
-        room = self.cache.pool.num_free + self.cache.tree.evictable_size // ps
+        room = self.cache.pool.num_free + self.model.evictable(self._held())
         return n * cs if room >= n * cs // ps else 0
 
     def _recallable_grouped(self, tokens: list[int]) -> int:
@@ -226,6 +247,69 @@ class RequestMachine(RuleBasedStateMachine):
         pools = [self.cache.pool, *self.cache.groups.pools]          # type: ignore[union-attr]
         return n * cs if min(pool.num_free for pool in pools) >= n * cs // ps else 0
 
+    # ---------------------------------------------------------------- the eviction model
+
+    def _held(self) -> Held:
+        """What live requests, pins and one-call matches hold: (tokens, tokens held) each."""
+        pins = self.cache.pins
+        return ([(x.tokens, x.req.num_cached) for x in self.live] + self.matched
+                + [(t, pins[np.asarray(t, dtype="<i4").tobytes()].num_cached) for t in self.pinned.values()])
+
+    def _observe(self, what: str, asked: int | Callable[[int], int] | None = 0) -> int:
+        """``EvictionModel.observe`` of the call ``what`` that just ran; the pages it evicted."""
+        return self.model.observe(self.cache.tree, self._held(), asked, what)
+
+    def _taking(self, pages: int | None = None) -> int | Callable[[int], int] | None:
+        """What the next call may evict: ``pages`` it takes (``None``: a tier load, a page for each
+        page it inserts), less the free ones.  ``None`` (not modelled) where a sliding pool smaller
+        than the main one may be short of them: ``alloc`` then evicts leaf by leaf until it has
+        room.  (A sliding pool as large as the main one never is: each of its pages belongs to a
+        main pool page.)"""
+        free, groups = self.cache.pool.num_free, self.cache.groups
+        if groups is not None and any(pool.num_pages < self.cache.pool.num_pages for pool in groups.pools) and \
+                (pages is None or min(pool.num_free for pool in groups.pools) < pages):
+            return None
+        return (lambda new: max(0, new - free)) if pages is None else max(0, pages - free)
+
+    def _used(self, tokens: list[int], num_cached: int, landed: bool = True) -> None:
+        """Tell the model what a lookup of ``tokens`` used: what it holds now, when it matched
+        (``open``, ``match``) or a load of it landed (``landed``).  A load may also have used more of
+        what the tree holds of ``tokens`` (with groups, all it fetched; without, the tree's match of
+        a load that brought nothing new): that is marked as maybe used."""
+        if landed:
+            self.model.touch(tokens, num_cached)
+        if not landed or self.cache.groups is not None:
+            self.model.touch_maybe(tokens, len(tokens))
+
+    def _alloc(self, n: int) -> list[int] | None:
+        """``cache.alloc(n)`` (``None``: ``PoolExhausted``): it refuses only when free and unheld
+        pages are too few, and evicts least recently used leaves, just as many as it is short."""
+        asked, free = self._taking(n), self.cache.pool.num_free
+        try:
+            new = self.cache.alloc(n)
+        except PoolExhausted:
+            self._observe(f"a refused alloc({n})", None if asked is None else 0)
+            if asked is not None and free + self.model.evictable(self._held()) >= n:
+                raise AssertionError(f"alloc({n}) raised PoolExhausted with {free} pages free and "
+                                     f"{self.model.evictable(self._held())} cached that no request holds") from None
+            return None
+        assert len(new) == n, f"alloc({n}) returned {len(new)} pages"
+        assert not self.cache.pool.is_free(new).any(), f"alloc({n}) returned {new.tolist()}: the pool says free"
+        self._observe(f"alloc({n}) with {free} pages free", asked)
+        return new.tolist()
+
+    def _matched(self, tokens: list[int], num_cached: int, leave_last: bool, resident: int, what: str) -> None:
+        """A lookup of ``tokens`` (``match``, ``open``) held ``num_cached`` tokens: whole pages, the last
+        token left when asked, and (without groups, where a window may be missing) at least the
+        ``resident`` tokens the tree held before, as far as that limit allows."""
+        limit = len(tokens) - (1 if leave_last else 0)
+        assert num_cached % self.ps == 0 and num_cached <= limit, \
+            f"{what}({tokens}, leave_last={leave_last}) holds {num_cached} tokens"
+        if self.cache.groups is None:
+            want = min(resident, limit // self.ps * self.ps)
+            assert num_cached >= want, f"{what}({tokens}, leave_last={leave_last}) holds {num_cached} tokens; " \
+                                       f"the pool held {want} of them"
+
     # ---------------------------------------------------------------- rules
 
     @rule(fresh=st.lists(st.integers(0, 2), max_size=10), reuse=st.booleans(), wait=st.booleans(),
@@ -235,19 +319,27 @@ class RequestMachine(RuleBasedStateMachine):
         if reuse and self.seen:              # a seen prefix, cut anywhere or whole (the next turn), and a new suffix
             old = data.draw(st.sampled_from(self.seen))
             tokens = old[:data.draw(st.one_of(st.just(len(old)), st.integers(0, len(old))))] + fresh
-        if not tokens:
-            return
+        if tokens:
+            self._open(tokens, wait)
+
+    def _open(self, tokens: list[int], wait: bool) -> None:
+        """``open`` a request (loads waited for, or left pending): with an exact tier, a load waited
+        for brings back every stored chunk the pool has room for."""
         if wait:
             self.gated.gate.set()            # an engine that waits gets its answer
         expect = 0
         if wait and self.exact_tier:
             expect = self._recallable(tokens) if self.cache.groups is None else self._recallable_grouped(tokens)
+        resident, asked = resident_tokens(self.cache.tree, tokens), self._taking()
         req = self.cache.open(tokens, load="wait" if wait else "async")
+        self.live.append(_Live(tokens, req))
+        self._used(tokens, req.num_cached)
+        self._observe(f"open({tokens}, load={'wait' if wait else 'async'})", asked)
+        self._matched(tokens, req.num_cached, True, resident, "open")
         if wait:
             assert not req.pending, f"{req!r}: load='wait' returned with a load pending"
             assert req.num_cached >= expect, \
                 f"{req!r}: {expect} tokens were stored below and fit in the pool, only {req.num_cached} came back"
-        self.live.append(_Live(tokens, req))
 
     @rule(open_gate=st.booleans())
     def gate(self, open_gate: bool) -> None:
@@ -266,7 +358,10 @@ class RequestMachine(RuleBasedStateMachine):
             # The gate is open: let the worker finish first, so that what poll finds (and so the
             # rest of the run) does not depend on thread timing; a closed gate holds it pending.
             futures_wait([pending.future], timeout=self.gated.max_wait)
+        asked = self._taking()
         done = live.req.poll()
+        self._used(live.tokens, live.req.num_cached, live.req.num_cached > before)
+        self._observe(f"poll of {live.req!r}", asked)
         assert done == (not live.req.pending), f"{live.req!r}: poll said {done}"
         assert live.req.num_cached >= before, f"{live.req!r}: poll shrank the held prefix from {before}"
 
@@ -283,15 +378,17 @@ class RequestMachine(RuleBasedStateMachine):
         req = live.req
         if req.pending:
             self.gated.gate.set()
+            before, asked = req.num_cached, self._taking()
             assert req.wait(), f"{req!r}: wait returned with the load still pending"
+            self._used(live.tokens, req.num_cached, req.num_cached > before)
+            self._observe(f"wait for {req!r}", asked)
         n, held = len(live.tokens), len(req.page_ids)
-        try:
-            new = self.cache.alloc(-(-n // self.ps) - held).tolist()
-        except PoolExhausted:
+        new = self._alloc(-(-n // self.ps) - held)
+        if new is None:
             return
         self._fill(live.tokens, req.num_cached, new)
         full = n // self.ps - held
-        table = req.extend(live.tokens, new[:full]).tolist()
+        table = self._extend(live, new[:full]).tolist()
         assert len(table) == n // self.ps and req.num_cached == len(table) * self.ps, \
             f"{req!r}: extend returned {len(table)} pages for {n} tokens"
         live.tail = new[full] if len(new) > full else None
@@ -305,17 +402,25 @@ class RequestMachine(RuleBasedStateMachine):
         live = data.draw(st.sampled_from([x for x in self.live if x.prefilled]))
         pos = len(live.tokens)
         if live.tail is None:
-            try:
-                live.tail = int(self.cache.alloc(1)[0])
-            except PoolExhausted:
+            new = self._alloc(1)
+            if new is None:
                 return
+            live.tail = new[0]
         live.tokens.append(token)
         self._write(live.tail, pos % self.ps, token, pos)
         if len(live.tokens) % self.ps == 0:
-            table = live.req.extend(live.tokens, [live.tail])
+            table = self._extend(live, [live.tail])
             assert len(table) == len(live.tokens) // self.ps, f"{live.req!r}: table of {len(table)} pages"
             live.tail = None
             self._cached(live.tokens, live.req.num_cached)
+
+    def _extend(self, live: _Live, pages: list[int]) -> torch.Tensor:
+        """``extend`` the request of ``live`` with ``pages``; its canonical page table."""
+        table = live.req.extend(live.tokens, pages)
+        if pages:                            # an insert: every full page of the tokens is used
+            self.model.touch(live.tokens, len(live.tokens))
+        self._observe(f"extend of {live.req!r}")
+        return table
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), again=st.booleans())
@@ -323,7 +428,9 @@ class RequestMachine(RuleBasedStateMachine):
         """Finish a request; with ``again`` the same tokens come straight back (a retry): where its
         held prefix ends at a leaf or a branch point, the pool alone must serve all of it but the
         page of the last token (with sliding groups: the window of a match that stops a page short
-        of a reuse point is kept too)."""
+        of a reuse point is kept too, where the pool computed the request's pages: a tier load
+        brings a sliding group's window of its end only, not the page more that ``KVGroups.keep``
+        keeps, so a retry a page short of a loaded end may miss its window)."""
         live = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
         req = live.req
         req.release()
@@ -331,30 +438,48 @@ class RequestMachine(RuleBasedStateMachine):
             self.cache.free([live.tail])
         if live.prefilled:
             self.seen.append(list(live.tokens))
-        if again and live.prefilled and req.num_cached and len(req.node.children) != 1:
+        loaded = self.cache.groups is not None and req.tier_tokens > 0
+        if again and live.prefilled and req.num_cached and len(req.node.children) != 1 and not loaded:
             tokens = live.tokens[:data.draw(st.sampled_from([req.num_cached, len(live.tokens)]), label="retry")]
             want = min(req.num_cached, (len(tokens) - 1) // self.ps * self.ps)
+            resident = resident_tokens(self.cache.tree, tokens)
             retry = self.cache.open(tokens, load="none")
             self.live.append(_Live(list(tokens), retry))
+            self.model.touch(tokens, retry.num_cached)
+            self._observe(f"open({tokens}, load='none')")
+            self._matched(tokens, retry.num_cached, True, resident, "open")
             assert retry.num_cached >= want, \
                 f"{retry!r}: {req!r} ended at a reuse point and was released; the same tokens again got " \
                 f"{retry.num_cached} tokens from the pool, not {want}"
 
-    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=10), again=st.booleans())
-    def one_call(self, tokens: list[int], again: bool) -> None:
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=10), again=st.booleans(),
+          leave_last=st.booleans())
+    def one_call(self, tokens: list[int], again: bool, leave_last: bool) -> None:
         """A request through the one-call path (``match``, ``insert``, ``release``) in between; with
         ``again`` the same request comes straight back and, where its pages end at a leaf or a branch
-        point, must get all of them but the page of its last token from the pool."""
-        if not self._one_call(tokens) or not again:
+        point, must get all of them but the page of its last token from the pool (all of them
+        without ``leave_last``)."""
+        if not self._one_call(tokens, leave_last) or not again:
             return
         full = len(tokens) // self.ps * self.ps
         node = self._node_ending(tokens, full)
         if full and node is not None and len(node.children) != 1:
-            m = self.cache.match(tokens)
+            m = self._match(tokens, leave_last)
             self.cache.release(m)
-            want = (len(tokens) - 1) // self.ps * self.ps
+            self.matched.pop()
+            want = (len(tokens) - (1 if leave_last else 0)) // self.ps * self.ps
             assert m.num_tokens >= want, \
                 f"{tokens} was just cached up to a reuse point; the same request again got {m.num_tokens} tokens, not {want}"
+
+    def _match(self, tokens: list[int], leave_last: bool = True) -> Match:
+        """``cache.match``, held in ``matched`` until the caller releases it."""
+        resident, asked = resident_tokens(self.cache.tree, tokens), self._taking()
+        m = self.cache.match(tokens, leave_last=leave_last)
+        self.matched.append((tokens, m.num_tokens))
+        self._used(tokens, m.num_tokens)
+        self._observe(f"match({tokens}, leave_last={leave_last})", asked)
+        self._matched(tokens, m.num_tokens, leave_last, resident, "match")
+        return m
 
     def _node_ending(self, tokens: list[int], n: int) -> Any:
         """The tree node that ends exactly at ``tokens[:n]`` (page-aligned), or ``None``; walks the
@@ -378,18 +503,32 @@ class RequestMachine(RuleBasedStateMachine):
         self._one_call(live.tokens + extra)
         self._prefill(live)
 
-    def _one_call(self, tokens: list[int]) -> bool:
+    @precondition(lambda self: any(not x.prefilled for x in self.live))
+    @rule(data=st.data())
+    def share_part_of_a_prompt(self, data: st.DataObject) -> None:
+        """Another request with a part of the prompt of a live one that has not run yet, past what
+        the live one holds, runs first (one call), then the live one prefills: its ``extend``
+        continues a leaf it does not hold."""
+        live = data.draw(st.sampled_from([x for x in self.live if not x.prefilled]))
+        held = live.req.num_cached
+        if len(live.tokens) > held + self.ps:
+            self._one_call(live.tokens[:data.draw(st.integers(held + self.ps + 1, len(live.tokens)), label="part")])
+        self._prefill(live)
+
+    def _one_call(self, tokens: list[int], leave_last: bool = True) -> bool:
         """One request through ``match``, ``insert``, ``release``; ``False`` if the pool was full."""
         self.gated.gate.set()
-        m = self.cache.match(tokens)
-        try:
-            new = self.cache.alloc(-(-len(tokens) // self.ps) - len(m.pages))
-        except PoolExhausted:
-            self.cache.release(m)
-            return False
-        self._fill(tokens, m.num_tokens, new.tolist())
-        self.cache.insert(tokens, torch.cat([m.pages, new]))
+        m = self._match(tokens, leave_last)
+        new = self._alloc(-(-len(tokens) // self.ps) - len(m.pages))
+        if new is not None:
+            self._fill(tokens, m.num_tokens, new)
+            self.cache.insert(tokens, torch.cat([m.pages, torch.tensor(new, dtype=torch.int64)]))
+            self.model.touch(tokens, len(tokens))
+            self._observe(f"insert({tokens})")
         self.cache.release(m)
+        self.matched.pop()
+        if new is None:
+            return False
         self.seen.append(tokens)
         self._cached(tokens, len(tokens) // self.ps * self.ps)
         return True
@@ -401,15 +540,20 @@ class RequestMachine(RuleBasedStateMachine):
         old = data.draw(st.sampled_from(self.seen))
         tokens = old[:data.draw(st.integers(1, len(old)))]
         self.gated.gate.set()
-        before = self.cache.stats()
+        before, again, asked = self.cache.stats(), tuple(tokens) in self.pinned, self._taking()
         try:
             self.cache.pin(tokens)
         except ValueError:
+            self._used(tokens, 0, landed=False)
+            self._observe(f"a refused pin({tokens})", asked)
             after = self.cache.stats()
             assert (after["pins"], after["locked_tokens"]) == (before["pins"], before["locked_tokens"]), \
                 "a refused pin changed the holds"
             return
         self.pinned[tuple(tokens)] = tokens
+        if not again:                        # pinning the same tokens again looks nothing up
+            self._used(tokens, self.cache.pins[np.asarray(tokens, dtype="<i4").tobytes()].num_cached)
+        self._observe(f"pin({tokens})", 0 if again else asked)
 
     @precondition(lambda self: self.pinned)
     @rule(data=st.data())
@@ -420,16 +564,104 @@ class RequestMachine(RuleBasedStateMachine):
     @rule(num_pages=st.integers(1, 8))
     def pressure(self, num_pages: int) -> None:
         """Another request wants pages: evict what may be evicted, then give them back."""
-        try:
-            pages = self.cache.alloc(num_pages)
-        except PoolExhausted:
+        pages = self._alloc(num_pages)
+        if pages is None:
             return
         for group, pool in self.parts:               # what a reused page would be overwritten with
-            ids = self._ids(group, pages.numpy())
+            ids = self._ids(group, np.array(pages, dtype=np.int64))
             pool.kv[:, :, torch.from_numpy(ids[ids >= 0])] = -1.0
         self.cache.free(pages)
 
+    @precondition(lambda self: self.cache.tree.num_nodes > 0)
+    @rule(data=st.data(), made=st.booleans())
+    def use_a_leaf(self, data: st.DataObject, made: bool) -> None:
+        """Recency decides what goes.  The one-call path caches a sequence on another branch (a
+        leaf to outlive), then looks up a prefix of a leaf's sequence; another request then takes a
+        page or two more than are free and the rest of the leaf holds: the rest goes first, and
+        what was used must outlive every leaf used before it (``EvictionModel``).  The leaf is a least
+        recently used one and the prefix ends inside its node (which splits: the upper half, used
+        now, has the lower as its child) or where its node starts (its parent is used); or
+        (``made``) it is the leaf cached first, used whole."""
+        leaf, low = self.model.leaf(self._held(), made)
+        if not leaf:
+            return
+        first = (leaf[0] + data.draw(st.integers(1, 2), label="first")) % 3     # another branch of the tree
+        self._one_call([first] + data.draw(st.lists(st.integers(0, 2), min_size=self.ps, max_size=2 * self.ps),
+                                           label="another"))
+        if not self.model.is_leaf(leaf):                    # the other request evicted it
+            return
+        pages = len(leaf) // self.ps
+        cut = pages if made else data.draw(st.integers(low, pages - 1), label="cut pages")
+        self.gated.gate.set()
+        self.cache.release(self._match(list(leaf[:cut * self.ps]), leave_last=False))
+        self.matched.pop()
+        more = self.model.evictable(self._held()) - (pages - cut)     # what may go after the rest
+        if more > 0:
+            self.pressure(self.cache.pool.num_free + pages - cut + data.draw(st.integers(1, min(2, more)),
+                                                                            label="pages more"))
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), into_chunk=st.booleans())
+    def reload(self, data: st.DataObject, into_chunk: bool) -> None:
+        """A sequence cached before comes back after the pool let it go: everything unheld is
+        evicted, then (``into_chunk``) the one-call path caches it up to a page past a chunk
+        boundary, and a request for all of it waits for its load: every chunk stored below that
+        the pool has room for comes back (the first chunk of each store included), the first of
+        them into the middle of a chunk, with the right KV."""
+        cs, ps = self.cache.chunk_size, self.ps
+        held = self.model.locked(self._held())
+        seqs = [s for s in self.seen if len(s) > cs and tuple(s[:ps]) not in held]    # all of it is evicted
+        if not seqs:
+            return
+        seq = data.draw(st.sampled_from(seqs), label="seq")
+        self.gated.gate.set()
+        self.cache.flush()
+        freed = self.cache.evict(self.cache.pool.num_pages)
+        assert self._observe("evict(all)", self.cache.pool.num_pages) == freed, f"evict freed {freed} pages"
+        self.cache.flush()
+        if into_chunk and cs > ps:
+            chunks = data.draw(st.integers(0, (len(seq) - 1) // cs - 1), label="chunks before") if len(seq) > 2 * cs \
+                else 0
+            self._one_call(seq[:chunks * cs + ps], leave_last=False)
+            self.cache.flush()
+        self._open(list(seq), wait=True)
+
     # ---------------------------------------------------------------- invariants
+
+    @invariant()
+    def evictions_follow_the_model(self) -> None:
+        """Nothing changed the tree between steps; ``evictable_size`` and ``protected_size`` agree
+        with what requests and pins hold (whether or not ``check()`` runs); with an exact tier below,
+        every full-attention chunk the pool took in during the step is stored there, and every chunk
+        it let go counts as just used there (``write_through``: refreshed by ``TierStack.touch``),
+        where the tier holds it."""
+        if not hasattr(self, "cache"):
+            return
+        assert self.cache.flush(30.0), "the tier writes did not land within 30 s"
+        self._observe("nothing (between steps)")
+        self.model.check_sizes(self.cache.tree, self._held())
+        now: dict[bytes, str] = {}
+        cs, rec = self.cache.chunk_size, self.recorder
+        groups = self.cache.layout.groups if self.cache.groups is not None else [None]
+        for p in self.model.pages:
+            if len(p) % cs:
+                continue
+            for group, stack in zip(groups, self.cache.stacks):
+                key = stack.namespace.id + stack.refs(list(p))[-1].key
+                now[key] = f"chunk {len(p) // cs - 1} of {list(p)}"
+                # write_through stores a chunk when it is inserted (a sliding group's: while in a window)
+                if self.exact_tier and key not in self.resident and (group is None or not group.sliding) \
+                        and rec.contains_prefix([key]) != 1:
+                    raise AssertionError(f"the pool holds {now[key]}, but the tier below does not "
+                                         "(write_through stores a chunk when it is inserted)")
+        if self.exact_tier:
+            for key, name in self.resident.items():
+                if key not in now and rec.contains_prefix([key]) == 1 and \
+                        max(rec.accessed.get(key, 0), rec.written.get(key, 0)) < self.mark:
+                    raise AssertionError(f"the pool evicted {name} and the tier below holds it, but did not count it "
+                                         f"as just used (write_through: TierStack.touch)")
+        self.resident = now
+        self.mark = self.recorder.mark()
 
     @invariant()
     def held_pages_hold_their_tokens(self) -> None:
@@ -470,6 +702,9 @@ class RequestMachine(RuleBasedStateMachine):
         assert s["pages_engine"] == tails, f"engine pages {s['pages_engine']} != {tails} tail pages in flight"
         assert s["live_matches"] == len(self.live), f"live {s['live_matches']} != {len(self.live)} requests"
         assert s["hit_tokens"] == s["pool_hit_tokens"] + s["tier_hit_tokens"], f"hit tokens do not add up: {s}"
+        assert sum(s["tier_hit_tokens_by_tier"]) == s["tier_hit_tokens"] == s["levels"][1]["hit_tokens"], \
+            f"tier_hit_tokens {s['tier_hit_tokens']}, by tier {s['tier_hit_tokens_by_tier']}, level {s['levels'][1]}"
+        assert s["levels"][0]["hit_tokens"] == s["pool_hit_tokens"], f"pool hit tokens do not add up: {s['levels']}"
         pinned = sum(live.req.num_cached for live in lives)
         if not self.live:
             assert self.cache.tree.protected_size <= pinned, \
