@@ -36,7 +36,7 @@ Storage contract:
   within about 5 s of a fault's end.  redis-py's own retries are limited to ``max_attempts``.
 * **Construction** sends one ``PING``: an unreachable server is a ``ConnectionError``.  With
   ``lazy=True`` (an engine that must start while the server is down) it never raises: the ``PING``
-  is waited for at most ``connect_timeout_s``, and if it fails one warning (the URL redacted) says
+  is waited for at most ``connect_timeout_s + read_timeout_s``, and if it fails one warning (the URL redacted) says
   that the tier starts as misses with its breaker open; the background probe takes it into use
   once the server answers, without a restart.
 * **Credentials** come from the URL (``redis://user:password@host``) or the ``password``
@@ -112,7 +112,7 @@ class RedisTier(Tier):
     the timeout settings.  ``breaker`` defaults to ``CircuitBreaker(failure_threshold, backoff_s,
     max_backoff_s)`` (``backoff_s=1``, ``max_backoff_s=max(5, backoff_s)``: see ``CircuitBreaker``
     for why); a breaker given without a probe gets the tier's (a ``PING``).  Construction costs one
-    ``PING`` (with ``lazy``, waited for at most ``connect_timeout_s``).
+    ``PING`` (with ``lazy``, waited for at most ``connect_timeout_s + read_timeout_s``).
     """
 
     name = "redis"
@@ -176,8 +176,10 @@ class RedisTier(Tier):
                 raise ConnectionError(f"Redis server {self.url} is unreachable ({type(e).__name__}); pass "
                                       "lazy=True to start without it") from None
         else:
-            error = within(lambda: self._probe(float(connect_timeout_s)), float(connect_timeout_s),
-                            "radixkv-redis-check", self._cancel_probes)
+            # Bounded by a request's socket timeouts: a busy server (or machine) must not start the
+            # tier as down; a refused connection fails at once.
+            bound = float(connect_timeout_s) + float(read_timeout_s)
+            error = within(lambda: self._probe(bound), bound, "radixkv-redis-check", self._cancel_probes)
             if error is not None:
                 self.breaker.trip()
                 log.warning("Redis server %s is not usable now (%s); the tier starts as misses and is taken "

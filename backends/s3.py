@@ -80,7 +80,7 @@ Storage contract:
   naming it, a refusal a ``PermissionError``, an unreachable endpoint a ``ConnectionError`` — at
   construction, not at the first request.  With ``lazy=True`` (an engine that must start while
   the store is down) construction never raises for any of these: the ``HEAD`` is waited for at
-  most ``connect_timeout_s``, and if it fails one warning (the endpoint redacted) says that the
+  most ``connect_timeout_s + read_timeout_s``, and if it fails one warning (the endpoint redacted) says that the
   tier starts as misses with its breaker open; the background probe takes it into use once the
   bucket answers, without a restart.
 * Thread-safe: one boto3 client (thread-safe) and one worker pool per tier.  Safe to use after
@@ -198,7 +198,7 @@ class S3Tier(Tier):
     ``CircuitBreaker(failure_threshold, backoff_s, max_backoff_s)`` (``backoff_s=1``,
     ``max_backoff_s=max(5, backoff_s)``: see ``CircuitBreaker`` for why); a breaker given without
     a probe gets the tier's (a ``HEAD`` of the bucket).  Construction costs one ``HEAD`` of the
-    bucket (with ``lazy``, waited for at most ``connect_timeout_s``).
+    bucket (with ``lazy``, waited for at most ``connect_timeout_s + read_timeout_s``).
     """
 
     name = "s3"
@@ -281,7 +281,11 @@ class S3Tier(Tier):
         if not lazy:
             self._check_bucket()
         else:
-            error = within(lambda: self._check_bucket(hint=""), self.connect_timeout_s, "radixkv-s3-check")
+            # Bounded by a request's socket timeouts, not the connect timeout alone: a busy endpoint (or
+            # machine) that answers in a few seconds must not start the tier as down.  A refused
+            # connection fails at once; only a hung endpoint makes start-up wait that long.
+            error = within(lambda: self._check_bucket(hint=""), self.connect_timeout_s + self.read_timeout_s,
+                           "radixkv-s3-check")
             if error is not None:
                 self.breaker.trip()
                 if isinstance(error, TimeoutError):
