@@ -48,7 +48,7 @@ def _wrap(mp: pytest.MonkeyPatch, cls: type, name: str,
 
 # -- the tree's recency -------------------------------------------------------------------------
 
-def _lru_pop_newest(self: RadixTree) -> Any:
+def lru_pop_newest(self: RadixTree) -> Any:
     """The tree's LRU order, popped from the newest end."""
     live = [item for item in self._lru if item[3].lru_entry == item[2]]
     if not live:
@@ -59,7 +59,7 @@ def _lru_pop_newest(self: RadixTree) -> Any:
 
 
 def _evicts_mru(mp: pytest.MonkeyPatch) -> None:
-    mp.setattr(RadixTree, "_lru_pop", _lru_pop_newest)
+    mp.setattr(RadixTree, "_lru_pop", lru_pop_newest)
 
 
 def _touch_leaves_only(self: RadixTree, path: list[Any]) -> None:

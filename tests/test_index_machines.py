@@ -11,6 +11,8 @@ from radixkv.testing import PrefixCacheMachine, RadixTreeMachine
 from radixkv.testing.index import EvictionModel
 from radixkv.tree import RadixTree
 
+from mutants_engine import lru_pop_newest
+
 TestRadixTree = RadixTreeMachine.TestCase
 TestPrefixCache = PrefixCacheMachine.TestCase
 
@@ -39,13 +41,6 @@ class Tree:
         return freed
 
 
-def lru_pop_newest(self: RadixTree) -> Any:
-    live = [item for item in self._lru if item[3].lru_entry == item[2]]
-    if not live:
-        return None
-    node = max(live)[3]
-    self._lru_drop(node)
-    return node
 
 
 def test_the_model_follows_a_correct_tree_through_splits_and_evictions() -> None:

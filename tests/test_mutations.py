@@ -39,7 +39,7 @@ from radixkv.loads import Loads
 from radixkv.stores import Stores
 from radixkv.tiers import TierStack
 from radixkv.tree import RadixTree
-from mutants_engine import ROWS as ENGINE_ROWS
+from mutants_engine import ROWS as ENGINE_ROWS, lru_pop_newest
 from sqlite_tier import SqliteTier
 
 
@@ -120,16 +120,6 @@ class KeyedBy(dict):  # type: ignore[type-arg]
 
     def pop(self, k: Any, *default: Any) -> Any:
         return super().pop(k[self.part], *default)
-
-
-def _lru_pop_newest(self: RadixTree) -> Any:
-    """The tree's LRU order, popped from the newest end."""
-    live = [item for item in self._lru if item[3].lru_entry == item[2]]
-    if not live:
-        return None
-    node = max(live)[3]
-    self._lru_drop(node)
-    return node
 
 
 def cpu(**swap: Any) -> Callable[[], CpuTier]:
@@ -585,7 +575,7 @@ def _split_swaps_boundary_page(mp: pytest.MonkeyPatch) -> None:
 
 
 def _tree_lru_newest_first(mp: pytest.MonkeyPatch) -> None:
-    mp.setattr(RadixTree, "_lru_pop", _lru_pop_newest)
+    mp.setattr(RadixTree, "_lru_pop", lru_pop_newest)
 
 
 def _lock_leaves_leaf_evictable(mp: pytest.MonkeyPatch) -> None:
