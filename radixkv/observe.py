@@ -19,9 +19,11 @@ Contract:
   - ``cleared(level, namespace)``: a level dropped everything of ``namespace`` (``None``: of
     every namespace);
   - ``io(level, op, seconds, nbytes, items, outcome)``: a ``"lookup"`` (one call asking a tier
-    for ``items`` keys), a ``"tail"`` probe (one key: a tail a local tier may hold), a ``"load"``
-    (a remote fetch of ``items`` blobs, with its time; then one event per chunk delivered, with its
-    decoded bytes) or a ``"store"`` (one write of ``items`` blobs) at a level took ``seconds``,
+    for ``items`` keys; then a ``"miss"`` of the ``items`` of them it did not hold, asked of the
+    next tier or where the lookup stopped), a ``"tail"`` probe (one key: a tail a local tier may
+    hold), a ``"load"`` (a remote fetch of ``items`` blobs, with its time; then one event per chunk
+    delivered, with its decoded bytes and, from a local tier, the time of its read and decode) or
+    a ``"store"`` (one write of ``items`` blobs) at a level took ``seconds``,
     moved ``nbytes`` bytes, and ended in ``outcome``: ``"ok"``, ``"corrupt"``, ``"forged"``,
     ``"timeout"`` or ``"error"``;
   - ``served(query_tokens, by_level)``: a request of ``query_tokens`` tokens found

@@ -340,6 +340,8 @@ class TierStack:
                 self._call(i, 0, _bad_answer, tier, n)
                 n = 0
             found.extend([i] * n)
+            if self.observers and len(found) < len(keys):
+                self.observers.io(tier.name, "miss", 0.0, 0, len(keys) - len(found), "ok")
         with self._stats_lock:
             self._counts["lookups"] += 1
             self._counts["lookup_keys"] += len(keys)
@@ -444,15 +446,16 @@ class TierStack:
                   OversizeBlob(f"a stored blob under {key[len(self._prefix):].hex()} is larger than a chunk "
                                f"({self._blob_bytes[t]} bytes); not read"))
 
-    def _loaded(self, t: int, ref: ChunkRef, chunk: torch.Tensor, blob: Any) -> torch.Tensor:
-        """Count a chunk delivered by tier ``t`` and queue its promotion to the tiers above."""
+    def _loaded(self, t: int, ref: ChunkRef, chunk: torch.Tensor, blob: Any, seconds: float = 0.0) -> torch.Tensor:
+        """Count a chunk delivered by tier ``t`` (read in ``seconds``: a local tier's read and
+        decode; 0 for a remote one, whose fetch was told already) and queue its promotion."""
         nbytes = chunk.numel() * chunk.element_size()
         with self._stats_lock:
             self._per_tier["hits"][t] += 1
             self._per_tier["tier_bytes_loaded"][t] += nbytes
             self._counts["bytes_loaded"] += nbytes
         if self.observers:
-            self.observers.io(self.tiers[t].name, "load", 0.0, nbytes, 1, "ok")
+            self.observers.io(self.tiers[t].name, "load", seconds, nbytes, 1, "ok")
         upper = [u for u in range(t) if u not in self.victims] if self.promote else []
         if upper:
             if all(self.seals[u] == self.seals[t] for u in upper) and blob is not None:
@@ -465,6 +468,7 @@ class TierStack:
         tier = self.tiers[t]
         key = self._prefix + ref.key
         promote = self.promote and t > 0
+        t0 = time.perf_counter()
         try:
             if promote:  # keep a copy of the blob to promote
                 blob = tier.get(key)
@@ -478,7 +482,7 @@ class TierStack:
             self._add("errors", tier=t)
             self._log("error", t, tier.name, exc)
             return None
-        return None if chunk is None else self._loaded(t, ref, chunk, blob)
+        return None if chunk is None else self._loaded(t, ref, chunk, blob, time.perf_counter() - t0)
 
     def _decode_fetched(self, t: int, ref: ChunkRef, blob: Any, out: torch.Tensor | None) -> torch.Tensor | None:
         try:
