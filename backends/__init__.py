@@ -38,9 +38,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait_futures
 from contextlib import contextmanager
-from typing import Any, Callable, Container, Iterable, Iterator, Sequence, TypeVar, Union
+from typing import Any, Callable, Container, Iterable, Iterator, NamedTuple, Sequence, TypeVar, Union
 
-__all__ = ["KEY_BYTES", "NAMESPACE_BYTES", "Blob", "BoundedPool", "DeadlineExceeded", "MemoryTier", "OversizeBlob",
+__all__ = ["KEY_BYTES", "NAMESPACE_BYTES", "Blob", "BoundedPool", "DeadlineExceeded", "Entry", "EvictionLog", "MemoryTier", "OversizeBlob",
            "Tier", "available", "blob_view", "bounded", "check_key", "check_namespace_id", "count_leading", "create",
            "current_deadline", "current_max_blob_bytes", "redact", "register", "report_oversize"]
 
@@ -48,6 +48,48 @@ KEY_BYTES = 24
 NAMESPACE_BYTES = 8
 Blob = Union[bytes, bytearray, memoryview]
 T = TypeVar("T")
+
+
+class EvictionLog:
+    """The keys a local tier dropped on its own, until ``take``n (``Tier.take_evicted``).  Bounded:
+    past ``MAX`` untaken keys it forgets them and says it lost track.  Thread-safe; O(1) a key."""
+
+    MAX = 65536
+
+    def __init__(self) -> None:
+        self._keys: list[bytes] = []
+        self._lost = False
+        self._lock = threading.Lock()
+
+    def note(self, keys: Iterable[bytes]) -> None:
+        """Record dropped ``keys``."""
+        with self._lock:
+            self._keys.extend(keys)
+            if len(self._keys) > self.MAX:
+                self._keys, self._lost = [], True
+
+    def lose_track(self) -> None:
+        """Every key may be gone (the tier emptied itself)."""
+        with self._lock:
+            self._keys, self._lost = [], True
+
+    def take(self) -> list[bytes] | None:
+        """The keys recorded since the last call, or ``None`` after ``lose_track`` or an overflow."""
+        with self._lock:
+            keys, lost = self._keys, self._lost
+            self._keys, self._lost = [], False
+        return None if lost else keys
+
+
+class Entry(NamedTuple):
+    """One stored blob, as ``Tier.entries`` lists it: its 24-byte tier key, its size in bytes,
+    ``stamp`` (wall-clock seconds of its last access or write, whichever the tier records; ``None``
+    where it records neither) and whether it is pinned."""
+
+    key: bytes
+    size: int
+    stamp: float | None = None
+    pinned: bool = False
 
 
 def check_key(key: Any, name: str = "key") -> bytes:
@@ -187,6 +229,14 @@ class Tier(abc.ABC):
         may return 0 when it cannot count).  Cost: O(entries of that namespace), or a scan.
         """
 
+    def entries(self, ns_id: bytes | None = None) -> Iterator[Entry]:
+        """Every entry held (of namespace ``ns_id`` only, when given), as ``Entry``: for operators
+        (``python -m radixkv inspect``), never on a request's path.  Does not count as an access.
+        A snapshot or a scan: entries written meanwhile may or may not appear.  Cost: O(entries) —
+        a listing of the store for a remote tier.  The default raises ``NotImplementedError``: a
+        tier that cannot list says so."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its entries")
+
     @property
     @abc.abstractmethod
     def used_bytes(self) -> int:
@@ -197,6 +247,13 @@ class Tier(abc.ABC):
     def capacity_bytes(self) -> int | None:
         """The byte budget the tier keeps ``used_bytes`` within, or ``None`` for unbounded."""
         return None
+
+    def take_evicted(self) -> list[bytes] | None:
+        """The keys this tier dropped on its own (evicted to make room, or expired) since the last
+        call, for the stack's ``chunks`` events (``radixkv.observe``); ``None`` when it lost track
+        (more than ``EvictionLog.MAX`` keys untaken, or the tier emptied itself): any key may be
+        gone.  The default, for tiers whose server evicts out of sight (S3, Redis): ``[]``.  O(keys)."""
+        return []
 
     def stats(self) -> dict[str, int | float]:
         """Counters and sizes by name; a new dict each call.  Cheap.
@@ -322,6 +379,14 @@ class MemoryTier(Tier):
             for k in doomed:
                 self._bytes -= len(self._data.pop(k))
         return len(doomed)
+
+    def entries(self, ns_id: bytes | None = None) -> Iterator[Entry]:
+        """A snapshot of the entries (no stamps: nothing is recorded).  O(n)."""
+        if ns_id is not None:
+            check_namespace_id(ns_id)
+        with self._lock:
+            held = [Entry(k, len(v)) for k, v in self._data.items() if ns_id is None or k.startswith(ns_id)]
+        return iter(held)
 
     def keys(self) -> list[bytes]:
         """Every key held, in insertion order.  O(n)."""

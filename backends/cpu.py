@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from radixkv._checks import check_int
-from radixkv.backends import Blob, Tier, blob_view, check_key, check_namespace_id, count_leading
+from radixkv.backends import Blob, Entry, EvictionLog, Tier, blob_view, check_key, check_namespace_id, count_leading
 from radixkv.policy import Policy, make_policy
 
 __all__ = ["CpuTier"]
@@ -87,6 +87,7 @@ class CpuTier(Tier):
         self._lock = threading.Lock()
         self._counts = Counter({"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "rejected": 0,
                                 "not_admitted": 0})
+        self._evicted = EvictionLog()
 
     def expect(self, blob_bytes: int) -> None:
         """Size the slots for blobs of up to ``blob_bytes`` if no slot size is set yet (given or
@@ -188,6 +189,7 @@ class CpuTier(Tier):
                     break                      # every entry is pinned
                 self._counts["evictions"] += 1
                 self._forget(victim)
+                self._evicted.note((victim,))
             if not self._free:  # every slot is being read or filled right now
                 self._counts["rejected"] += 1
                 return False
@@ -218,6 +220,10 @@ class CpuTier(Tier):
         if self._policy is not None:
             return self._policy.victim()
         return next((k for k in self._lru if k not in self._pins), None)
+
+    def take_evicted(self) -> list[bytes] | None:
+        """The keys evicted to make room since the last call (``Tier.take_evicted``).  O(keys)."""
+        return self._evicted.take()
 
     def pin(self, keys: Sequence[bytes]) -> int:
         """Keep ``keys`` from eviction, held now or stored later, until ``unpin``; the number pinned
@@ -261,6 +267,16 @@ class CpuTier(Tier):
                 self._forget(k)
             self._pins.difference_update([k for k in self._pins if k.startswith(ns_id)])
         return len(doomed)
+
+    def entries(self, ns_id: bytes | None = None) -> Iterator[Entry]:
+        """A snapshot of the entries, least recently used first (no stamps: the tier keeps an
+        order, not times), with their pins.  O(entries) under the lock."""
+        if ns_id is not None:
+            check_namespace_id(ns_id)
+        with self._lock:
+            held = [Entry(k, n, None, k in self._pins) for k, (_, n) in self._lru.items()
+                    if ns_id is None or k.startswith(ns_id)]
+        return iter(held)
 
     def stats(self) -> dict[str, int | float]:
         with self._lock:

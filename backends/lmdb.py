@@ -78,7 +78,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from radixkv._checks import check_int
-from radixkv.backends import Blob, Tier, blob_view, check_key, check_namespace_id
+from radixkv.backends import Blob, Entry, EvictionLog, Tier, blob_view, check_key, check_namespace_id
 
 __all__ = ["LmdbTier"]
 
@@ -193,6 +193,7 @@ class _Writer:
         self.pinned = 0 if raw is None else int.from_bytes(raw, "little")
         self.now = tier._now_us()
         self.counts: Counter[str] = Counter()
+        self.evicted: list[bytes] = []          # dropped to make room or expired, for take_evicted
 
     def remove(self, key: bytes) -> int | None:
         """Delete ``key`` from every database, its pin included; its size, or ``None`` if absent."""
@@ -272,6 +273,7 @@ class _Writer:
             if key is None:
                 break
             self.remove(key)
+            self.evicted.append(key)
             self.counts["evictions"] += 1
         return self.total + need <= limit and self.pages() + need_pages <= self.tier._page_limit
 
@@ -290,6 +292,7 @@ class _Writer:
             if done >= count:
                 break
             self.remove(key)
+            self.evicted.append(key)
             done += 1
         self.counts["evictions"] += done
         return done
@@ -303,6 +306,7 @@ class _Writer:
             if _STAMP.unpack_from(stamp)[0] > self.now:
                 break
             self.remove(stamp[_STAMP.size:])
+            self.evicted.append(stamp[_STAMP.size:])
             removed += 1
         self.counts["expired"] += removed
         return removed
@@ -418,6 +422,7 @@ class LmdbTier(Tier):
         self._touch_every = touch_every
         self._touch_seconds = touch_seconds
         self._counts: Counter[str] = Counter()
+        self._evicted = EvictionLog()
         self._closed = False
         self._env: Any = None
         self._forget_parent_environment()
@@ -550,6 +555,7 @@ class LmdbTier(Tier):
                 continue
             with self._lock:
                 self._counts.update(writer.counts)
+            self._evicted.note(writer.evicted)
             return result
         raise AssertionError("unreachable")
 
@@ -577,6 +583,7 @@ class LmdbTier(Tier):
                 return
             with self._lock:
                 self._counts.update(writer.counts)
+            self._evicted.note(writer.evicted)
             if not done:
                 break
             freed += done
@@ -589,6 +596,7 @@ class LmdbTier(Tier):
                 txn.drop(db, delete=False)
         with self._lock:
             self._counts["map_resets"] += 1
+        self._evicted.lose_track()
 
     def put(self, key: bytes, blob: Blob) -> bool:
         """Store ``blob`` (one write transaction; evicts unpinned LRU entries to fit).  A blob over
@@ -657,6 +665,11 @@ class LmdbTier(Tier):
 
         return self._write(body)
 
+    def take_evicted(self) -> list[bytes] | None:
+        """The keys this process's writes evicted or purged as expired since the last call
+        (``Tier.take_evicted``; other processes' evictions are theirs to tell).  O(keys)."""
+        return self._evicted.take()
+
     def pin(self, keys: Sequence[bytes]) -> int:
         """Pin the leading ``keys`` the tier holds (unexpired), in the ``pins`` database: never
         evicted, for every process, until ``unpin``; the number of leading keys pinned now
@@ -692,6 +705,26 @@ class LmdbTier(Tier):
             if not any(txn.get(key, db=self._pins) is not None for key in keys):
                 return 0
         return self._write(lambda writer: sum(writer.drop_pin(key) for key in dict.fromkeys(keys)))
+
+    def entries(self, ns_id: bytes | None = None) -> Iterator[Entry]:
+        """The live entries (of ``ns_id``), in key order, each with its last access time (as
+        recorded: accesses are batched) and its pin; a snapshot from one read transaction.
+        O(entries)."""
+        if ns_id is not None:
+            check_namespace_id(ns_id)
+        now = self._now_us()
+        held: list[Entry] = []
+        with self._begin() as txn:
+            cursor = txn.cursor(db=self._meta)
+            if cursor.set_range(ns_id or b""):
+                for key, meta in cursor:
+                    key = bytes(key)
+                    if ns_id is not None and not key.startswith(ns_id):
+                        break
+                    if self._live(meta, now):
+                        size, access, _ = _META.unpack(meta)
+                        held.append(Entry(key, size, access / 1e6, txn.get(key, db=self._pins) is not None))
+        return iter(held)
 
     def purge_expired(self) -> int:
         """Delete every expired entry now, in one write transaction; how many (besides those

@@ -509,11 +509,19 @@ class PrefixCache:
             self.groups.attach(ids)
         return ids
 
-    def _cached(self, ids: np.ndarray) -> None:
-        """Engine pages ``ids`` are the tree's now (inserted), with their event."""
+    def _cached(self, ids: np.ndarray, data: bytes, start: int) -> None:
+        """Engine pages ``ids`` are the tree's now, inserted for the tokens of ``data`` from token
+        ``start`` on (a load landed), with their events."""
         self._state[ids] = _TREE
         if self.observers:
-            self.observers.pages("pool", int(ids.size), 0)
+            self._heard_pages(data, start, start + int(ids.size) * self.page_size, int(ids.size))
+
+    def _heard_pages(self, data: bytes, start: int, stop: int, held: int) -> None:
+        """Tell the listeners the pool holds ``held`` more pages: tokens ``start..stop-1`` of ``data``
+        (``held < 0``: let ``-held`` go)."""
+        self.observers.pages("pool", max(held, 0), max(-held, 0))
+        if self.observers.wants("span"):
+            self.observers.span("pool", data, start, stop, held > 0)
 
     def _free_pages(self, ids: np.ndarray) -> None:
         """Give pages (validated, not free) back to the pool, with their sliding groups' pages."""
@@ -596,7 +604,7 @@ class PrefixCache:
             self._free_pages(duplicates)
         self._state[ids[known:]] = _TREE
         if self.observers and len(ids) > known:
-            self.observers.pages("pool", len(ids) - known, 0)
+            self._heard_pages(data, known * self.page_size, len(ids) * self.page_size, len(ids) - known)
         c = self._counters
         c["inserts"] += 1
         c["inserted_tokens"] += (len(ids) - known) * self.page_size
@@ -620,12 +628,13 @@ class PrefixCache:
         keep what the pool lets go.  O(log n) per evicted node, plus a hash pass over each evicted
         node's prefix with tiers."""
         parents: list[RadixNode] = []
-        on_evict = None if self.stack is None and self.groups is None else (
-            lambda node: self._on_evict(node, parents))
+        spans = self.observers.wants("span")
+        on_evict = None if self.stack is None and self.groups is None and not spans else (
+            lambda node: self._on_evict(node, parents, spans))
         freed = self.tree.evict(num_pages, on_evict)
         if freed.size:
             self._free_pages(freed)
-            if self.observers:
+            if self.observers and not spans:
                 self.observers.pages("pool", 0, int(freed.size))
             self._counters["evicted_pages"] += int(freed.size)
             self._counters["evictions"] += 1
@@ -634,9 +643,13 @@ class PrefixCache:
                 self._trim(parent)
         return int(freed.size)
 
-    def _on_evict(self, node: RadixNode, parents: list[RadixNode]) -> None:
+    def _on_evict(self, node: RadixNode, parents: list[RadixNode], spans: bool) -> None:
         if self._stores is not None:
             self._stores.evicting(node)
+        if spans:
+            data = self.tree.prefix_tokens(node).tobytes()
+            stop = len(data) // 4
+            self._heard_pages(data, stop - node.num_tokens, stop, -(node.num_tokens // self.page_size))
         if self.groups is not None and node.parent is not None:
             parents.append(node.parent)
 

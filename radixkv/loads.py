@@ -55,7 +55,7 @@ class Loads:
     def __init__(self, *, tree: RadixTree, pool: KVPool, groups: KVGroups | None, stacks: list[TierStack],
                  layout: KVLayout, chunk_size: int, load_workers: int, counters: dict[str, int],
                  tier_hits: list[int], take_pages: Callable[[int], np.ndarray],
-                 free_pages: Callable[[np.ndarray], None], cached: Callable[[np.ndarray], None],
+                 free_pages: Callable[[np.ndarray], None], cached: Callable[[np.ndarray, bytes, int], None],
                  move_hold: Callable[[Request, RadixNode], None],
                  usable_match: Callable[[bytes, int], MatchResult], trim: Callable[[RadixNode], None]) -> None:
         self.tree, self.pool, self.groups, self.stacks = tree, pool, groups, stacks
@@ -182,7 +182,7 @@ class Loads:
             pages = np.concatenate([result.pages, new])
             inserted = self.tree.insert_bytes(req._data[:stop * 4], pages)
             assert inserted.prefix_len == result.num_tokens, "the held tree match changed under a load"
-            self._cached(new)
+            self._cached(new, req._data, result.num_tokens)
             self._move_hold(req, inserted.node)
             req._pages, req.num_cached = pages, stop
         # Count what the tiers served (tokens resident meanwhile count as pool hits).

@@ -13,9 +13,18 @@ Contract:
   - ``pages(level, held, dropped)``: the pool now holds ``held`` more pages of cached prefixes
     (an insert, a load landed) or let ``dropped`` go (an eviction; a sliding group's pages
     leaving every window count under the level ``"pool:<group tag>"``);
+  - ``span(level, data, start, stop, held)``: which pages those are: the pool now holds
+    (``held``) or no longer holds the tokens ``start..stop-1`` (whole pages) of the cached
+    sequence ``data`` (little-endian int32 token bytes from token 0, at least ``stop`` tokens
+    long), in the namespace of the cache's first tier stack (or the cache's own without tiers).
+    An insert or a landed load tells what it added, an eviction what it cut off (a leaf: nothing
+    past ``stop`` is held on that path).  Built only when a listener overrides ``span``
+    (``Observers.wants``): an eviction's costs a walk to the root;
   - ``chunks(level, namespace, held, dropped)``: a tier now holds the chunks with these keys of
     namespace id ``namespace`` (a store it accepted), or no longer does (a bad entry deleted, a
-    chunk moved up out of an exclusive tier, a delete);
+    chunk moved up out of an exclusive tier, a delete, an eviction the tier made to make room:
+    the CPU tier's and LMDB's, told after the write that caused it; a remote tier's expiry or
+    eviction happens on its server and is not told);
   - ``cleared(level, namespace)``: a level dropped everything of ``namespace`` (``None``: of
     every namespace);
   - ``io(level, op, seconds, nbytes, items, outcome)``: a ``"lookup"`` (one call asking a tier
@@ -64,6 +73,9 @@ class Listener:
     def pages(self, level: str, held: int, dropped: int) -> None:
         """The pool holds ``held`` more pages of cached prefixes, or let ``dropped`` go."""
 
+    def span(self, level: str, data: bytes, start: int, stop: int, held: bool) -> None:
+        """The pool now holds (``held``) or no longer holds tokens ``start..stop-1`` of ``data``."""
+
     def chunks(self, level: str, namespace: bytes, held: Sequence[bytes], dropped: Sequence[bytes]) -> None:
         """A tier now holds the chunks ``held`` (keys) of ``namespace``, and no longer ``dropped``."""
 
@@ -94,6 +106,7 @@ class Observers:
 
     def __init__(self) -> None:
         self._listeners: tuple[Listener, ...] = ()
+        self._wanted: frozenset[str] = frozenset()
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
@@ -113,6 +126,7 @@ class Observers:
         with self._lock:
             if listener not in self._listeners:
                 self._listeners = (*self._listeners, listener)
+                self._wanted = _wanted(self._listeners)
         return listener
 
     def remove(self, listener: Listener) -> bool:
@@ -120,8 +134,13 @@ class Observers:
         with self._lock:
             kept = tuple(x for x in self._listeners if x is not listener)
             found = len(kept) != len(self._listeners)
-            self._listeners = kept
+            self._listeners, self._wanted = kept, _wanted(kept)
         return found
+
+    def wants(self, event: str) -> bool:
+        """Whether a listener handles ``event`` (overrides ``Listener``'s no-op, or has the method):
+        for call sites whose event costs more to build than a truth test.  O(1)."""
+        return event in self._wanted
 
     def _deliver(self, event: str, *args: object) -> None:
         for listener in self._listeners:
@@ -137,6 +156,10 @@ class Observers:
     def pages(self, level: str, held: int, dropped: int) -> None:
         """Deliver ``Listener.pages``."""
         self._deliver("pages", level, held, dropped)
+
+    def span(self, level: str, data: bytes, start: int, stop: int, held: bool) -> None:
+        """Deliver ``Listener.span``."""
+        self._deliver("span", level, data, start, stop, held)
 
     def chunks(self, level: str, namespace: bytes, held: Sequence[bytes], dropped: Sequence[bytes] = ()) -> None:
         """Deliver ``Listener.chunks``."""
@@ -156,6 +179,12 @@ class Observers:
 
 
 _EVENTS = tuple(name for name in vars(Listener) if not name.startswith("_"))
+
+
+def _wanted(listeners: tuple[Listener, ...]) -> frozenset[str]:
+    """The events some listener handles: a method that is not ``Listener``'s own no-op."""
+    return frozenset(name for name in _EVENTS for x in listeners
+                     if callable(m := getattr(x, name, None)) and getattr(m, "__func__", m) is not getattr(Listener, name))
 
 
 class Counts(Listener):

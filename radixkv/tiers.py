@@ -730,6 +730,7 @@ class TierStack:
                     self._counts["bytes_stored"] += nbytes
             if self.observers:
                 self._heard_store(i, writes, stored, time.perf_counter() - t0)
+                self._heard_evictions(i)
 
     def _heard_store(self, i: int, writes: list[tuple[bytes, bytes]], stored: Any, seconds: float) -> None:
         """Tell the listeners of tier ``i``'s ``put_many`` of ``writes`` (``stored``: how many it took,
@@ -742,6 +743,20 @@ class TierStack:
         if stored is not None and int(stored) == len(writes):
             n = len(self._prefix)
             self.observers.chunks(name, self._prefix, tuple(k[n:] for k, _ in writes), ())
+
+    def _heard_evictions(self, i: int) -> None:
+        """Tell the listeners what tier ``i`` dropped on its own (``Tier.take_evicted``), per
+        namespace; that it lost track, as ``cleared`` of every namespace."""
+        evicted = self._call(i, [], self.tiers[i].take_evicted)
+        name, n = self.tiers[i].name, len(self._prefix)
+        if evicted is None:
+            self.observers.cleared(name, None)
+            return
+        by_ns: dict[bytes, list[bytes]] = {}
+        for key in evicted:
+            by_ns.setdefault(key[:n], []).append(key[n:])
+        for ns, keys in by_ns.items():
+            self.observers.chunks(name, ns, (), keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; ``False`` if ``timeout`` seconds passed first.

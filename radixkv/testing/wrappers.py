@@ -83,6 +83,9 @@ class _Wrapper(Tier):
     def capacity_bytes(self) -> int | None:
         return self.inner.capacity_bytes
 
+    def take_evicted(self) -> list[bytes] | None:
+        return self.inner.take_evicted()
+
     def stats(self) -> dict[str, int | float]:
         return self.inner.stats()
 
