@@ -50,6 +50,17 @@ its KV group's pages (``cache.groups``), whose pages outside the window the cach
 request moves on, and its queries see only the last ``window`` positions.  The pool may hold
 another dtype than the model (K/V are converted on the way in and out).
 
+**Blending** (opt-in, ``PagedEngine(..., blend=Blend(ratio=0.15))``; see ``radixkv.blend``): a prompt
+added with ``segments=[(start, end), ...]`` (its documents) reuses each document's KV from the
+segment cache (``radixkv.segments``, in the cache's tiers) wherever it sits in the prompt: at
+admission, after the prefix match, each document past the matched prefix is loaded (bounded by
+``Blend.deadline_s``; one not held is computed on its own and stored when ``store_missing``),
+its keys moved to their positions, and the request's prefill runs alone through
+``blend_prefill``, recomputing only a share of the reused tokens.  Its KV is then approximate:
+the request is marked ``approximate``, nothing past the prefix it matched is cached in the tree
+(the prefix before the documents, e.g. a system prompt, comes from the tree when an exact request
+or ``cache.pin`` cached it), and ``stats()`` counts it apart.  Decoding batches with the other requests as usual.
+
 Example (random weights, nothing downloaded)::
 
     import radixkv as rk
@@ -68,6 +79,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
@@ -75,13 +87,15 @@ import numpy as np
 import torch
 
 from radixkv._checks import check_int
+from radixkv.blend import Blend, BlendInfo, blend_prefill, check_blendable, recover_positions
 from radixkv.cache import PoolExhausted, PrefixCache
 from radixkv.hashing import as_token_bytes
 from radixkv.integrations.transformers import check_layout
 from radixkv.pool import KVPool
 from radixkv.request import LOAD_MODES, Request
+from radixkv.segments import SegmentCache, Span, check_spans
 
-__all__ = ["MODEL_TYPES", "Chunk", "EngineRequest", "PagedEngine", "PagedLlama"]
+__all__ = ["MODEL_TYPES", "Chunk", "EngineRequest", "PagedEngine", "PagedLlama", "attend", "rotate_half"]
 
 #: ``model_type`` values whose decoder layers ``PagedLlama`` runs (all in the Llama layout).
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -102,7 +116,8 @@ class Chunk(NamedTuple):
     table: torch.Tensor
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's ``rotate_half``: ``[-x2, x1]`` of the two halves of the last axis."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -184,18 +199,11 @@ class PagedLlama:
         positions = positions.to(self.device)
         offsets = list(itertools.accumulate(lengths, initial=0))
 
-        hidden = self.inner.embed_tokens(ids)[None]                      # [1, T, hidden]
-        cos, sin = self.inner.rotary_emb(hidden, positions[None])        # [1, T, head_dim]
-        cos, sin = cos[0, :, None], sin[0, :, None]                      # [T, 1, head_dim]
+        hidden, cos, sin = self.embed(ids, positions)
         total = len(ids)
         for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)[0]
-            q = attn.q_proj(x).view(total, -1, dim)
-            k = attn.k_proj(x).view(total, kvh, dim)
-            v = attn.v_proj(x).view(total, kvh, dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self.qkv(layer, hidden, cos, sin)
             kv, window, mapping = self._layers[i]                        # [2, pages, page_size, kvh, dim]
             flat = kv.view(2, -1, kvh, dim)                              # [2, pages * page_size, kvh, dim]
             where = slots[id(mapping)].to(flat.device)
@@ -213,29 +221,84 @@ class PagedLlama:
                 values = kv[1, pages].masked_fill(dropped[:, None, None, None], 0)
                 keys = keys.reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
                 values = values.reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
-                out[lo:hi] = _attend(q[lo:hi], keys, values, c.start, attn.scaling, window)
-            hidden = hidden + attn.o_proj(out.reshape(1, total, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                out[lo:hi] = attend(q[lo:hi], keys, values, torch.arange(c.start, end, device=q.device),
+                                    attn.scaling, window)
+            hidden = self.residual(layer, hidden, out)
         last = torch.tensor([hi - 1 for hi in offsets[1:]], device=self.device)
-        return self.model.lm_head(self.inner.norm(hidden[0, last]))
+        return self.logits(hidden[0, last])
+
+    # The pieces of a decoder layer, shared with selective recomputation (``radixkv.blend``).
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embeddings of token ``ids`` (``[1, n, hidden]``) and the rotary ``cos``/``sin`` of
+        their ``positions`` (``[n, 1, head_dim]`` each).  O(n)."""
+        hidden = self.inner.embed_tokens(ids)[None]                      # [1, n, hidden]
+        cos, sin = self.inner.rotary_emb(hidden, positions[None])        # [1, n, head_dim]
+        return hidden, cos[0, :, None], sin[0, :, None]
+
+    def qkv(self, layer: Any, hidden: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``layer``'s queries ``[n, heads, dim]``, keys and values ``[n, kv_heads, dim]`` of
+        ``hidden`` (``[1, n, hidden]``), queries and keys rotated by ``cos``/``sin``.  One pass of
+        the layer's norm and projections over the ``n`` rows."""
+        attn = layer.self_attn
+        n, kvh, dim = hidden.shape[1], self.num_kv_heads, self.head_dim
+        x = layer.input_layernorm(hidden)[0]
+        q = attn.q_proj(x).view(n, -1, dim)
+        k = attn.k_proj(x).view(n, kvh, dim)
+        v = attn.v_proj(x).view(n, kvh, dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def residual(self, layer: Any, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``hidden`` (``[1, n, hidden]``) after ``layer``'s output projection of the attention
+        ``out`` (``[n, heads, dim]``) and its MLP.  One pass over the ``n`` rows."""
+        hidden = hidden + layer.self_attn.o_proj(out.reshape(1, hidden.shape[1], -1))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of final hidden states ``[n, hidden]``: the final norm and the head."""
+        return self.model.lm_head(self.inner.norm(hidden))
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
-            window: int = 0) -> torch.Tensor:
-    """Causal grouped-query attention of queries ``q`` ``[n, heads, dim]`` at positions
-    ``start .. start + n - 1`` over ``keys``/``values`` ``[start + n, kv_heads, dim]``; with a
-    ``window``, a query at ``p`` sees only the keys at ``p - window + 1 .. p``."""
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
+           window: int = 0) -> torch.Tensor:
+    """Causal grouped-query attention of queries ``q`` ``[n, heads, dim]`` at ``positions``
+    (``[n]``, int) over ``keys``/``values`` ``[max(positions) + 1, kv_heads, dim]`` (the keys of
+    positions ``0, 1, ...``); with a ``window``, a query at ``p`` sees only the keys at
+    ``p - window + 1 .. p``.  O(n x keys x heads x dim)."""
     n, heads, dim = q.shape
     kvh = keys.shape[1]
     grouped = q.view(n, kvh, heads // kvh, dim)                # query head h reads KV head h // group
     scores = torch.einsum("nhgd,lhd->hgnl", grouped, keys) * scale
     key_pos = torch.arange(keys.shape[0], device=q.device)
-    query_pos = torch.arange(start, start + n, device=q.device)[:, None]
+    query_pos = positions.to(q.device)[:, None]
     visible = key_pos[None, :] <= query_pos                    # [n, keys]
     if window:
         visible &= key_pos[None, :] > query_pos - window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return torch.einsum("hgnl,lhd->nhgd", probs, values).reshape(n, heads, dim)
+
+
+class _BlendPlan(NamedTuple):
+    """A request's reusable KV for its prefill: ``cached`` (``[layers, 2, T, kv_heads, dim]``, at
+    the tokens' positions) where ``reused`` (bool, ``[T]``) is set."""
+
+    cached: torch.Tensor
+    reused: torch.Tensor
+
+
+@torch.no_grad()
+def segment_kv(model: Any, tokens: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The KV of ``tokens`` computed on their own (positions ``0 ..``), as a segment is stored:
+    ``[layers, 2, n, kv_heads, head_dim]`` of ``dtype`` on the CPU.  One forward of ``model`` (a
+    Hugging Face causal LM) over the tokens."""
+    from radixkv.integrations.transformers import layer_kv
+
+    out = model(input_ids=torch.as_tensor(list(tokens), device=next(model.parameters()).device)[None],
+                use_cache=True)
+    sides = [torch.stack([s[0].transpose(0, 1) for s in layer_kv(out.past_key_values, i)])
+             for i in range(model.config.num_hidden_layers)]
+    return torch.stack(sides).to("cpu", dtype)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -255,7 +318,10 @@ class EngineRequest:
     ``keep_logits``) holds the last-token logits of each step: ``logits[i]`` chose ``output[i]``.
     ``cached_at_start`` records, per admission, how many prompt tokens came from the cache (pool
     and tiers); ``tier_tokens`` counts those loaded from the tiers; ``preemptions`` counts how
-    often it was sent back to the queue.
+    often it was sent back to the queue.  ``segments``: the prompt's document spans (used when the
+    engine blends); ``approximate``: its prefill was blended (its KV, and so its output, may differ
+    from a full prefill's) and nothing past the prefix it matched is cached; ``blend``: what the last
+    blended prefill did (``BlendInfo``).
     """
 
     tokens: list[int]
@@ -272,6 +338,10 @@ class EngineRequest:
     cached_at_start: list[int] = field(default_factory=list)
     tier_tokens: int = 0
     preemptions: int = 0
+    segments: tuple[Span, ...] = ()
+    approximate: bool = False
+    blend: BlendInfo | None = None
+    plan: _BlendPlan | None = field(default=None, repr=False)      # set from admission to the prefill
 
     @property
     def output(self) -> list[int]:
@@ -298,15 +368,30 @@ class PagedEngine:
     ``deadline_s`` the load deadline (default the cache's ``load_timeout``); ``keep_logits``
     keeps each step's last-token logits on the request (for tests).  The engine assumes it is
     the cache's only user of ``alloc`` while it runs (``check`` counts engine-held pages).
-    Used from one thread.
+    ``blend`` (a ``Blend``; default ``None``, off) turns blending on, with document KV in
+    ``segments`` (default: a ``SegmentCache`` over the cache's own tiers; ``ValueError`` when the
+    cache has none, or when the model cannot be blended).  Used from one thread.
     """
 
     def __init__(self, model: Any, cache: PrefixCache, *, max_running: int = 8, load: str = "async",
-                 deadline_s: float | None = None, keep_logits: bool = False) -> None:
+                 deadline_s: float | None = None, keep_logits: bool = False, blend: Blend | None = None,
+                 segments: SegmentCache | None = None) -> None:
         if not isinstance(cache, PrefixCache):
             raise TypeError(f"cache must be a PrefixCache, got {type(cache).__name__}")
         if load not in LOAD_MODES:
             raise ValueError(f"load must be one of {LOAD_MODES}, got {load!r}")
+        if blend is not None and not isinstance(blend, Blend):
+            raise TypeError(f"blend must be a radixkv.blend.Blend or None, got {type(blend).__name__}")
+        if segments is not None and not isinstance(segments, SegmentCache):
+            raise TypeError(f"segments must be a SegmentCache or None, got {type(segments).__name__}")
+        if blend is not None:
+            check_blendable(model)
+            if segments is None and cache.stack is None:
+                raise ValueError("segments: blending keeps documents' KV in tiers and the cache has none; "
+                                 "pass segments=SegmentCache(TierStack([...]))")
+            segments = segments if segments is not None else SegmentCache(cache.stack)   # type: ignore[arg-type]
+        self.blend = blend
+        self.segments = segments
         self.max_running = check_int(max_running, "max_running", 1)
         self.model = PagedLlama(model, cache)
         self.cache = cache
@@ -320,6 +405,9 @@ class PagedEngine:
         self.running: list[EngineRequest] = []      # admitted (loading or running), oldest first
         self.finished: list[EngineRequest] = []
         self.steps = 0
+        self._counts = dict.fromkeys(("requests_exact", "requests_blended", "segments_reused",
+                                      "segments_computed", "segments_fresh", "blend_reused_tokens",
+                                      "blend_computed_rows", "full_rows"), 0)
 
     def __repr__(self) -> str:
         return (f"PagedEngine({len(self.running)} admitted, {len(self.waiting)} waiting, "
@@ -330,9 +418,12 @@ class PagedEngine:
         """Whether any request is waiting or admitted."""
         return bool(self.waiting or self.running)
 
-    def add(self, tokens: Any, max_new_tokens: int, *, eos_token_id: int | None = None) -> EngineRequest:
+    def add(self, tokens: Any, max_new_tokens: int, *, eos_token_id: int | None = None,
+            segments: Any = ()) -> EngineRequest:
         """Queue a prompt (1-D token ids, not empty) to generate up to ``max_new_tokens`` (>= 1)
-        tokens greedily after; return its ``EngineRequest``.  O(len(tokens))."""
+        tokens greedily after; return its ``EngineRequest``.  ``segments``: the prompt's documents
+        as ``(start, end)`` spans (not overlapping), reused by blending when the engine blends and
+        ignored otherwise.  O(len(tokens))."""
         check_int(max_new_tokens, "max_new_tokens", 1)
         if eos_token_id is not None:
             check_int(eos_token_id, "eos_token_id")
@@ -340,7 +431,8 @@ class PagedEngine:
         if not data:
             raise ValueError("tokens must not be empty")
         ids = np.frombuffer(data, dtype="<i4").tolist()
-        req = EngineRequest(ids, len(ids), max_new_tokens, eos_token_id)
+        req = EngineRequest(ids, len(ids), max_new_tokens, eos_token_id, segments=check_spans(segments, len(ids),
+                                                                                            "segments"))
         self.waiting.append(req)
         return req
 
@@ -376,8 +468,7 @@ class PagedEngine:
                 loading[0].request.wait(timeout=1.0)
             return finished
         try:
-            logits = self.model.forward([Chunk(torch.tensor(r.tokens[r.kv_len:]), r.kv_len, r.block_table)
-                                         for r, _ in batch])
+            logits = self._forward([r for r, _ in batch])
         except BaseException:
             self._undo(batch)
             raise
@@ -392,6 +483,30 @@ class PagedEngine:
                 self._finish(r)
                 finished.append(r)
         return finished
+
+    def _forward(self, batch: list[EngineRequest]) -> list[torch.Tensor]:
+        """The last-token logits of each request's scheduled tokens: one varlen forward for the
+        plain ones, one ``blend_prefill`` each for those with a blend plan.  Counts the rows."""
+        plain = [r for r in batch if r.plan is None]
+        rows: dict[int, torch.Tensor] = {}
+        if plain:
+            out = self.model.forward([Chunk(torch.tensor(r.tokens[r.kv_len:]), r.kv_len, r.block_table)
+                                      for r in plain])
+            rows.update((id(r), row) for r, row in zip(plain, out))
+        infos = []
+        for r in batch:
+            if r.plan is not None:
+                assert self.blend is not None
+                row, info = blend_prefill(self.model, torch.tensor(r.tokens[r.kv_len:]), r.kv_len, r.block_table,
+                                          r.plan.cached, r.plan.reused, self.blend.ratio)
+                rows[id(r)] = row
+                infos.append((r, info))
+        for r, info in infos:                      # bookkeeping once nothing can fail any more
+            r.plan, r.blend, r.approximate = None, info, True
+            self._counts["blend_reused_tokens"] += info.reused
+            self._counts["blend_computed_rows"] += sum(info.computed)
+        self._counts["full_rows"] += sum(len(r.tokens) - r.kv_len for r in plain) * len(self.model.inner.layers)
+        return [rows[id(r)] for r in batch]
 
     def _admit(self) -> None:
         """Open waiting requests while there is room; ``open`` returns at once with ``async``."""
@@ -422,6 +537,41 @@ class PagedEngine:
         r.kv_len = r.request.num_cached
         r.cached_at_start.append(r.request.num_cached)
         r.tier_tokens += r.request.tier_tokens
+        if self.blend is not None and r.segments:
+            r.plan = self._plan(r)
+
+    def _plan(self, r: EngineRequest) -> _BlendPlan | None:
+        """The documents of ``r`` past its cached prefix, each loaded from the segment cache (or
+        computed on its own and stored, with ``store_missing``) and moved to its position; ``None``
+        when none can be reused.  Cost per document: a segment load (bounded by the deadline) or
+        one forward over it, and one rotation of its keys."""
+        assert self.blend is not None and self.segments is not None
+        layers, kvh, dim = len(self.model.inner.layers), self.model.num_kv_heads, self.model.head_dim
+        count = len(r.tokens) - r.kv_len
+        cached = torch.zeros(layers, 2, count, kvh, dim, dtype=self.cache.layout.dtype)
+        reused = torch.zeros(count, dtype=torch.bool)
+        inv_freq = self.model.inner.rotary_emb.inv_freq
+        for span in r.segments:
+            if span.start < r.kv_len:            # (part of) it is in the exact prefix already
+                continue
+            doc = r.tokens[span.start:span.end]
+            deadline = None if self.blend.deadline_s is None else time.monotonic() + self.blend.deadline_s
+            kv = self.segments.load(doc, deadline=deadline)
+            if kv is None and self.blend.store_missing:
+                kv = segment_kv(self.model.model, doc, self.cache.layout.dtype)
+                self.segments.store(doc, kv)
+                self._counts["segments_computed"] += 1
+            elif kv is None:
+                self._counts["segments_fresh"] += 1
+                continue
+            else:
+                self._counts["segments_reused"] += 1
+            lo, hi = span.start - r.kv_len, min(span.end, len(r.tokens) - 1) - r.kv_len   # never the last token
+            if hi <= lo:
+                continue
+            cached[:, :, lo:hi] = recover_positions(kv[:, :, :hi - lo], span.start, inv_freq)
+            reused[lo:hi] = True
+        return _BlendPlan(cached, reused) if bool(reused.any()) else None
 
     def _schedule(self, ready: list[EngineRequest]) -> list[tuple[EngineRequest, list[int]]]:
         """Pages for each ready request's tokens this step, oldest first, preempting the newest
@@ -470,7 +620,7 @@ class PagedEngine:
         """Cache the pages ``r``'s computed tokens have filled; adopt the canonical page table."""
         assert r.request is not None
         new = r.kv_len // self.page_size - len(r.held)
-        if new <= 0:
+        if new <= 0 or r.approximate:             # blended KV is never cached as a prefix
             return
         table = r.request.extend(r.tokens[:r.kv_len], r.own[:new])
         r.held = table.numpy()
@@ -478,6 +628,7 @@ class PagedEngine:
 
     def _finish(self, r: EngineRequest) -> None:
         self._drop(r)
+        self._counts["requests_blended" if r.approximate else "requests_exact"] += 1
         r.state = "finished"
         self.finished.append(r)
 
@@ -495,7 +646,7 @@ class PagedEngine:
             r.request = None
         if r.own:
             self.cache.free(r.own)
-        r.own, r.held, r.kv_len = [], _NO_PAGES, 0
+        r.own, r.held, r.kv_len, r.plan = [], _NO_PAGES, 0, None
         if r in self.running:
             self.running.remove(r)
 
@@ -513,12 +664,25 @@ class PagedEngine:
         for r in [*self.running, *self.waiting]:
             self.abort(r)
 
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters, blended requests apart from exact ones: ``requests_exact`` and
+        ``requests_blended`` (finished), ``segments_reused`` (loaded from the segment cache),
+        ``segments_computed`` (computed on their own and stored), ``segments_fresh`` (not held,
+        computed in the prompt), ``blend_reused_tokens``, ``blend_computed_rows`` (token-layers
+        recomputed by blended prefills), ``full_rows`` (token-layers of plain forwards); with
+        blending, ``segments`` (the ``SegmentCache``'s counters).  A new dict.  O(1)."""
+        out: dict[str, Any] = dict(self._counts)
+        if self.segments is not None:
+            out["segments"] = self.segments.stats()
+        return out
+
     def check(self) -> None:
         """Assert the engine's invariants and the cache's (``cache.check``).  O(pages + requests).
 
         Every admitted running request holds exactly its ``Request``'s pages and owns the pages
-        of its computed tokens past them; the engine-held pages of the cache are exactly the
-        requests' own pages; waiting requests hold nothing.
+        of its computed tokens past them (an approximate one: nothing past its exact prefix is in
+        the tree); the engine-held pages of the cache are exactly the requests' own pages; waiting
+        requests hold nothing; a blend plan waits only for its request's prefill.
         """
         self.cache.check()
         ps = self.page_size
@@ -533,7 +697,12 @@ class PagedEngine:
             assert np.array_equal(r.held, r.request.page_ids), f"{r}: block table differs from the held pages"
             assert len(r.held) * ps == r.request.num_cached <= r.kv_len < len(r.tokens), f"{r}: token counts"
             assert len(r.held) + len(r.own) == -(-r.kv_len // ps), f"{r}: pages for {r.kv_len} tokens"
+            assert r.plan is None or (r.kv_len == r.request.num_cached and len(r.plan.reused) ==
+                                      len(r.tokens) - r.kv_len), f"{r}: a blend plan after its prefill"
+            assert not r.approximate or (r.blend is not None and r.request.num_cached == r.cached_at_start[-1]), \
+                f"{r}: approximate KV cached"
         for r in self.waiting:
-            assert r.request is None and not r.own and r.state == "waiting", f"{r}: waiting but holding"
+            assert r.request is None and not r.own and r.state == "waiting" and r.plan is None, \
+                f"{r}: waiting but holding"
         assert len(set(owned)) == len(owned), "a page is owned by two requests"
         assert self.cache.stats()["pages_engine"] == len(owned), "engine-held pages != the requests' own pages"

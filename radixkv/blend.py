@@ -1,0 +1,258 @@
+"""CacheBlend: reuse the KV of documents wherever they appear in a prompt, then recompute the few
+tokens whose KV matters most (Yao et al., "CacheBlend: Fast Large Language Model Serving for RAG
+with Cached Knowledge Fusion", EuroSys 2025).
+
+A prefix cache reuses KV only for the same tokens after the same prefix.  In RAG the retrieved
+documents come in another order, after another system prompt, every time.  Each document's KV
+computed on its own (``radixkv.segments``) is reused in two steps:
+
+1. **Positional recovery** (exact for RoPE): a key cached at position ``p`` is the unrotated key
+   rotated by ``p``; rotating it by ``Δ`` more gives the key at ``p + Δ`` (rotations compose:
+   ``R(Δ) R(p) = R(p + Δ)``), to float rounding.  ``recover_positions`` does it; values carry no
+   position.  What recovery cannot restore is the attention to what precedes the document in the
+   prompt: the cached KV is that of the document alone.
+2. **Selective recomputation** (``blend_prefill``): layer by layer, only a share of the reused
+   tokens is recomputed — those whose KV deviates most from what a full prefill would give — and
+   every other reused token keeps its cached KV.  On the first layer every token is recomputed
+   and its KV deviation (squared difference of K and V from the cached) measured; on each next
+   layer the tokens kept are the highest-deviation ones among those recomputed on the layer
+   before (the paper's *gradual filtering*), their share going down linearly from
+   ``ratio * (1 + g)`` to ``ratio * (1 - g)`` (``g = min(1/2, (1 - ratio) / ratio)``) so that the
+   layers after the first recompute ``ratio`` of the reused tokens on average.  Tokens not
+   reused (the question, separators, a document not cached) are computed in every layer.
+
+``ratio = 1`` recomputes every token in every layer: a full prefill.  ``ratio = 0`` recomputes
+none: naive reuse (the positionally recovered KV as it is, with no cross-attention between
+documents).  Cost per prompt of ``T`` tokens of which ``R`` reused, over ``L`` layers: the first
+layer over all ``T``, then ``T - R + ratio * R`` rows per layer — against ``T`` per layer for a
+full prefill — plus one read of every layer's keys per recomputed query.
+
+What it is not: exact.  A blended request's KV differs from a full prefill's (by how much is what
+``python -m radixkv.bench blend`` measures), so an engine marks its result approximate and never
+caches its KV as a prefix (``radixkv.integrations.paged`` does both).  Supported: the RoPE models
+of the reference paged engine (Llama, Qwen2, Mistral without a window) with grouped-query
+attention; refused with ``ValueError``: sliding windows (a window would drop the reused KV it is
+built on), MLA (its cached latent is not a rotated key), and RoPE variants whose rotation depends
+on the sequence length (``dynamic``, ``longrope``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from radixkv.integrations.paged import PagedLlama
+
+__all__ = ["Blend", "BlendInfo", "blend_prefill", "check_blendable", "kv_deviation", "layer_ratios",
+           "recover_positions", "select_tokens"]
+
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True, slots=True)
+class Blend:
+    """How an engine blends: ``ratio``, the share of reused tokens recomputed per layer (0 to 1;
+    the paper's default, 15%); ``store_missing``, whether a document that no tier holds is
+    computed on its own and stored (so that the next prompt reuses it; cost: one forward over
+    the document), else computed in the prompt like any other token; ``deadline_s``, the bound
+    of one document's load from the tiers (default the stack's ``timeout_s``)."""
+
+    ratio: float = 0.15
+    store_missing: bool = True
+    deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
+            raise TypeError(f"ratio must be a number in [0, 1], got {type(self.ratio).__name__}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio!r}")
+        if type(self.store_missing) is not bool:
+            raise TypeError(f"store_missing must be a bool, got {type(self.store_missing).__name__}")
+        if self.deadline_s is not None and (isinstance(self.deadline_s, bool)
+                                            or not isinstance(self.deadline_s, (int, float))
+                                            or not self.deadline_s > 0):
+            raise ValueError(f"deadline_s must be a positive number of seconds or None, got {self.deadline_s!r}")
+
+
+class BlendInfo(NamedTuple):
+    """What one blended prefill did: ``reused`` tokens had cached KV, ``computed`` counts per layer
+    the rows recomputed (reused ones and the others), ``ratio`` as asked."""
+
+    reused: int
+    computed: tuple[int, ...]
+    ratio: float
+
+
+def check_blendable(model: Any) -> None:
+    """Raise ``ValueError`` unless blending can serve ``model`` (a Hugging Face causal LM): RoPE
+    full attention without MLA or length-dependent RoPE (see the module docstring).  O(layers)."""
+    from radixkv.integrations.transformers import layer_windows
+
+    config = model.config
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError("model: MLA (a compressed latent KV) cannot be blended: its cached latent is not a "
+                         "rotated key, so positional recovery does not apply")
+    if any(layer_windows(model)):
+        raise ValueError("model: sliding-window layers cannot be blended: a window drops the reused KV that "
+                         "selective recomputation builds on")
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise ValueError("model: blending needs rotary position embeddings (model.model.rotary_emb)")
+    if getattr(rotary, "rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
+        raise ValueError(f"model: {rotary.rope_type!r} RoPE changes its frequencies with the sequence length; "
+                         "positional recovery would not be exact")
+
+
+def recover_positions(kv: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``kv`` (``[layers, 2, n, kv_heads, head_dim]``, K then V, computed at positions
+    ``p .. p + n - 1``) moved to positions ``p + delta ..``: every key rotated by ``delta`` more
+    (``inv_freq``: the model's RoPE frequencies, ``[head_dim / 2]``), values as they are.  A new
+    tensor.  The angles are computed in float64.  O(size of kv).
+
+    >>> kv = torch.randn(1, 2, 3, 1, 4)
+    >>> torch.allclose(recover_positions(recover_positions(kv, 5, torch.ones(2)), -5, torch.ones(2)), kv, atol=1e-6)
+    True
+    """
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be a [layers, 2, n, kv_heads, head_dim] tensor, got "
+                         f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
+    if isinstance(delta, bool) or not isinstance(delta, int):
+        raise TypeError(f"delta must be an int, got {type(delta).__name__}")
+    if inv_freq.dim() != 1 or 2 * inv_freq.shape[0] != kv.shape[-1]:
+        raise ValueError(f"inv_freq must be [head_dim / 2] = [{kv.shape[-1] // 2}], got {tuple(inv_freq.shape)}")
+    from radixkv.integrations.paged import rotate_half
+
+    angles = delta * inv_freq.detach().to("cpu", torch.float64)
+    angles = torch.cat([angles, angles])
+    cos, sin = angles.cos().to(kv.device, kv.dtype), angles.sin().to(kv.device, kv.dtype)
+    out = kv.clone()
+    keys = kv[:, 0]
+    out[:, 0] = keys * cos + rotate_half(keys) * sin
+    return out
+
+
+def layer_ratios(ratio: float, num_layers: int) -> tuple[float, ...]:
+    """Per layer, the share of the reused tokens recomputed (see the module docstring): 1 on the
+    first layer (0 when ``ratio`` is 0), then going down linearly around ``ratio``.  O(layers).
+
+    >>> layer_ratios(0.2, 4)
+    (1.0, 0.3, 0.2, 0.1)
+    >>> layer_ratios(1.0, 3), layer_ratios(0.0, 3)
+    ((1.0, 1.0, 1.0), (0.0, 0.0, 0.0))
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if ratio <= 0:
+        return (0.0,) * num_layers
+    g = min(0.5, (1 - ratio) / ratio)
+    rest = num_layers - 1
+    shares = [ratio * (1 + g - 2 * g * j / (rest - 1)) if rest > 1 else ratio for j in range(rest)]
+    return (1.0, *(round(min(1.0, s), 12) for s in shares))
+
+
+def kv_deviation(k: torch.Tensor, v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor) -> torch.Tensor:
+    """Per token, the squared distance of its fresh K and V (``[n, kv_heads, dim]`` each) from the
+    cached ones: the paper's KV deviation, ``[n]`` (float32).  O(n x kv_heads x dim)."""
+    dk = (k.float() - cached_k.float()).square().sum(dim=(1, 2))
+    dv = (v.float() - cached_v.float()).square().sum(dim=(1, 2))
+    return dk + dv
+
+
+def select_tokens(deviation: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices (ascending, int64) of the ``count`` highest ``deviation`` values; ties go to the
+    earlier token.  O(n log n).
+
+    >>> select_tokens(torch.tensor([0.1, 3.0, 0.5, 3.0]), 2).tolist()
+    [1, 3]
+    """
+    if deviation.dim() != 1:
+        raise ValueError(f"deviation must be 1-D, got shape {tuple(deviation.shape)}")
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(deviation):
+        raise ValueError(f"count must be an int in [0, {len(deviation)}], got {count!r}")
+    order = torch.sort(-deviation.float(), stable=True).indices[:count]
+    return order.sort().values
+
+
+@torch.no_grad()
+def blend_prefill(model: PagedLlama, tokens: torch.Tensor, start: int, table: torch.Tensor,
+                  cached: torch.Tensor, reused: torch.Tensor, ratio: float) -> tuple[torch.Tensor, BlendInfo]:
+    """Prefill ``tokens`` (int64, ``[T]``, at positions ``start ..``) into the pool pages of
+    ``table`` (page ids of positions ``0 .. start + T - 1``; the first ``start`` tokens' KV is in
+    its pages already, the rest are the caller's own pages), reusing ``cached``
+    (``[layers, 2, T, kv_heads, head_dim]``, positionally recovered) where ``reused`` (bool,
+    ``[T]``; never the last token) is set and recomputing ``ratio`` of those per layer (see the
+    module docstring).  Returns the last token's logits (``[vocab]``) and a ``BlendInfo``.
+
+    The pages end up holding the blended KV: recomputed rows' fresh KV, the others' cached KV.
+    ``model`` is a ``PagedLlama`` over a full-attention pool.  Cost: the module docstring's.
+    """
+    from radixkv.integrations.paged import attend
+
+    layout_shape = (len(model.inner.layers), 2, len(tokens), model.num_kv_heads, model.head_dim)
+    if tokens.dim() != 1 or not len(tokens) or tokens.is_floating_point():
+        raise ValueError(f"tokens must be a non-empty 1-D tensor of token ids, got {tuple(tokens.shape)}")
+    if tuple(cached.shape) != layout_shape:
+        raise ValueError(f"cached must be {layout_shape} (the KV of the {len(tokens)} tokens), got {tuple(cached.shape)}")
+    if reused.dtype != torch.bool or tuple(reused.shape) != (len(tokens),):
+        raise ValueError(f"reused must be a bool tensor of shape ({len(tokens)},)")
+    if bool(reused[-1]):
+        raise ValueError("reused: the last token is always computed (its logits are the answer)")
+    if model.groups is not None:
+        raise ValueError("model: blending needs a full-attention pool (no KV groups)")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be in [0, 1], got {ratio!r}")
+    ps, device = model.page_size, model.device
+    total, end = len(tokens), start + len(tokens)
+    positions = torch.arange(start, end)
+    table = table.to(torch.long).cpu()
+    if len(table) < -(-end // ps):
+        raise ValueError(f"table: {len(table)} pages for {end} tokens")
+    slots = table[positions // ps] * ps + positions % ps
+    pages = table[:-(-end // ps)]
+    reused = reused.cpu()
+    num_reused = int(reused.sum())
+    shares = layer_ratios(ratio, len(model.inner.layers))
+    fresh = torch.nonzero(~reused).flatten()
+    rows = torch.arange(total) if shares[0] > 0 else fresh          # the rows computed in this layer
+    hidden, cos, sin = model.embed(tokens.to(device), positions.to(device))
+    computed = []
+    for i, layer in enumerate(model.inner.layers):
+        pool = model.pool.layer(i)                                  # [2, pages, page_size, kvh, dim]
+        flat = pool.view(2, -1, model.num_kv_heads, model.head_dim)
+        flat[:, slots[reused].to(flat.device)] = cached[i][:, reused].to(flat.device, flat.dtype)
+        q, k, v = model.qkv(layer, hidden[:, rows.to(device)], cos[rows], sin[rows])
+        where = slots[rows].to(flat.device)
+        flat[0, where] = k.to(flat.device, flat.dtype)
+        flat[1, where] = v.to(flat.device, flat.dtype)
+        keys = pool[0, pages.to(pool.device)].reshape(-1, model.num_kv_heads, model.head_dim)[:end]
+        values = pool[1, pages.to(pool.device)].reshape(-1, model.num_kv_heads, model.head_dim)[:end]
+        out = attend(q, keys.to(device, q.dtype), values.to(device, q.dtype), positions[rows],
+                     layer.self_attn.scaling)
+        new = model.residual(layer, hidden[:, rows.to(device)], out)
+        hidden = hidden.clone()
+        hidden[:, rows.to(device)] = new
+        computed.append(len(rows))
+        if i + 1 < len(shares):
+            rows = _next_rows(rows, reused, shares[i + 1], num_reused, k, v, cached[i].to(device))
+    logits = model.logits(hidden[0, -1:])[0]
+    return logits, BlendInfo(num_reused, tuple(computed), float(ratio))
+
+
+def _next_rows(rows: torch.Tensor, reused: torch.Tensor, share: float, num_reused: int, k: torch.Tensor,
+               v: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """The rows the next layer recomputes: every row not reused, and of the reused rows computed
+    in this layer (fresh ``k``/``v`` per row of ``rows``), the ``share * num_reused`` of highest
+    KV deviation from ``cached`` (``[2, T, kv_heads, dim]``)."""
+    mine = reused[rows]
+    candidates = rows[mine]
+    count = min(len(candidates), math.ceil(round(share * num_reused, 9)))
+    if count < len(candidates):
+        local = torch.nonzero(mine).flatten().to(k.device)
+        deviation = kv_deviation(k[local], v[local], cached[0, candidates.to(k.device)],
+                                 cached[1, candidates.to(k.device)])
+        candidates = candidates[select_tokens(deviation.cpu(), count)]
+    return torch.cat([rows[~mine], candidates]).sort().values
