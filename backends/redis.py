@@ -53,11 +53,11 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from radixkv._checks import check_int
-from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, Tier, blob_view, bounded, check_key,
+from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, Entry, Tier, blob_view, bounded, check_key,
                               check_namespace_id, current_max_blob_bytes, redact, report_oversize)
 from radixkv.backends.remote import (PROBE_BOUND_S, SKIPPING, CircuitBreaker, Skipped, call_deadline, skip_all,
                                      within)
@@ -475,6 +475,34 @@ class RedisTier(Tier):
             return dropped
 
         return self._bounded(drop, [None])[0]
+
+    def entries(self, ns_id: bytes | None = None) -> Iterator[Entry]:
+        """The chunk values (of ``ns_id``) found by ``SCAN``, with their size (``STRLEN``) and the
+        time of their last access (now minus ``OBJECT IDLETIME``), a pipelined round trip per
+        scanned batch, each within ``timeout_s``.  Raises on a fault.  O(keys of the server)."""
+        ns = "?" * 16 if ns_id is None else check_namespace_id(ns_id).hex()
+        pattern = f"{self.prefix}:{ns}:{'?' * 32}".encode()
+        start = len(self.prefix) + 1
+        cursor = 0
+        while True:
+            try:
+                cursor, names = self._request(lambda: self._client.scan(cursor, match=pattern, count=_SCAN_BATCH))
+                if names:
+                    pipe = self._client.pipeline(transaction=False)
+                    for name in names:
+                        pipe.strlen(name)
+                        pipe.object("idletime", name)
+                    answers = self._request(pipe.execute)
+            except Skipped:
+                raise ConnectionError(f"Redis server {self.url} is failing; listing skipped") from None
+            now = time.time()
+            for i, name in enumerate(names):
+                size, idle = answers[2 * i], answers[2 * i + 1]
+                if size and idle is not None:          # gone since the scan: left out
+                    text = bytes(name)[start:].decode()
+                    yield Entry(bytes.fromhex(text.replace(":", "")), int(size), now - float(idle))
+            if not cursor:
+                return
 
     @property
     def used_bytes(self) -> int:

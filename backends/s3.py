@@ -99,11 +99,11 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from radixkv._checks import check_int
-from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, OversizeBlob, Tier, blob_view, bounded, check_key,
+from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, Entry, OversizeBlob, Tier, blob_view, bounded, check_key,
                               check_namespace_id, current_deadline, current_max_blob_bytes, redact, report_oversize)
 from radixkv.backends.remote import (PROBE_BOUND_S, CircuitBreaker, Skipped, SKIPPING, call_deadline, skip_all,
                                      within)
@@ -118,6 +118,7 @@ _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _CHANGED = {"412", "PreconditionFailed", "InvalidRange", "416"}  # overwritten or emptied mid-read
 _DELETE_BATCH = 1000  # S3's limit for DeleteObjects
 _CHUNK_NAME = re.compile(r"[0-9a-f]{32}")  # an object name's last segment: a 16-byte chunk key
+_NAMESPACE_NAME = re.compile(r"[0-9a-f]{16}")  # the segment before it: an 8-byte namespace id
 
 
 def _redacted(url: str) -> str:
@@ -669,6 +670,28 @@ class S3Tier(Tier):
             pass
         self._count(deletes=dropped)
         return dropped
+
+    def entries(self, ns_id: bytes | None = None) -> Iterator[Entry]:
+        """The chunk objects under the prefix (of ``ns_id``): their size and last-modified time
+        (the write; S3 keeps no access time), listed 1000 at a time, each request within
+        ``timeout_s``.  Objects of other names are not chunks and are left out.  Raises on a fault.
+        O(objects)."""
+        root = self._root if ns_id is None else self.namespace_prefix(ns_id)
+        token: dict[str, str] = {}
+        while True:
+            try:
+                page = self._request(self._client.list_objects_v2, Prefix=root, MaxKeys=_DELETE_BATCH, **token)
+            except Skipped:
+                raise ConnectionError(f"S3 endpoint of bucket {self.bucket!r} is failing; listing skipped") from None
+            except KeyError:         # the bucket itself is gone
+                return
+            for obj in page.get("Contents", ()):
+                ns_hex, _, key_hex = obj["Key"][len(self._root):].partition("/")
+                if _NAMESPACE_NAME.fullmatch(ns_hex) and _CHUNK_NAME.fullmatch(key_hex):
+                    yield Entry(bytes.fromhex(ns_hex + key_hex), int(obj["Size"]), obj["LastModified"].timestamp())
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
 
     @property
     def used_bytes(self) -> int:

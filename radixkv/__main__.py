@@ -3,6 +3,8 @@
     python -m radixkv demo        # a random-weight model served through the cache: TTFT and hit sources
     python -m radixkv replay      # replay a chat workload through a PrefixCache's index, print what it saved
     python -m radixkv build-ext   # build the block-copy extension (an install step: run time only loads it)
+    python -m radixkv inspect --config FILE   # what each tier holds per namespace; --verify, --drop NS, --json
+    python -m radixkv warm --config FILE      # the remote tier's chunks onto the local disk before serving
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--lock-timeout", type=float, default=600.0,
                    help="seconds to wait for another process's build of the same sources (default 600)")
     b.set_defaults(func=build_ext)
+    from radixkv import inspect as inspect_cmd, warm as warm_cmd
+
+    i = sub.add_parser("inspect", help="what each tier holds per namespace; --verify checks every chunk's seal")
+    inspect_cmd.add_arguments(i)
+    i.set_defaults(func=inspect_cmd.main)
+    w = sub.add_parser("warm", help="bring the remote tier's chunks onto the local disk before serving")
+    warm_cmd.add_arguments(w)
+    w.set_defaults(func=warm_cmd.main)
     args = ap.parse_args(argv)
     return int(args.func(args))
 

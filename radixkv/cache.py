@@ -766,6 +766,14 @@ class PrefixCache:
             stack.unpin(keys_from_token_bytes(data, self.chunk_size, stack.namespace.root))
         return True
 
+    def warm(self, prompts: Any = None, **options: Any) -> list[Any]:
+        """Bring stored chunks (of ``prompts``, token id sequences; else of this namespace) from the
+        lower tiers up into the CPU tier before traffic, within a byte budget and a deadline:
+        ``radixkv.warm.warm`` (its options, reports and cost)."""
+        from radixkv.warm import warm
+
+        return warm(self, prompts, **options)
+
     def drop_namespace(self, namespace: Namespace | None = None) -> int:
         """Delete every stored chunk of ``namespace`` (default: this cache's) from every tier, e.g.
         an old model revision's.  Entries resident in the pool are not affected.  Returns the

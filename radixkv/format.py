@@ -58,14 +58,15 @@ import hmac
 import os
 import struct
 import sys
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 import torch
 import xxhash
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "SEAL_AEAD", "SEAL_CHECKSUM", "SEAL_MAC", "ChunkAuthError",
-           "ChunkFormatError", "Seal", "decode_chunk", "encode_chunk", "encoded_size", "hkdf_sha256"]
+           "ChunkFormatError", "Seal", "VerifiedChunk", "decode_chunk", "encode_chunk", "encoded_size", "hkdf_sha256",
+           "verify_chunk"]
 
 MAGIC = b"RKVC"
 FORMAT_VERSION = 2
@@ -419,6 +420,66 @@ def decode_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, parent_key: byt
     if body[:len(tokens)] != tokens:
         raise ChunkFormatError("chunk tokens mismatch: the blob holds KV of other tokens")
     return _copy_payload(body[offset - _HEADER.size:], dtype, shape, out)
+
+
+class VerifiedChunk(NamedTuple):
+    """What ``verify_chunk`` found in a blob that verifies: its parent key, its token ids (int32
+    bytes) and its KV (a new CPU tensor)."""
+
+    parent: bytes
+    tokens: bytes
+    kv: torch.Tensor
+
+
+def verify_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, seal: Seal | None = None) -> VerifiedChunk:
+    """Verify a stored blob found under ``key`` without knowing its tokens (what ``python -m
+    radixkv inspect --verify`` does with every entry of a tier): the header's own parent key,
+    tokens, dtype and shape must make a blob that ``decode_chunk`` accepts under ``seal``, and
+    ``key`` must be the digest of that parent and those tokens (the chain ``chunk_keys`` and
+    ``tail_key`` make).  Returns them and the KV (``VerifiedChunk``).  Raises ``ChunkAuthError`` for a
+    blob not sealed by a secret ``seal`` holds, ``ChunkFormatError`` for anything else wrong.
+    Cost: O(size), one hash or MAC pass and one copy (AEAD: decrypted twice).
+
+    >>> kv = torch.zeros(1, 2, 2, 1, 2)
+    >>> tokens = bytes(np.array([5, 6], dtype="<i4"))
+    >>> key = xxhash.xxh3_128_digest(bytes(16) + tokens)
+    >>> blob = encode_chunk(bytes(8), key, bytes(16), tokens, kv)
+    >>> found = verify_chunk(blob, namespace_id=bytes(8), key=key)
+    >>> found.parent == bytes(16), found.tokens == tokens, tuple(found.kv.shape)
+    (True, True, (1, 2, 2, 1, 2))
+    """
+    seal = _check_seal(seal)
+    view = memoryview(blob).cast("B")
+    if len(view) < _HEADER.size or bytes(view[:4]) != MAGIC:
+        raise ChunkFormatError("not a radixkv chunk (no magic)")
+    (_, _, code, _, _, _, _, parent, num_tokens, *rest) = _HEADER.unpack_from(view)
+    shape, got_seal, key_id, tag = tuple(rest[:_NDIM]), rest[_NDIM + 1], rest[_NDIM + 2], rest[_NDIM + 3]
+    if code not in _DTYPES or len(view) < _HEADER.size + 4 * num_tokens:
+        raise ChunkFormatError(f"chunk dtype code {code} or token count {num_tokens} does not fit the blob")
+    if got_seal == SEAL_AEAD and seal.keyed:
+        keys = seal._accept.get(bytes(key_id))
+        if keys is None:
+            raise ChunkAuthError(f"chunk sealed by an unknown key id {bytes(key_id).hex()}")
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            plain = _aesgcm()(keys.aead).decrypt(bytes(tag[:_NONCE]), bytes(view[_HEADER.size:]),
+                                                 bytes(view[:_SEALED_AT]))
+        except InvalidTag:
+            raise ChunkAuthError("chunk AEAD tag mismatch: the blob was forged or altered") from None
+        tokens = plain[:4 * num_tokens]
+    else:
+        tokens = bytes(view[_HEADER.size:_HEADER.size + 4 * num_tokens])
+    try:
+        kv = decode_chunk(view, namespace_id=namespace_id, key=key, parent_key=parent, tokens=tokens,
+                     dtype=_DTYPES[code], shape=shape, seal=seal)
+    except ChunkFormatError:
+        raise
+    except (ValueError, TypeError) as exc:       # a header that names an impossible shape
+        raise ChunkFormatError(f"chunk header does not describe a chunk: {exc}") from None
+    if xxhash.xxh3_128_digest(parent + tokens) != key:
+        raise ChunkFormatError("chunk key mismatch: the key is not the digest of the blob's parent and tokens")
+    return VerifiedChunk(parent, tokens, kv)
 
 
 def _copy_payload(payload: memoryview, dtype: torch.dtype, shape: tuple[int, ...],
