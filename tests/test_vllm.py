@@ -375,7 +375,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                           *({"name": f"wrong: {mode}", "prompt": "p4", "reset": True, "wrong_kv": mode}
                             for mode in WRONG_KV)],
                          conn("kv_both", local_cpu=True, max_local_cpu_size=0.2, local_disk=lmdb, **disk),
-                         log_stats=True, blocks=BATCH_BLOCKS, max_model_len=2048, in_process=True),
+                         log_stats=True, blocks=BATCH_BLOCKS, max_model_len=2048, in_process=True,
+                         kv_events=f"tcp://127.0.0.1:{free_port()}"),
         }
         results = _wait({name: _launch(tmp, name, s) for name, s in first.items()})
         # A restarted consumer: LMDB from the kv_both engine, S3 from the producer, then faults.
@@ -514,3 +515,29 @@ def test_an_engine_starts_with_s3_down_and_loads_from_it_once_it_is_up(engines: 
     _same(steps["from s3"], base["p3"])                                # the tier in use, no restart
     assert _loaded(steps["from s3"]) == (650 // CHUNK) * CHUNK, steps["from s3"]["tries"]
     assert "the tier starts as misses" in late["log"]                      # said so at start-up
+
+
+def test_vllms_event_stream_carries_the_tiers_events_named_with_vllms_block_hashes(engines: dict[str, Any]) -> None:
+    """vLLM's own KV-event stream (decoded by vLLM's structs) tells the GPU blocks of p4 and, for
+    the chunks radixkv stored, the same blocks on the CPU tier and LMDB, with the same hashes and
+    parents; every name radixkv gives is one vLLM gave."""
+    from radixkv.fleet.hashing import vllm_block_hashes
+
+    events = engines["both"]["kv_events"]
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    gpu = {h for e in stored if e["medium"] == "GPU" for h in e["hashes"]}
+    block_size = next(e["block_size"] for e in stored if e["medium"] == "GPU")
+    p4 = [str(h) for h in vllm_block_hashes(_prompts()["p4"], block_size, as_int=True)]
+    assert set(p4) <= gpu, "vLLM's GPU events name p4's blocks as vllm_block_hashes does"
+    covered = len(_prompts()["p4"]) // CHUNK * (CHUNK // block_size)
+    parent_of = {h: (p4[i - 1] if i else None) for i, h in enumerate(p4)}
+    for medium in ("CPU", "STORAGE"):
+        mine = [e for e in stored if e["medium"] == medium]
+        names = {h for e in mine for h in e["hashes"]}
+        assert set(p4[:covered]) <= names, f"{medium}: every stored chunk of p4 is told"
+        assert names <= gpu, f"{medium}: radixkv names blocks only as vLLM does"
+        for e in mine:
+            if e["hashes"][0] in parent_of:
+                assert e["parent"] == parent_of[e["hashes"][0]], f"{medium}: the chain's parent"
+                assert e["block_size"] == block_size
+    assert any(e["type"] == "AllBlocksCleared" for e in events), "vLLM's reset is in the same stream"

@@ -18,6 +18,8 @@ chunk the connector loads in that step wrong on purpose, the control of the exac
 ``"zero_layer"`` (layer 0's K and V zeroed), ``"shift_block"`` (each vLLM block of the chunk
 given the KV of the block before it, as a block table off by one would) or ``"other_chunk"``
 (each chunk replaced by the request's first chunk).
+``kv_events`` (a ZMQ endpoint) turns vLLM's KV events on and records them, decoded by vLLM's own
+structs, under ``kv_events`` in the output (each with the index of the step it arrived in).
 ``until_loaded`` (a number) repeats the step, after a second's pause, until the connector loaded
 tokens for it or that many tries are done (a tier that comes up while the engine runs).  The output
 has per step the tokens, logprobs (top 3 of each generated token), ``num_cached_tokens``,
@@ -63,6 +65,11 @@ def build_llm(spec: dict[str, Any]) -> Any:
             kv_connector_module_path=conn.get("module", "radixkv.integrations.vllm"),
             kv_role=conn.get("role", "kv_both"),
             kv_connector_extra_config=conn.get("extra", {"radixkv_config": conn.get("config")}))
+    if spec.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=spec["kv_events"], topic="kv")
     return LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                max_model_len=spec.get("max_model_len", 4096), enable_prefix_caching=spec.get("prefix_caching", True),
                disable_log_stats=not spec.get("log_stats", False), seed=0,
@@ -126,6 +133,49 @@ def wrong_kv_scatter(scatter: Callable[..., Any], block_tokens: int) -> Callable
     return wrapped
 
 
+class EventLog:
+    """Subscribes to the engine's KV events (``spec["kv_events"]``, a ZMQ endpoint) and decodes
+    them with vLLM's own structs; ``events`` lists them as dicts tagged with the step running when
+    they arrived."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import zmq
+
+        self.events: list[dict[str, Any]] = []
+        self.step = -1
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.bind(endpoint)    # vLLM connects its PUB socket to an endpoint without a wildcard
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._running = True
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while self._running:
+            if not self._sock.poll(100):
+                continue
+            _, seq, payload = self._sock.recv_multipart()
+            for e in decoder.decode(payload).events:
+                self.events.append({"step": self.step, "seq": int.from_bytes(seq, "big"), "type": type(e).__name__,
+                                    "medium": getattr(e, "medium", None),
+                                    "hashes": [str(h) for h in getattr(e, "block_hashes", [])],
+                                    "parent": None if getattr(e, "parent_block_hash", None) is None
+                                    else str(e.parent_block_hash), "block_size": getattr(e, "block_size", None)})
+
+    def close(self) -> list[dict[str, Any]]:
+        time.sleep(1.0)                       # the last step's batch
+        self._running = False
+        self._thread.join(5)
+        self._sock.close(0)
+        return self.events
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Run every step of ``spec`` in one engine; the results."""
     from vllm import SamplingParams
@@ -138,9 +188,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
         ops.scatter_blocks = wrong_kv_scatter(ops.scatter_blocks, spec.get("block_size", 128))
     t0 = time.perf_counter()
+    log = EventLog(spec["kv_events"]) if spec.get("kv_events") else None
     llm = build_llm(spec)
     results: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}
-    for step in spec["steps"]:
+    for i, step in enumerate(spec["steps"]):
+        if log is not None:
+            log.step = i
         if step.get("action"):
             s3_action(step["action"], spec["late_s3"] if step["action"] == "start_s3" else spec["s3"])
         names = step.get("batch") or [step["prompt"]]
@@ -170,6 +223,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 "logprobs": [sorted([int(k), float(v.logprob)] for k, v in d.items()) for d in gen.logprobs or []],
                 "num_cached_tokens": int(out.num_cached_tokens or 0),
                 "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed, "tries": tries})
+    if log is not None:
+        results["kv_events"] = log.close()
     if spec.get("log_stats"):
         llm.llm_engine.do_log_stats()
         results["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()

@@ -112,7 +112,8 @@ class KVEvents(Listener):
     """Turns seam events into KV events (see the module docstring) and gives each seam event's
     batch to ``sink`` (a callable taking a list of events).
 
-    ``namespace``: the ``Namespace`` the cache's chunk keys are made in (its first tier stack's);
+    ``namespace``: the ``Namespace`` the cache's chunk keys are made in (its first tier stack's;
+    ``None`` with ``names=None``: chunks of every namespace, named from outside);
     ``chunk_size``: tokens per chunk; ``names``: ``"chunk"``, ``"vllm"`` or ``None`` (see the
     module docstring); ``block_size``: vLLM's block size for ``names="vllm"`` (a divisor of
     ``chunk_size``); ``media``: level -> medium (``DEFAULT_MEDIA`` plus ``"pool": "GPU"``).
@@ -138,7 +139,9 @@ class KVEvents(Listener):
             vllm_block_hashes([0] * block_size, block_size, algo=algo, seed=seed)  # type: ignore[arg-type]  # checks algo/seed now
         self._ev = events
         self.sink = sink
-        self.root, self.ns_id = namespace.root, namespace.id
+        if namespace is None and names is not None:
+            raise ValueError(f"namespace: names={names!r} names chunks from their keys, which need the namespace")
+        self.root, self.ns_id = (None, None) if namespace is None else (namespace.root, namespace.id)
         self.chunk_size, self.block_size, self.naming = chunk_size, block_size, names
         self.media = dict({"pool": "GPU", **DEFAULT_MEDIA} if media is None else media)
         self.algo, self.seed = algo, seed
@@ -152,7 +155,7 @@ class KVEvents(Listener):
         medium = self.media.get(level)
         cs = self.chunk_size
         first, last = start // cs, stop // cs            # chunks ending in (start, stop]
-        if medium is None or first >= last:
+        if medium is None or first >= last or self.root is None:
             return
         keys = keys_from_token_bytes(data[:last * cs * 4], cs, self.root)
         if held:
@@ -164,14 +167,14 @@ class KVEvents(Listener):
 
     def chunks(self, level: str, namespace: bytes, held: Sequence[bytes], dropped: Sequence[bytes]) -> None:
         medium = self.media.get(level)
-        if medium is None or namespace != self.ns_id:
+        if medium is None or self.ns_id not in (None, namespace):
             return
         out = [self._stored(key, medium, None) for key in held]
         out.append(self._removed(dropped, medium))
         self._emit([e for e in out if e is not None])
 
     def cleared(self, level: str, namespace: bytes | None) -> None:
-        if level in self.media and namespace in (None, self.ns_id):
+        if level in self.media and (namespace is None or self.ns_id in (None, namespace)):
             # vLLM's event clears every medium of the instance: an index then holds less than the
             # instance does (misses, never false hits) until the pool's next stores.
             self._emit([self._ev.AllBlocksCleared()])

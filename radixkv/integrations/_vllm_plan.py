@@ -81,6 +81,10 @@ class Store:
     tokens: bytes = b""
     salt: bytes = b""
     lora: str = ""
+    # With vLLM's KV events on: the names vLLM gave these blocks (its external block hashes), and
+    # the name of the block before them (None for block 0), for the tiers' events.
+    names: tuple[Any, ...] = ()
+    parent: Any = None
 
 
 @dataclass
@@ -136,6 +140,7 @@ class _Request:
     loaded_tokens: int = 0
     next_store: int = 0                      # first prompt chunk not known to be in the tiers
     sent_tokens: bool = False                # the workers have this prompt
+    names: list[Any] = field(default_factory=list)    # vLLM's block hashes (external), with events on
 
 
 class SchedulerSide:
@@ -146,13 +151,15 @@ class SchedulerSide:
     ``timeout_s`` bounds how long a request waits for the tiers; ``clock`` is ``time.monotonic``
     unless a test gives another.  ``answer(lookup)``, when given, is tried before a lookup is
     sent: a number is the chunks the (one) worker holds for it already, ``None`` sends it.  Not
-    thread-safe: vLLM calls it from its scheduler thread.
+    thread-safe: vLLM calls it from its scheduler thread.  ``names``, when given, converts vLLM's
+    block hashes to the form its KV events carry: stores then carry the names of their blocks.
     """
 
     def __init__(self, *, chunk_size: int, block_size: int, tp_size: int = 1, loads: bool = True,
                  stores: bool = True, timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
-                 answer: Callable[[Lookup], int | None] | None = None) -> None:
+                 answer: Callable[[Lookup], int | None] | None = None,
+                 names: Callable[[bytes], Any] | None = None) -> None:
         check_int(chunk_size, "chunk_size", 1)
         check_int(block_size, "block_size", 1)
         check_int(tp_size, "tp_size", 1)
@@ -169,6 +176,7 @@ class SchedulerSide:
         self.timeout_s = float(timeout_s)
         self.clock = clock
         self.answer = answer
+        self.names = names
         self._requests: dict[str, _Request] = {}
         self._plan = Plan()
         self._seq = 0
@@ -185,6 +193,8 @@ class SchedulerSide:
         req = self._requests.get(req_id)
         if req is None:
             req = self._requests[req_id] = _new_request(request)
+            if self.names is not None:
+                req.names = [self.names(h) for h in getattr(request, "block_hashes", ())]
         start = local // self.chunk_size
         req.next_store = max(req.next_store, start)
         if not (self.loads and req.eligible) or (start + 1) * self.chunk_size > req.num_prompt_tokens:
@@ -275,8 +285,10 @@ class SchedulerSide:
             if len(table) < done * bpc:
                 continue                            # not every block is there (vLLM allocates them all)
             first = req.next_store
+            names = tuple(req.names[first * bpc:done * bpc])
             plan.stores.append(Store(req_id, first, tuple(table[first * bpc:done * bpc]),
-                                     b"" if req.sent_tokens else req.tokens, req.salt, req.lora))
+                                     b"" if req.sent_tokens else req.tokens, req.salt, req.lora,
+                                     names, req.names[first * bpc - 1] if first and names else None))
             req.sent_tokens = True
             self.counters["store_chunks_planned"] += done - first
             req.next_store = done

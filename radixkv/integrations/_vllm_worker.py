@@ -78,15 +78,18 @@ class WorkerSide:
     integrations._vllm_layout.block_views``) with ``stack`` (whose namespace is the engine's and
     whose ``layout.page_size`` is vLLM's block size, a multiple of the views' kernel block).
 
-    ``rank`` is this worker's tensor-parallel rank (its answers are tagged with it).  Thread-safe
-    for vLLM's use: plans come from one thread; lookups run on one background thread.
+    ``rank`` is this worker's tensor-parallel rank (its answers are tagged with it).  ``events``:
+    a ``radixkv.integrations._vllm_events.WorkerEvents`` when vLLM's KV events are on (each
+    stored chunk is named with the vLLM block hashes its store carries).  Thread-safe for vLLM's
+    use: plans come from one thread; lookups run on one background thread.
     """
 
     def __init__(self, stack: TierStack, layers: Sequence[torch.Tensor], *, rank: int = 0,
-                 max_held_bytes: int = 2 << 30, idle_wait_s: float = 0.05) -> None:
+                 max_held_bytes: int = 2 << 30, idle_wait_s: float = 0.05, events: Any = None) -> None:
         if not layers:
             raise ValueError("layers: vLLM registered no KV caches")
         self.stack = stack
+        self.events = events
         self.layers = list(layers)
         self.rank = rank
         self.chunk_size = stack.chunk_size
@@ -201,6 +204,9 @@ class WorkerSide:
                 chunk = st.first + i
                 if chunk >= len(refs):
                     break
+                if self.events is not None and len(st.names) >= (i + 1) * bpc:
+                    self.events.name(refs[chunk].key, st.names[i * bpc:(i + 1) * bpc],
+                                     st.names[i * bpc - 1] if i else st.parent)
                 out = torch.empty(shape, dtype=self.stack.layout.dtype, pin_memory=pin)
                 ops.gather_blocks(self.layers, self._kernel_ids(st.block_ids[i * bpc:(i + 1) * bpc]), out)
                 items.append((refs[chunk], out))

@@ -42,6 +42,11 @@ How it works (``radixkv.integrations._vllm_plan`` and ``_vllm_worker`` hold the 
   ``kv_both`` does both.
 * **Faults** below vLLM (S3 down or slow, corrupt or foreign objects, a full disk) are misses:
   a lookup comes back short, and the request computes what it did not get.
+* **KV events.**  With vLLM's ``--kv-events-config`` on, vLLM's event stream also carries what
+  radixkv's tiers hold: ``BlockStored``/``BlockRemoved`` for the vLLM blocks a chunk covers, named
+  with vLLM's own block hashes, ``medium`` ``"CPU"`` (the CPU tier) or ``"STORAGE"`` (LMDB); remote
+  tiers are not told (``radixkv.integrations._vllm_events``).  A router (``radixkv.fleet.Index``)
+  then sees a prefix vLLM evicted but radixkv still holds.
 * **Stats** go through vLLM's connector stats hook (``KV Transfer metrics`` in its log, with
   ``disable_log_stats=False``) and ``RadixKVConnector.stats()``.
 
@@ -54,12 +59,13 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from radixkv.config import ENV_VAR, CacheConfig, read_mapping
 from radixkv.hashing import Namespace
+from radixkv.integrations._vllm_events import block_hash_converter, events_enabled, take_from_output
 from radixkv.integrations._vllm_layout import block_views, split_of
 from radixkv.integrations._vllm_plan import Plan, Report, SchedulerSide
 from radixkv.pool import KVLayout
@@ -225,7 +231,9 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
             self._sched = SchedulerSide(chunk_size=self.config.chunk_size, block_size=self.block_size,
                                         tp_size=self.tp_size, loads=self.loads, stores=self.stores,
                                         timeout_s=timeout,
-                                        answer=self._answer_at_once if self.tp_size == 1 else None)
+                                        answer=self._answer_at_once if self.tp_size == 1 else None,
+                                        names=block_hash_converter() if events_enabled(vllm_config) else None)
+        self._events: Any = None                 # the workers' tier events, until vLLM takes them
 
     def _answer_at_once(self, lookup: Any) -> int | None:
         """A lookup answered by this process's worker side from its in-memory tiers, or ``None``
@@ -281,10 +289,17 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
         return RadixKVMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Record the workers' lookup answers.  O(entries)."""
+        """Record the workers' lookup answers and tier events.  O(entries)."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._sched is not None and isinstance(meta, RadixKVWorkerMetadata):
             self._sched.reported(meta.report)
+        self._events = take_from_output(self._events, getattr(connector_output, "kv_cache_events", None))
+
+    def take_events(self) -> Iterable[Any]:
+        """The tiers' KV events the workers reported since the last call (those every
+        tensor-parallel rank reported), for vLLM to publish with its own.  O(events)."""
+        held, self._events = self._events, None
+        return held.aggregate().get_all_events() if held is not None else ()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; its blocks are free at once (stores copied them out already)."""
@@ -326,7 +341,12 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
             from radixkv.tiers import TierStack
 
             stack = TierStack([], namespace=namespace, layout=layout, chunk_size=self.config.chunk_size)
-        self._worker = WorkerSide(stack, views, rank=rank)
+        events = None
+        if events_enabled(vllm_config):
+            from radixkv.integrations._vllm_events import WorkerEvents
+
+            events = WorkerEvents(stack, block_size=self.block_size)
+        self._worker = WorkerSide(stack, views, rank=rank, events=events)
         if self.tp_size == 1 and self._engine_id:
             _LOCAL_WORKERS[self._engine_id] = self._worker
 
@@ -370,6 +390,12 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
             return None
         report = self._worker.report(idle=isinstance(meta, RadixKVMetadata) and meta.plan.idle)
         return None if report is None else RadixKVWorkerMetadata(report)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """The KV events of this worker's tiers since the last call (``None``: none, or vLLM's KV
+        events are off).  O(events)."""
+        events = self._worker.events if self._worker is not None else None
+        return events.take() if events is not None else None
 
     def get_kv_connector_stats(self) -> RadixKVStats | None:
         """This side's counters since the last call (vLLM's stats hook).  O(counters)."""

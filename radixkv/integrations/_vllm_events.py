@@ -1,0 +1,169 @@
+"""The vLLM connector's KV events: what radixkv's tiers hold, in vLLM's own event stream.
+
+With ``--kv-events-config`` (``enable_kv_cache_events``) vLLM publishes what its GPU prefix cache
+stores and drops; the connector adds what radixkv's tiers below it hold, through vLLM's hooks:
+
+* **Names.**  A chunk's events name the vLLM blocks it covers with the hashes vLLM itself gave
+  them (``request.block_hashes``, in vLLM's external form: ``maybe_convert_block_hash``), so they
+  match vLLM's GPU events whatever the hash algorithm, seed, cache salt, LoRA or multimodal
+  input.  The scheduler side sends them down with each store (``Store.names``/``parent``); the
+  worker remembers them per chunk key (``radixkv.fleet.publish.Names``) to name later removals.
+* **Events.**  The worker's tier stack tells the observer seam what each tier now holds or dropped
+  (stores it accepted, evictions the CPU tier and LMDB made, bad entries deleted); a
+  ``radixkv.fleet.publish.KVEvents`` listener turns that into ``BlockStored``/``BlockRemoved``
+  with ``medium`` ``"CPU"`` (the CPU tier) or ``"STORAGE"`` (LMDB).  Remote tiers are not told
+  (shared by every instance: see ``radixkv.fleet.publish``).
+* **Way up.**  Each step the worker hands its events to vLLM
+  (``get_kv_connector_kv_cache_events``, a ``RadixKVEvents``); vLLM gathers the workers' into the
+  scheduler's connector (``update_connector_output``), whose ``take_events`` vLLM publishes in the
+  same batch as its own.  With tensor parallelism every rank stores its own shard of the same
+  chunks: only the events every rank reported go out (vLLM's ``KVEventAggregator``, as LMCache's
+  connector does), so a block is told stored once all its shards are.
+
+Everything here runs only when vLLM's KV events are on; otherwise nothing is named or buffered.
+Events of a stack's writer thread wait in a buffer (at most ``MAX_BUFFERED``; past that the
+oldest are dropped and counted in ``dropped_events``) until the next step takes them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Callable, Iterable
+
+from radixkv.fleet.publish import KVEvents
+
+__all__ = ["MAX_BUFFERED", "WorkerEvents", "events_enabled", "make_events", "take_from_output"]
+
+#: Events a worker keeps for vLLM's next step at most.
+MAX_BUFFERED = 100_000
+_KV_EVENTS = "vllm.distributed.kv_events"
+
+
+def events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV events (``kv_events_config.enable_kv_cache_events``)."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+
+
+def block_hash_converter() -> Callable[[bytes], Any]:
+    """vLLM's conversion of a block hash to the form its events carry."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return maybe_convert_block_hash
+
+
+def _vllm_events() -> Any:
+    import importlib
+
+    return importlib.import_module(_KV_EVENTS)
+
+
+def make_events(events: Iterable[Any], num_workers: int = 1) -> Any:
+    """A ``RadixKVEvents`` (vLLM's ``KVConnectorKVEvents``) holding ``events`` (vLLM's structs)
+    from ``num_workers`` workers."""
+    kv = _vllm_events()
+    cls = _events_class(kv)
+    out = cls(num_workers)
+    out.add_events(list(events))
+    return out
+
+
+_CLASS: list[Any] = []
+
+
+def _events_class(kv: Any) -> Any:
+    """``RadixKVEvents``, made on first use (its base class is vLLM's)."""
+    if _CLASS:
+        return _CLASS[0]
+
+    class RadixKVEvents(kv.KVConnectorKVEvents):  # type: ignore[misc, name-defined]
+        """radixkv's tier events of one step, from one or more workers; ``aggregate`` keeps those
+        every worker reported (vLLM's ``KVEventAggregator``)."""
+
+        def __init__(self, num_workers: int) -> None:
+            self._aggregator = kv.KVEventAggregator(num_workers)
+
+        def add_events(self, events: list[Any]) -> None:
+            self._aggregator.add_events(events)
+
+        def aggregate(self) -> RadixKVEvents:
+            common = self._aggregator.get_common_events()
+            self._aggregator.clear_events()
+            self._aggregator.add_events(common)
+            self._aggregator.reset_workers()
+            return self
+
+        def increment_workers(self, count: int = 1) -> None:
+            self._aggregator.increment_workers(count)
+
+        def get_all_events(self) -> list[Any]:
+            return self._aggregator.get_all_events()
+
+        def get_number_of_workers(self) -> int:
+            return self._aggregator.get_number_of_workers()
+
+        def clear_events(self) -> None:
+            self._aggregator.clear_events()
+            self._aggregator.reset_workers()
+
+    RadixKVEvents.__module__ = __name__
+    globals()["RadixKVEvents"] = RadixKVEvents        # picklable by name across vLLM's processes
+    _CLASS.append(RadixKVEvents)
+    return RadixKVEvents
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RadixKVEvents":
+        return _events_class(_vllm_events())
+    raise AttributeError(name)
+
+
+class WorkerEvents:
+    """A worker's tier events for vLLM (see the module docstring): attach to the worker's stack,
+    ``name`` each chunk before it is stored, ``take`` the step's events.  Thread-safe."""
+
+    def __init__(self, stack: Any, *, block_size: int) -> None:
+        self._kv = _vllm_events()
+        self._buffer: deque[Any] = deque()
+        self._lock = threading.Lock()
+        self.dropped_events = 0
+        self.listener = KVEvents(self._sink, namespace=None, chunk_size=stack.chunk_size, names=None,
+                                 block_size=block_size)
+        stack.observers.add(self.listener)
+
+    def name(self, key: bytes, hashes: Any, parent: Any) -> None:
+        """Chunk ``key`` covers the vLLM blocks ``hashes`` (after ``parent``).  O(1)."""
+        self.listener.names.add(key, hashes, parent)
+
+    def _sink(self, events: list[Any]) -> None:
+        import msgspec
+
+        kv = self._kv
+        converted = [getattr(kv, type(e).__name__)(**msgspec.structs.asdict(e)) for e in events]
+        with self._lock:
+            self._buffer.extend(converted)
+            while len(self._buffer) > MAX_BUFFERED:
+                self._buffer.popleft()
+                self.dropped_events += 1
+
+    def take(self) -> Any:
+        """The events since the last call as a ``RadixKVEvents``, or ``None`` if there are none."""
+        with self._lock:
+            if not self._buffer:
+                return None
+            events, self._buffer = list(self._buffer), deque()
+        return make_events(events)
+
+
+def take_from_output(held: Any, kv_cache_events: Any) -> Any:
+    """The scheduler side's ``update_connector_output``: ``kv_cache_events`` (the workers',
+    gathered by vLLM) added to ``held`` (the events not yet taken, or ``None``); returns what to
+    hold now."""
+    if kv_cache_events is None or not hasattr(kv_cache_events, "get_all_events"):
+        return held
+    if held is None:
+        return kv_cache_events
+    held.add_events(kv_cache_events.get_all_events())
+    held.increment_workers(kv_cache_events.get_number_of_workers())
+    return held
