@@ -25,6 +25,7 @@ Needs ``prometheus-client`` (``pip install 'radixkv[metrics]'``); importing this
 
 from __future__ import annotations
 
+import bisect
 import os
 import socket
 import threading
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from radixkv.cache import PrefixCache
     from radixkv.tiers import TierStack
 
-__all__ = ["LATENCY_BUCKETS", "SERIES", "CacheMetrics", "Exporter", "MetricsServer", "Series", "exposition",
+__all__ = ["LATENCY_BUCKETS", "SERIES", "CacheMetrics", "Exporter", "MetricsServer", "Series", "Tally", "exposition",
            "serve", "snapshot"]
 
 #: Histogram buckets of the lookup, load and store latencies (seconds): 50 µs (a CPU-tier read)
@@ -71,7 +72,7 @@ SERIES: tuple[Series, ...] = (
     Series("radixkv_requests_total", "counter", (), "Requests looked up (matches and opens).", pool=True),
     Series("radixkv_query_tokens_total", "counter", (), "Prompt tokens of those requests.", pool=True),
     Series("radixkv_hit_tokens_total", "counter", ("level",),
-           "Prompt tokens served from each level: the pool, then each tier (loaded into the pool)."),
+           "Prompt tokens served from each level: the pool, then each tier (loaded into the pool).", pool=True),
     Series("radixkv_miss_tokens_total", "counter", ("level",),
            "Prompt tokens that reached a level and were not found there (the pool is asked for "
            "every token, each tier for what the levels above did not have).", pool=True),
@@ -140,7 +141,7 @@ class CacheMetrics(Listener):
     O(levels).  Thread-safe (events come from the engine's, the writer's and load workers' threads).
     """
 
-    def __init__(self, exporter: Exporter, target: Any, namespace: str, instance: str,
+    def __init__(self, exporter: _Watcher, target: Any, namespace: str, instance: str,
                  levels: Sequence[str]) -> None:
         self.exporter = exporter
         self.target = target
@@ -226,41 +227,15 @@ class CacheMetrics(Listener):
             assert self.requests >= 0
 
 
-class Exporter:
-    """The radixkv series (``SERIES``) on one registry (default: a new ``CollectorRegistry``, so
-    that several exporters in one process never clash), for any number of attached caches.
+class _Watcher:
+    """What ``Exporter`` and ``Tally`` share: the event-fed families (``_families``: name ->
+    an object whose ``labels(*values)`` has ``inc``/``observe``) and the attached listeners."""
 
-    >>> import torch
-    >>> from radixkv import KVLayout, PrefixCache
-    >>> cache = PrefixCache(KVLayout(1, 1, 2, torch.float32, page_size=2), num_pages=8)
-    >>> exporter = Exporter()
-    >>> _ = exporter.attach(cache, instance="doc")
-    >>> m = cache.match([1, 2, 3]); cache.release(m)
-    >>> b'radixkv_query_tokens_total{instance="doc",namespace="unnamed"} 3.0' in exporter.render()
-    True
-    """
+    _families: dict[str, Any]
 
-    def __init__(self, registry: Any = None, *, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        prom = _client()
-        if registry is not None and not isinstance(registry, prom.CollectorRegistry):
-            raise TypeError(f"registry must be a prometheus_client.CollectorRegistry, got {type(registry).__name__}")
-        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] <= 0:
-            raise ValueError(f"buckets must be increasing positive seconds, got {buckets!r}")
-        self.registry = prom.CollectorRegistry() if registry is None else registry
-        self.buckets = tuple(float(b) for b in buckets)
-        self._families: dict[str, Any] = {}
-        for s in SERIES:
-            if s.scrape:
-                continue
-            labels = (*BASE_LABELS, *s.labels)
-            if s.kind == "counter":
-                self._families[s.name] = prom.Counter(s.base, s.doc, labels, registry=self.registry)
-            else:
-                self._families[s.name] = prom.Histogram(s.base, s.doc, labels, registry=self.registry,
-                                                        buckets=self.buckets)
+    def __init__(self) -> None:
         self._attached: list[CacheMetrics] = []
         self._lock = threading.Lock()
-        self.registry.register(_Collector(self))
 
     def attach(self, target: PrefixCache | TierStack, *, instance: str | None = None,
                namespace: str | None = None) -> CacheMetrics:
@@ -305,16 +280,129 @@ class Exporter:
         with self._lock:
             return tuple(self._attached)
 
-    def render(self) -> bytes:
-        """The exposition text of the registry (what ``/metrics`` serves).  A scrape: see the
-        module docstring for its cost."""
-        return exposition(self.registry)[0]
-
     def check(self) -> None:
         """Assert every attached listener is consistent and still on its target's observers.  O(attached)."""
         for listener in self.attached:
             listener.check()
             assert listener in list(listener.target.observers), f"{listener.labels}: detached from its target"
+
+
+class _TallyChild:
+    """One labelled series of a ``Tally``: a number, or histogram bucket counts and a sum."""
+
+    def __init__(self, bounds: tuple[float, ...] | None) -> None:
+        self.value = 0.0
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1) if bounds is not None else []
+        self._lock = threading.Lock()
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self.value += amount
+
+    def observe(self, seconds: float) -> None:
+        assert self.bounds is not None
+        with self._lock:
+            self.value += seconds
+            self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+
+
+class _TallyFamily:
+    def __init__(self, bounds: tuple[float, ...] | None) -> None:
+        self.bounds = bounds
+        self.children: dict[tuple[str, ...], _TallyChild] = {}
+        self._lock = threading.Lock()
+
+    def labels(self, *values: str) -> _TallyChild:
+        with self._lock:
+            child = self.children.get(values)
+            if child is None:
+                child = self.children[values] = _TallyChild(self.bounds)
+            return child
+
+
+class Tally(_Watcher):
+    """The series as plain numbers, without prometheus-client objects: for a process that ships
+    them to another (a vLLM worker: under vLLM's multiprocess metrics mode every prometheus-client
+    object of a process would land in the shared metric files).  ``samples()`` gives them in
+    ``snapshot``'s form.  Each event O(1)."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        super().__init__()
+        self.buckets = tuple(float(b) for b in buckets)
+        self._families = {s.name: _TallyFamily(self.buckets if s.kind == "histogram" else None)
+                          for s in SERIES if not s.scrape}
+
+    def samples(self, *, labelled: bool = True) -> dict[str, float]:
+        """Every sample, ``{"name|label=value,...": value}`` (labels sorted), event-fed and
+        scraped; ``labelled`` false leaves ``namespace``/``instance`` out.  O(series) plus a scrape."""
+        out: dict[str, float] = {}
+
+        def put(name: str, labels: dict[str, str], value: float) -> None:
+            keep = {k: v for k, v in labels.items() if labelled or k not in BASE_LABELS}
+            out[f"{name}|{','.join(f'{k}={v}' for k, v in sorted(keep.items()))}"] = float(value)
+
+        for s in SERIES:
+            if s.scrape:
+                continue
+            for values, child in list(self._families[s.name].children.items()):
+                labels = dict(zip((*BASE_LABELS, *s.labels), values))
+                if s.kind == "counter":
+                    put(s.name, labels, child.value)
+                    continue
+                running = 0
+                for le, n in zip((*[repr(b) for b in self.buckets], "+Inf"), child.counts):
+                    running += n
+                    put(f"{s.name}_bucket", {**labels, "le": le}, running)
+                put(f"{s.name}_sum", labels, child.value)
+                put(f"{s.name}_count", labels, running)
+        by_name = {s.name: s for s in SERIES}
+        for listener in self.attached:
+            for name, values, value in scraped(listener.target, listener):
+                put(name, dict(zip((*BASE_LABELS, *by_name[name].labels), (*listener.labels, *values))), value)
+        return out
+
+
+class Exporter(_Watcher):
+    """The radixkv series (``SERIES``) on one registry (default: a new ``CollectorRegistry``, so
+    that several exporters in one process never clash), for any number of attached caches.
+
+    >>> import torch
+    >>> from radixkv import KVLayout, PrefixCache
+    >>> cache = PrefixCache(KVLayout(1, 1, 2, torch.float32, page_size=2), num_pages=8)
+    >>> exporter = Exporter()
+    >>> _ = exporter.attach(cache, instance="doc")
+    >>> m = cache.match([1, 2, 3]); cache.release(m)
+    >>> b'radixkv_query_tokens_total{instance="doc",namespace="unnamed"} 3.0' in exporter.render()
+    True
+    """
+
+    def __init__(self, registry: Any = None, *, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        prom = _client()
+        if registry is not None and not isinstance(registry, prom.CollectorRegistry):
+            raise TypeError(f"registry must be a prometheus_client.CollectorRegistry, got {type(registry).__name__}")
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] <= 0:
+            raise ValueError(f"buckets must be increasing positive seconds, got {buckets!r}")
+        self.registry = prom.CollectorRegistry() if registry is None else registry
+        self.buckets = tuple(float(b) for b in buckets)
+        self._families: dict[str, Any] = {}
+        for s in SERIES:
+            if s.scrape:
+                continue
+            labels = (*BASE_LABELS, *s.labels)
+            if s.kind == "counter":
+                self._families[s.name] = prom.Counter(s.base, s.doc, labels, registry=self.registry)
+            else:
+                self._families[s.name] = prom.Histogram(s.base, s.doc, labels, registry=self.registry,
+                                                        buckets=self.buckets)
+        super().__init__()
+        self.registry.register(_Collector(self))
+
+    def render(self) -> bytes:
+        """The exposition text of the registry (what ``/metrics`` serves).  A scrape: see the
+        module docstring for its cost."""
+        return exposition(self.registry)[0]
+
 
 
 class _Collector:

@@ -44,7 +44,7 @@ def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def test_there_are_notebooks() -> None:
-    assert [p.name for p in NOTEBOOKS] == ["01_tour.ipynb", "02_workloads.ipynb", "03_ttft.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["01_tour.ipynb", "02_workloads.ipynb", "03_ttft.ipynb", "04_metrics.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

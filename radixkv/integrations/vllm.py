@@ -185,7 +185,8 @@ class RadixKVStats(_StatsBase):  # type: ignore[misc]
 
     def reduce(self) -> dict[str, int | float]:
         """The counters, floats rounded for the log line.  O(counters)."""
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(self.data.items()) if v}
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(self.data.items())
+                if v and not k.startswith("metrics.")}      # the series go to /metrics, not the log line
 
     def is_empty(self) -> bool:
         """True when every counter is zero."""
@@ -256,6 +257,14 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RadixKVStats:
         """vLLM's hook to rebuild the stats sent from the workers."""
         return RadixKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """vLLM's hook for radixkv's series in its own ``/metrics`` (``_vllm_metrics``).  O(series)."""
+        from radixkv.integrations._vllm_metrics import build_prom_metrics
+
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler side -------------------------------------------------------------------------
 
@@ -347,6 +356,9 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
 
             events = WorkerEvents(stack, block_size=self.block_size)
         self._worker = WorkerSide(stack, views, rank=rank, events=events)
+        from radixkv.integrations._vllm_metrics import worker_series
+
+        worker_series(stack)                 # the series' listener hears the stack from its first event
         if self.tp_size == 1 and self._engine_id:
             _LOCAL_WORKERS[self._engine_id] = self._worker
 
@@ -413,7 +425,10 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
         if self._worker is None:
             return {}
         w = self._worker
-        return {**w.counters, **w.counters_f, "held_bytes": w.held_bytes(), "tiers": w.stack.stats()}
+        from radixkv.integrations._vllm_metrics import worker_series
+
+        return {**w.counters, **w.counters_f, "held_bytes": w.held_bytes(), "tiers": w.stack.stats(),
+                "metrics": worker_series(w.stack)}
 
     def shutdown(self) -> None:
         """Finish queued writes (bounded) and close the tiers."""
