@@ -1,0 +1,207 @@
+"""``python -m radixkv.bench blend``: CacheBlend measured against full prefill on RAG prompts.
+
+Command of the committed results (``benchmarks/results/blend_cpu.txt``)::
+
+    python -m radixkv.bench blend --out benchmarks/results/blend_cpu.txt
+
+Prompts are a system prompt, ``k`` of ``n`` documents in random order (``k = 2 .. 6``) and a
+question.  Every document's KV was computed on its own and stored in a CPU tier (a segment cache);
+the system prompt is pinned in the pool.  Each prompt is served by the reference paged engine:
+
+* ``full``: full prefill, nothing reused;
+* ``prefix``: prefix caching (the system prompt from the pool, everything after it computed);
+* ``r=...``: CacheBlend with recompute ratio ``r`` (0: naive reuse, 1: every token recomputed),
+  the documents loaded from the tier, moved to their positions and blended.
+
+Part 1, a random-weight Llama (8 layers, hidden 256, GQA): TTFT (median over the prompts; the
+admission's tier loads and the prefill, up to the first token), and against full prefill the
+last-token logits (max |difference|, KL(full || blended)) and the greedy continuation (first
+token equal; share of the continuation equal up to the first difference).  Part 2, the model of
+``radixkv.bench.blend_task`` trained here (its answer needs facts from two documents): answer
+accuracy (both answer tokens, greedy) with full prefill, prefix caching and each ``r``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from radixkv.bench import Report
+
+RATIOS = (0.0, 0.05, 0.15, 0.30, 1.0)
+
+
+def _engine_cache(model: Any, pinned: list[int], tiers: bool) -> Any:
+    import radixkv as rk
+    from radixkv.backends import CpuTier
+    from radixkv.integrations.transformers import layout_for, namespace_for
+
+    cache = rk.PrefixCache(layout_for(model, page_size=16), num_pages=512, namespace=namespace_for(model),
+                           chunk_size=64, tiers=[CpuTier(256 << 20)] if tiers else ())
+    if pinned:
+        cache.pin(pinned)
+    return cache
+
+
+def _serve(model: Any, cache: Any, prompt: list[int], spans: list[tuple[int, int]], new: int,
+           ratio: float | None, segments: Any = None) -> tuple[Any, float]:
+    """Serve one prompt; the request and its TTFT (seconds: admission, loads and prefill)."""
+    from radixkv.blend import Blend
+    from radixkv.integrations.paged import PagedEngine
+
+    blend = None if ratio is None else Blend(ratio=ratio, store_missing=False)
+    engine = PagedEngine(model, cache, keep_logits=True, blend=blend, segments=segments)
+    t0 = time.perf_counter()
+    req = engine.add(prompt, new, segments=spans if blend is not None else ())
+    while not req.output:
+        engine.step()
+    ttft = time.perf_counter() - t0
+    engine.run()
+    return req, ttft
+
+
+def _compare(req: Any, full: Any) -> tuple[float, float, bool, float]:
+    """Max |logit difference|, KL(full || this), first token equal, share of the continuation
+    equal up to the first difference."""
+    a, b = full.logits[0].double(), req.logits[0].double()
+    kl = float((a.softmax(-1) * (a.log_softmax(-1) - b.log_softmax(-1))).sum())
+    same = 0
+    for x, y in zip(full.output, req.output):
+        if x != y:
+            break
+        same += 1
+    return float((a - b).abs().max()), kl, full.output[0] == req.output[0], same / len(full.output)
+
+
+def _methods() -> list[tuple[str, float | None]]:
+    return [("full", None), ("prefix", None)] + [(f"r={r:.0%}" if r not in (0, 1) else
+                                                  ("r=0 (naive)" if r == 0 else "r=100%"), r) for r in RATIOS]
+
+
+def random_weights(report: Report, prompts_per_k: int, n_docs: int, new: int, seed: int) -> None:
+    """Part 1: TTFT and deviation from full prefill on a random-weight model."""
+    from radixkv.integrations.paged import segment_kv
+    from radixkv.integrations.transformers import random_model
+    from radixkv.segments import SegmentCache
+
+    model = random_model("llama", seed=seed, num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=2,
+                         vocab_size=1024, max_positions=4096)
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 1024) for _ in range(64)]
+    docs = [[rng.randrange(3, 1024) for _ in range(rng.randint(96, 160))] for _ in range(n_docs)]
+    shared = _engine_cache(model, system, tiers=True)
+    segments = SegmentCache(shared.stack)
+    for doc in docs:
+        segments.store(doc, segment_kv(model, doc, torch.float32))
+    shared.flush()
+    report(f"## random weights: Llama 8 layers, hidden 256, 8 heads / 2 KV heads; system prompt 64 tokens, "
+           f"{n_docs} documents of 96-160 tokens, question 16; {prompts_per_k} prompts per k = 2..6; "
+           f"{new} greedy tokens")
+    rows: dict[str, list[tuple[float, ...]]] = {name: [] for name, _ in _methods()}
+    by_k: dict[tuple[str, int], list[float]] = {}
+    for k in range(2, 7):
+        for _ in range(prompts_per_k):
+            chosen = rng.sample(docs, k)
+            prompt, spans = list(system), []
+            for doc in chosen:
+                spans.append((len(prompt), len(prompt) + len(doc)))
+                prompt += doc
+            prompt += [rng.randrange(3, 1024) for _ in range(16)]
+            full = None
+            for name, ratio in _methods():
+                if name == "full":
+                    cache = _engine_cache(model, [], tiers=False)
+                elif name == "prefix":
+                    cache = _engine_cache(model, system, tiers=False)
+                else:
+                    cache = shared
+                req, ttft = _serve(model, cache, prompt, spans, new, ratio, segments if ratio is not None else None)
+                if cache is not shared:
+                    cache.close()
+                full = req if name == "full" else full
+                assert full is not None
+                rows[name].append((ttft, *_compare(req, full)))
+                by_k.setdefault((name, k), []).append(ttft)
+    full_ttft = statistics.median(r[0] for r in rows["full"])
+    report("| method | TTFT median ms | vs full | max abs dlogit (median) | KL median | first token = full "
+           "| continuation = full |")
+    report("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, _ in _methods():
+        r = rows[name]
+        ttft = statistics.median(x[0] for x in r)
+        report(f"| {name} | {ttft * 1e3:.1f} | {full_ttft / ttft:.2f}x | {statistics.median(x[1] for x in r):.4f} "
+               f"| {statistics.median(x[2] for x in r):.2e} | {sum(x[3] for x in r) / len(r):.0%} "
+               f"| {sum(x[4] for x in r) / len(r):.0%} |")
+    report()
+    report("TTFT median ms by k (documents in the prompt):")
+    report("| method | " + " | ".join(f"k={k}" for k in range(2, 7)) + " |")
+    report("| --- |" + " ---: |" * 5)
+    for name, _ in _methods():
+        report(f"| {name} | " + " | ".join(f"{statistics.median(by_k[(name, k)]) * 1e3:.1f}" for k in range(2, 7))
+               + " |")
+    shared.close()
+
+
+def trained(report: Report, steps: int, questions: int, seed: int) -> None:
+    """Part 2: answer accuracy of the model trained on ``radixkv.bench.blend_task``."""
+    from radixkv.bench import blend_task as task
+    from radixkv.integrations.paged import segment_kv
+    from radixkv.segments import SegmentCache
+
+    t0 = time.perf_counter()
+    model = task.train(steps, seed=seed, log=report)
+    report(f"## trained model ({steps} steps, {time.perf_counter() - t0:.0f} s): Llama {task.model_config().num_hidden_layers} "
+           f"layers, hidden {task.model_config().hidden_size}; a corpus of 24 documents of {task.FACTS} facts; "
+           f"{questions} questions, k = 2..6 documents in random order; answer = two facts of two documents")
+    corpus = task.Corpus(24, seed + 1)
+    shared = _engine_cache(model, task.SYSTEM, tiers=True)
+    segments = SegmentCache(shared.stack)
+    for doc, _ in corpus.docs:
+        segments.store(doc, segment_kv(model, doc, torch.float32))
+    shared.flush()
+    rng = random.Random(seed + 2)
+    right = {name: 0 for name, _ in _methods()}
+    agree = {name: 0 for name, _ in _methods()}
+    for _ in range(questions):
+        prompt, spans, answer = corpus.question(rng, rng.randint(2, 6))
+        full_out = None
+        for name, ratio in _methods():
+            cache = _engine_cache(model, task.SYSTEM if name != "full" else [], tiers=False) \
+                if ratio is None else shared
+            req, _ = _serve(model, cache, prompt, spans, 2, ratio, segments if ratio is not None else None)
+            if cache is not shared:
+                cache.close()
+            full_out = req.output if name == "full" else full_out
+            right[name] += req.output == answer
+            agree[name] += req.output == full_out
+    report("| method | answer accuracy | answer = full prefill's |")
+    report("| --- | ---: | ---: |")
+    for name, _ in _methods():
+        report(f"| {name} | {right[name] / questions:.1%} | {agree[name] / questions:.1%} |")
+    shared.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m radixkv.bench blend", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts-per-k", type=int, default=4)
+    parser.add_argument("--docs", type=int, default=16, help="documents in the corpus (n)")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--train-steps", type=int, default=2000)
+    parser.add_argument("--questions", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-trained", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    report = Report("blend", argv)
+    random_weights(report, args.prompts_per_k, args.docs, args.new_tokens, args.seed)
+    report()
+    if not args.skip_trained:
+        trained(report, args.train_steps, args.questions, args.seed)
+    report.save(args.out)
+    return 0
