@@ -5,6 +5,7 @@
     python -m radixkv build-ext   # build the block-copy extension (an install step: run time only loads it)
     python -m radixkv inspect --config FILE   # what each tier holds per namespace; --verify, --drop NS, --json
     python -m radixkv warm --config FILE      # the remote tier's chunks onto the local disk before serving
+    python -m radixkv route --backend URL --events ENDPOINT ...   # prefix-aware router for vllm serve
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("warm", help="bring the remote tier's chunks onto the local disk before serving")
     warm_cmd.add_arguments(w)
     w.set_defaults(func=warm_cmd.main)
+    from radixkv.fleet import router as route_cmd
+
+    r = sub.add_parser("route", help="a prefix-aware OpenAI-compatible router in front of vllm serve instances")
+    route_cmd.add_arguments(r)
+    r.set_defaults(func=route_cmd.main)
     args = ap.parse_args(argv)
     return int(args.func(args))
 

@@ -4,10 +4,15 @@
   ``EventBatch`` (byte-compatible with vLLM's), ``encode_batch``/``decode_batch``, and the ZMQ
   ``Publisher``/``Subscriber`` (replay of missed batches);
 * ``radixkv.fleet.hashing``: ``vllm_block_hashes``, the names vLLM's events give blocks;
-* ``radixkv.fleet.index``: ``Index``, which instance holds which prefix, on which medium.
+* ``radixkv.fleet.index``: ``Index``, which instance holds which prefix, on which medium;
+* ``radixkv.fleet.publish``: ``KVEvents`` and ``publish(cache, endpoint)``, a cache's holdings as
+  events (the observer seam's listener);
+* ``radixkv.fleet.follow``: ``Follower``, every instance's stream into one ``Index``;
+* ``radixkv.fleet.router``: ``Router``, the prefix-aware proxy of ``python -m radixkv route``.
 
 The names load on first use: ``hashing`` and ``index`` need nothing beyond radixkv's own
-dependencies; ``events`` needs msgspec, and its sockets pyzmq (``pip install 'radixkv[fleet]'``).
+dependencies; ``events`` (and what uses it) needs msgspec, and its sockets pyzmq
+(``pip install 'radixkv[fleet]'``); the router aiohttp and prometheus-client (``'radixkv[router]'``).
 """
 
 from __future__ import annotations
@@ -20,14 +25,18 @@ __all__ = sorted([
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
+    "Follower",
     "Index",
+    "KVEvents",
     "Match",
     "Publisher",
+    "Router",
     "Subscriber",
     "decode_batch",
     "encode_batch",
     "external_hash",
     "none_hash",
+    "publish",
     "vllm_block_hashes",
 ])
 
@@ -41,6 +50,10 @@ _WHERE = {
     "decode_batch": "events",
     "encode_batch": "events",
     "Index": "index",
+    "Follower": "follow",
+    "KVEvents": "publish",
+    "publish": "publish",
+    "Router": "router",
     "Match": "index",
     "external_hash": "hashing",
     "none_hash": "hashing",

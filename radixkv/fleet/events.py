@@ -295,13 +295,18 @@ class Subscriber:
     """Reads a publisher's batches in sequence order and fills gaps from its replay socket (see
     the module docstring).  Not thread-safe: one thread calls ``recv``.
 
+    ``bind=True`` binds the SUB socket at ``endpoint`` instead of connecting to it: vLLM's
+    publisher *connects* to an endpoint without a wildcard (``tcp://127.0.0.1:5557``) and binds
+    only wildcard ones (``tcp://*:5557``, every interface), so a consumer of a vLLM instance on
+    loopback binds.  The replay socket is always the publisher's to bind.
+
     Counters: ``received`` (batches returned), ``replayed`` (of those, from a replay), ``lost``
     (sequence numbers a replay could not fill), ``restarts``, ``bad`` (payloads that were not an
     ``EventBatch``, skipped).
     """
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
-                 replay_timeout: float = 1.0, from_start: bool = True) -> None:
+                 replay_timeout: float = 1.0, from_start: bool = True, bind: bool = False) -> None:
         if not isinstance(endpoint, str):
             raise TypeError(f"endpoint must be a str, got {type(endpoint).__name__}")
         if not isinstance(topic, str):
@@ -312,7 +317,10 @@ class Subscriber:
         self._zmq = zmq
         ctx = zmq.Context.instance()
         self._sub = ctx.socket(zmq.SUB)
-        self._sub.connect(endpoint)
+        if bind:
+            self._sub.bind(endpoint)
+        else:
+            self._sub.connect(endpoint)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._replay = None
         if replay_endpoint is not None:

@@ -1,0 +1,437 @@
+"""A prefix-aware router in front of N ``vllm serve`` instances: ``python -m radixkv route``.
+
+An OpenAI-compatible HTTP proxy (aiohttp: one well-kept package for the server and the streaming
+client, already in vLLM's dependencies) that sends each request to the instance holding the
+longest cached prefix of its prompt, as the fleet's KV events tell it (``radixkv.fleet.Follower``
+over every instance's stream, vLLM's own events and the radixkv connector's tier events in it).
+
+Contract:
+
+* **Endpoints.**  ``POST /v1/completions`` (token-id prompts; text prompts with ``--tokenizer``)
+  and ``POST /v1/chat/completions`` (with ``--tokenizer``: its chat template gives the tokens),
+  streaming (server-sent events passed through as they come) or not; ``GET /v1/models``;
+  ``GET /health`` (200 while an instance is up, else 503); ``GET /metrics`` (Prometheus text:
+  requests per instance and outcome, routing decisions, retries, in-flight and health gauges, the
+  prefix tokens the index promised).  The request body goes to the instance unchanged.
+* **Policies.**  ``prefix`` (the default): the prompt's block names (vLLM's block hashes of
+  ``--block-size`` tokens, ``--hash-algo``; a ``cache_salt`` in the body names block 0 as vLLM
+  does) are looked up in the index; the instance with the most leading blocks wins, ties going to
+  the faster medium (GPU, CPU, STORAGE) and then the fewer requests in flight.  Load comes first
+  when it is imbalanced, as in sglang-router's ``cache_aware`` policy: when the busiest instance
+  has more than ``balance_abs`` requests in flight over the idlest and more than
+  ``balance_rel`` times as many, the idlest wins; a prompt no instance holds goes to the idlest
+  (round-robin among equals).  ``round_robin`` and ``random`` are there for comparison.
+* **Failures.**  Instances that fail a health check (``GET /health`` every
+  ``health_interval_s``, ``health_timeout_s``) or a connection are left out until a check
+  passes.  A request whose instance cannot be reached, or fails before the router sent the client
+  a byte, is retried on the next candidate (each instance once); when none is left the client gets
+  a 503 with a JSON error.  A stream cut after bytes went out ends with an SSE ``error`` event and
+  ``[DONE]``.  No request is lost silently: each is answered, and counted under its outcome.
+* **Bounds.**  Connecting to an instance waits ``connect_timeout_s``; a whole request
+  ``request_timeout_s``.  Naming a prompt costs one hash per block (microseconds each); the index
+  lookup O(matched blocks + instances).
+
+Requires ``pip install 'radixkv[router]'`` (aiohttp, pyzmq, msgspec, prometheus-client; transformers
+for ``--tokenizer``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from radixkv.fleet.hashing import vllm_block_hashes
+from radixkv.fleet.index import medium_rank
+
+__all__ = ["Backend", "Router", "add_arguments", "main"]
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("prefix", "round_robin", "random")
+
+
+@dataclass
+class Backend:
+    """One instance behind the router: its base URL, its name in the fleet index, its state."""
+
+    url: str
+    name: str
+    healthy: bool = True
+    in_flight: int = 0
+
+
+class Router:
+    """Chooses an instance per request and proxies it (see the module docstring).
+
+    ``backends``: base URLs (``http://127.0.0.1:8000``); ``follower``: a started
+    ``radixkv.fleet.Follower`` following their streams under the backends' URLs as instance names
+    (``None``: no index, every prompt a miss); ``names``: the prompt's block names for the index
+    (default: vLLM's block hashes of ``block_size`` tokens); ``tokenize``: ``(body, chat) ->
+    token ids`` for text and chat prompts (``None``: token-id prompts only).
+    """
+
+    def __init__(self, backends: Sequence[str], *, follower: Any = None, policy: str = "prefix",
+                 block_size: int = 16, hash_algo: str = "sha256", hash_seed: str | None = None,
+                 names: Callable[[list[int], str | None], list[Any]] | None = None,
+                 tokenize: Callable[[dict[str, Any], bool], list[int]] | None = None,
+                 balance_abs: int = 16, balance_rel: float = 1.5, health_interval_s: float = 2.0,
+                 health_timeout_s: float = 2.0, connect_timeout_s: float = 5.0,
+                 request_timeout_s: float = 600.0, seed: int = 0) -> None:
+        if not backends:
+            raise ValueError("backends: give at least one instance URL")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.backends = [Backend(url.rstrip("/"), url.rstrip("/")) for url in backends]
+        if len({b.url for b in self.backends}) != len(self.backends):
+            raise ValueError("backends: the same URL is given twice")
+        self.follower, self.policy = follower, policy
+        self.block_size, self.hash_algo, self.hash_seed = block_size, hash_algo, hash_seed
+        self.names = names or self._vllm_names
+        self.tokenize = tokenize
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
+        self._rr = itertools.count()
+        self._random = random.Random(seed)
+        self._session: Any = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._metrics = _Metrics([b.name for b in self.backends])
+
+    # -- choosing ------------------------------------------------------------------------------
+
+    def _vllm_names(self, tokens: list[int], salt: str | None) -> list[Any]:
+        n = len(tokens) // self.block_size
+        extra = None if not salt or n == 0 else [(("cache_salt", salt),), *([None] * (n - 1))]
+        return vllm_block_hashes(tokens, self.block_size, extra_keys=extra, algo=self.hash_algo,  # type: ignore[arg-type]
+                                 seed=self.hash_seed, as_int=True)
+
+    def choose(self, tokens: list[int] | None, salt: str | None = None) -> tuple[list[Backend], str, int]:
+        """The healthy instances in the order to try them, why the first was chosen
+        (``"prefix"``, ``"balance"``, ``"no_match"``, ``"round_robin"``, ``"random"``) and the prefix
+        tokens the index says the first holds.  O(instances) plus the lookup."""
+        up = [b for b in self.backends if b.healthy] or list(self.backends)   # all down: try anyway
+        if self.policy == "round_robin":
+            i = next(self._rr) % len(up)
+            return up[i:] + up[:i], "round_robin", 0
+        if self.policy == "random":
+            order = list(up)
+            self._random.shuffle(order)
+            return order, "random", 0
+        by_load = sorted(up, key=lambda b: b.in_flight)
+        lo, hi = by_load[0].in_flight, by_load[-1].in_flight
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return by_load, "balance", 0
+        matches = {}
+        if self.follower is not None and tokens:
+            matches = self.follower.lookup(self.names(tokens, salt))
+
+
+        def score(b: Backend) -> tuple[int, int, int]:       # more blocks, a faster medium, less load
+            m = matches.get(b.name)
+            return (m.blocks, -medium_rank(m.medium)[0], -b.in_flight) if m else (0, 0, -b.in_flight)
+
+        best = max(up, key=score)
+        if best.name not in matches:
+            least = [b for b in up if b.in_flight == lo]
+            first = least[next(self._rr) % len(least)]
+            return [first] + [b for b in by_load if b is not first], "no_match", 0
+        return [best] + [b for b in by_load if b is not best], "prefix", matches[best.name].blocks * self.block_size
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def app(self) -> Any:
+        """The aiohttp ``web.Application`` (its start-up makes the client session and starts the
+        health checks; its clean-up stops them)."""
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics_page)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: Any) -> None:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+            total=self.request_timeout_s, sock_connect=self.connect_timeout_s))
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def _stop(self, app: Any) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    async def check_health(self) -> None:
+        """``GET /health`` of every instance at once, bounded by ``health_timeout_s``."""
+        import aiohttp
+
+        async def one(b: Backend) -> None:
+            try:
+                async with self._session.get(f"{b.url}/health",
+                                             timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)) as r:
+                    ok = r.status == 200
+            except Exception:  # noqa: BLE001 - any failure is "down"
+                ok = False
+            if ok != b.healthy:
+                log.warning("radixkv router: %s is %s", b.url, "up" if ok else "down")
+            b.healthy = ok
+            self._metrics.healthy(b.name, ok)
+
+        await asyncio.gather(*(one(b) for b in self.backends))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.check_health()
+
+    async def _completions(self, request: Any) -> Any:
+        return await self._route(request, "/v1/completions", chat=False)
+
+    async def _chat(self, request: Any) -> Any:
+        return await self._route(request, "/v1/chat/completions", chat=True)
+
+    def _tokens(self, body: dict[str, Any], chat: bool) -> list[int] | None:
+        """The prompt's token ids, or ``None`` when they cannot be known (no tokenizer)."""
+        if not chat:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return prompt
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+                return prompt[0]
+        if self.tokenize is None:
+            return None
+        return self.tokenize(body, chat)
+
+    async def _route(self, request: Any, path: str, chat: bool) -> Any:
+        from aiohttp import web
+
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(web, 400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return _error(web, 400, "the request body must be a JSON object")
+        try:
+            tokens = self._tokens(body, chat)
+        except Exception as exc:  # noqa: BLE001 - a prompt the tokenizer refuses is the client's error
+            return _error(web, 400, f"cannot tokenize the prompt: {exc}")
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        order, why, promised = self.choose(tokens, salt)
+        self._metrics.routed(why, promised)
+        stream = bool(body.get("stream"))
+        for attempt, backend in enumerate(order):
+            if attempt:
+                self._metrics.retry()
+            backend.in_flight += 1
+            self._metrics.in_flight(backend.name, backend.in_flight)
+            try:
+                result = await self._forward(request, backend, path, body, stream)
+            finally:
+                backend.in_flight -= 1
+                self._metrics.in_flight(backend.name, backend.in_flight)
+            if result is not None:
+                return result
+        self._metrics.request("none", "unavailable")
+        return _error(web, 503, "no instance could serve the request", "unavailable")
+
+    async def _forward(self, request: Any, backend: Backend, path: str, body: dict[str, Any],
+                       stream: bool) -> Any:
+        """Proxy to ``backend``; the response, or ``None`` when it failed before a byte went to
+        the client (the caller tries the next instance)."""
+        import aiohttp
+        from aiohttp import web
+
+        out: Any = None
+        try:
+            async with self._session.post(f"{backend.url}{path}", json=body) as r:
+                if not stream or r.status != 200:
+                    data = await r.read()
+                    self._metrics.request(backend.name, "ok" if r.status < 500 else f"http_{r.status}")
+                    if r.status >= 500:
+                        return None if r.status in (502, 503) else web.Response(
+                            status=r.status, body=data, content_type=r.content_type)
+                    return web.Response(status=r.status, body=data, content_type=r.content_type)
+                out = web.StreamResponse(status=200, headers={"Content-Type": r.headers.get(
+                    "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+                await out.prepare(request)
+                async for piece in r.content.iter_any():
+                    await out.write(piece)
+                await out.write_eof()
+                self._metrics.request(backend.name, "ok")
+                return out
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            backend.healthy = False
+            self._metrics.healthy(backend.name, False)
+            log.warning("radixkv router: %s failed (%s)", backend.url, type(exc).__name__)
+            if out is None:
+                self._metrics.request(backend.name, "retried")
+                return None
+            self._metrics.request(backend.name, "cut")
+            err = {"error": {"message": f"the instance failed mid-stream: {type(exc).__name__}",
+                             "type": "upstream_error"}}
+            try:
+                await out.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+                await out.write_eof()
+            except (ConnectionError, RuntimeError):
+                pass
+            return out
+
+    async def _models(self, request: Any) -> Any:
+        from aiohttp import web
+
+        for b in sorted(self.backends, key=lambda b: not b.healthy):
+            try:
+                async with self._session.get(f"{b.url}/v1/models") as r:
+                    return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+            except Exception:  # noqa: BLE001 - the next instance may answer
+                continue
+        return _error(web, 503, "no instance answered", "unavailable")
+
+    async def _health(self, request: Any) -> Any:
+        from aiohttp import web
+
+        up = [b.url for b in self.backends if b.healthy]
+        return web.json_response({"healthy": up, "down": [b.url for b in self.backends if not b.healthy]},
+                                 status=200 if up else 503)
+
+    async def _metrics_page(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body, content_type = self._metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def _error(web: Any, status: int, message: str, kind: str = "invalid_request_error") -> Any:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class _Metrics:
+    """The router's Prometheus series, in a registry of their own."""
+
+    def __init__(self, backends: list[str]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self._requests = Counter("radixkv_router_requests_total", "Requests by instance and outcome "
+                                 "(ok, http_<status>, retried, cut, unavailable)", ["backend", "outcome"],
+                                 registry=self.registry)
+        self._routed = Counter("radixkv_router_routed_total", "Routing decisions by reason", ["reason"],
+                               registry=self.registry)
+        self._promised = Counter("radixkv_router_prefix_tokens_total", "Prompt tokens the index said the "
+                                 "chosen instance held", registry=self.registry)
+        self._retries = Counter("radixkv_router_retries_total", "Requests tried on another instance",
+                                registry=self.registry)
+        self._in_flight = Gauge("radixkv_router_in_flight", "Requests in flight per instance", ["backend"],
+                                registry=self.registry)
+        self._healthy = Gauge("radixkv_router_backend_up", "1 while an instance passes its health checks",
+                              ["backend"], registry=self.registry)
+        for b in backends:
+            self._in_flight.labels(b).set(0)
+            self._healthy.labels(b).set(1)
+
+    def request(self, backend: str, outcome: str) -> None:
+        self._requests.labels(backend, outcome).inc()
+
+    def routed(self, reason: str, promised: int) -> None:
+        self._routed.labels(reason).inc()
+        self._promised.inc(promised)
+
+    def retry(self) -> None:
+        self._retries.inc()
+
+    def in_flight(self, backend: str, n: int) -> None:
+        self._in_flight.labels(backend).set(n)
+
+    def healthy(self, backend: str, ok: bool) -> None:
+        self._healthy.labels(backend).set(1 if ok else 0)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of ``python -m radixkv route``."""
+    ap.add_argument("--backend", action="append", required=True, metavar="URL",
+                    help="an instance's base URL (repeat for each), e.g. http://127.0.0.1:8000")
+    ap.add_argument("--events", action="append", default=[], metavar="ENDPOINT",
+                    help="the KV-event endpoint of each --backend, in the same order. tcp://127.0.0.1:PORT "
+                         "is bound by the router (give vLLM the same endpoint: it connects to one without a "
+                         "wildcard); connect:tcp://HOST:PORT connects (vLLM bound tcp://*:PORT, or a "
+                         "radixkv publish())")
+    ap.add_argument("--replay", action="append", default=[], metavar="ENDPOINT",
+                    help="the replay endpoint of each --backend, in order (vLLM's replay_endpoint)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--policy", choices=POLICIES, default="prefix")
+    ap.add_argument("--block-size", type=int, default=16, help="the instances' --block-size (vLLM's default 16)")
+    ap.add_argument("--hash-algo", default="sha256", help="the instances' --prefix-caching-hash-algo")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer path, for text and chat prompts")
+    ap.add_argument("--balance-abs", type=int, default=16)
+    ap.add_argument("--balance-rel", type=float, default=1.5)
+
+
+def build(args: argparse.Namespace) -> Router:
+    """The ``Router`` (and its started ``Follower``) that ``args`` describe."""
+    from radixkv.fleet.follow import Follower
+
+    if args.events and len(args.events) != len(args.backend):
+        raise ValueError(f"--events: give one per --backend ({len(args.backend)}), got {len(args.events)}")
+    if args.replay and len(args.replay) != len(args.backend):
+        raise ValueError(f"--replay: give one per --backend ({len(args.backend)}), got {len(args.replay)}")
+    follower = None
+    if args.events:
+        follower = Follower()
+        for i, (url, endpoint) in enumerate(zip(args.backend, args.events)):
+            bind = not endpoint.startswith("connect:")
+            follower.add(url.rstrip("/"), endpoint.removeprefix("connect:"), bind=bind,
+                         replay_endpoint=args.replay[i] if args.replay else None)
+        follower.start()
+    tokenize = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+
+        def tokenize(body: dict[str, Any], chat: bool) -> list[int]:
+            if chat:
+                return list(tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True))
+            return list(tok(body["prompt"]).input_ids)
+
+    return Router(args.backend, follower=follower, policy=args.policy, block_size=args.block_size,
+                  hash_algo=args.hash_algo, tokenize=tokenize, balance_abs=args.balance_abs,
+                  balance_rel=args.balance_rel)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``python -m radixkv route``: serve until interrupted."""
+    from aiohttp import web
+
+    router = build(args)
+    print(f"radixkv router on http://{args.host}:{args.port} -> {', '.join(args.backend)} "
+          f"(policy {args.policy}{', following KV events' if router.follower else ''})", flush=True)
+    try:
+        web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None)
+    finally:
+        if router.follower is not None:
+            router.follower.close()
+    return 0

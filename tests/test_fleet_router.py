@@ -1,0 +1,275 @@
+"""The router: its choice follows the policy for any loads and holdings (a property), and over HTTP
+it proxies streaming and plain requests, retries an instance it cannot reach, answers 503 when
+none is left, ends a cut stream with an error event, and counts every request; the follower feeds
+it from real event streams (a radixkv cache's) and resets an instance whose gap no replay fills."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("msgspec")
+
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from radixkv.fleet.events import BlockStored, EventBatch
+from radixkv.fleet.follow import Follower
+from radixkv.fleet.index import MEDIA, Match
+from radixkv.fleet.router import Router
+
+
+class FakeFollower:
+    def __init__(self, matches: dict[str, Match]) -> None:
+        self.matches = matches
+
+    def lookup(self, names: Any) -> dict[str, Match]:
+        return dict(self.matches)
+
+
+URLS = ["http://a", "http://b", "http://c"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(loads=st.lists(st.integers(0, 40), min_size=3, max_size=3),
+       held=st.lists(st.one_of(st.none(), st.tuples(st.integers(1, 8), st.sampled_from(MEDIA))), min_size=3, max_size=3),
+       healthy=st.lists(st.booleans(), min_size=3, max_size=3))
+def test_prefix_policy_picks_what_its_rules_say(loads: list[int], held: list[Any], healthy: list[bool]) -> None:
+    matches = {u: Match(*h) for u, h in zip(URLS, held) if h is not None}
+    router = Router(URLS, follower=FakeFollower(matches), balance_abs=16, balance_rel=1.5)
+    for b, n, ok in zip(router.backends, loads, healthy):
+        b.in_flight, b.healthy = n, ok
+    order, why, promised = router.choose(list(range(64)))
+    up = [b for b in router.backends if b.healthy] or router.backends
+    assert sorted(b.url for b in order) == sorted(b.url for b in up), "every healthy instance, each once"
+    first = order[0]
+    lo, hi = min(b.in_flight for b in up), max(b.in_flight for b in up)
+    if hi - lo > 16 and hi > 1.5 * lo:
+        assert why == "balance" and first.in_flight == lo
+    elif not any(b.url in matches for b in up):
+        assert why == "no_match" and first.in_flight == lo and promised == 0
+    else:
+        assert why == "prefix"
+        best = max(matches[b.url].blocks for b in up if b.url in matches)
+        assert matches[first.url].blocks == best and promised == best * router.block_size
+        ties = [b for b in up if b.url in matches and matches[b.url].blocks == best]
+        fastest = min(MEDIA.index(matches[b.url].medium) for b in ties)
+        assert MEDIA.index(matches[first.url].medium) == fastest
+        assert first.in_flight == min(b.in_flight for b in ties if MEDIA.index(matches[b.url].medium) == fastest)
+    assert [b.in_flight for b in order[1:]] == sorted(b.in_flight for b in order[1:]), "then by load"
+
+
+def test_round_robin_and_random_cover_every_instance() -> None:
+    rr = Router(URLS, policy="round_robin")
+    assert [rr.choose([1])[0][0].url for _ in range(6)] == URLS * 2
+    rnd = Router(URLS, policy="random", seed=1)
+    assert {rnd.choose([1])[0][0].url for _ in range(50)} == set(URLS)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="backends"):
+        Router([])
+    with pytest.raises(ValueError, match="policy"):
+        Router(URLS, policy="fastest")
+    with pytest.raises(ValueError, match="block_size"):
+        Router(URLS, block_size=0)
+    with pytest.raises(ValueError, match="twice"):
+        Router(["http://a", "http://a/"])
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def fake_backend(name: str, *, cut: bool = False, drop: bool = False) -> web.Application:
+    """An OpenAI-like instance: answers with its name; a stream of three events (``cut``: the
+    connection drops after the first; ``drop``: it drops before answering, health checks pass)."""
+    app = web.Application()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if drop:
+            request.transport.close()          # type: ignore[union-attr]
+            raise ConnectionResetError
+        if not body.get("stream"):
+            return web.json_response({"backend": name, "choices": [{"text": "x"}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(3):
+            await out.write(f"data: {json.dumps({'backend': name, 'i': i})}\n\n".encode())
+            if cut:
+                request.transport.close()      # type: ignore[union-attr]
+                return out
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": name}]})
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def _with_router(backends: dict[str, web.Application | None], body: Any, **kw: Any) -> Any:
+    servers = {}
+    for name, app in backends.items():
+        if app is not None:
+            servers[name] = TestServer(app, host="127.0.0.1")
+            await servers[name].start_server()
+    urls = [str(servers[n].make_url("")) if n in servers else dead_url() for n in backends]
+    router = Router(urls, policy="round_robin", health_interval_s=60, **kw)
+    client = TestClient(TestServer(router.app(), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        return await body(client, router, urls)
+    finally:
+        await client.close()
+        for s in servers.values():
+            await s.close()
+
+
+def test_plain_and_streaming_requests_are_proxied_and_counted() -> None:
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+        assert r.status == 200 and (await r.json())["backend"] == "a"
+        r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "stream": True})
+        text = await r.text()
+        assert r.status == 200 and text.count("data:") == 4 and '"backend": "b"' in text and text.endswith("[DONE]\n\n")
+        r = await client.post("/v1/chat/completions", json={"messages": [], "stream": False})
+        assert (await r.json())["backend"] == "a"
+        assert (await client.get("/v1/models")).status == 200
+        health = await client.get("/health")
+        assert health.status == 200 and len((await health.json())["healthy"]) == 2
+        metrics = await (await client.get("/metrics")).text()
+        assert f'radixkv_router_requests_total{{backend="{urls[0]}",outcome="ok"}} 2.0' in metrics
+        assert 'radixkv_router_routed_total{reason="round_robin"} 3.0' in metrics
+        r = await client.post("/v1/completions", data=b"not json")
+        assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
+
+    asyncio.run(_with_router({"a": fake_backend("a"), "b": fake_backend("b")}, body))
+
+
+def test_an_unreachable_instance_is_retried_elsewhere_and_none_left_is_a_503() -> None:
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        for _ in range(4):            # round robin puts the dead one first every other time
+            r = await client.post("/v1/completions", json={"prompt": [1], "stream": True})
+            assert r.status == 200 and '"backend": "b"' in await r.text()
+        assert router.backends[0].healthy is False
+        metrics = await (await client.get("/metrics")).text()
+        assert "radixkv_router_retries_total 1.0" in metrics and f'backend="{urls[0]}",outcome="retried"' in metrics
+        assert all(b.in_flight == 0 for b in router.backends)
+
+    # health checks pass, the connection drops on the request: retried on b, then left out
+    asyncio.run(_with_router({"drops": fake_backend("a", drop=True), "b": fake_backend("b")}, body))
+
+    async def dead_port(client: TestClient, router: Router, urls: list[str]) -> None:
+        assert router.backends[0].healthy is False         # the first health check found nothing there
+        for _ in range(3):
+            r = await client.post("/v1/completions", json={"prompt": [1]})
+            assert (await r.json())["backend"] == "b"
+
+    asyncio.run(_with_router({"dead": None, "b": fake_backend("b")}, dead_port))
+
+    async def none_left(client: TestClient, router: Router, urls: list[str]) -> None:
+        r = await client.post("/v1/completions", json={"prompt": [1]})
+        assert r.status == 503 and (await r.json())["error"]["type"] == "unavailable"
+        assert (await client.get("/health")).status == 503
+
+    asyncio.run(_with_router({"x": None, "y": None}, none_left, connect_timeout_s=1.0))
+
+
+def test_a_stream_cut_after_bytes_went_out_ends_with_an_error_event() -> None:
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        r = await client.post("/v1/completions", json={"prompt": [1], "stream": True})
+        text = await r.text()
+        assert '"i": 0' in text and '"type": "upstream_error"' in text and text.endswith("data: [DONE]\n\n")
+        metrics = await (await client.get("/metrics")).text()
+        assert f'backend="{urls[0]}",outcome="cut"' in metrics
+
+    asyncio.run(_with_router({"a": fake_backend("a", cut=True)}, body))
+
+
+def stored(hashes: list[int], medium: str = "GPU") -> EventBatch:
+    return EventBatch(ts=0.0, events=[BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                                  block_size=16, lora_id=None, medium=medium, lora_name=None)])
+
+
+class ScriptedSub:
+    """A subscription that returns the given (seq, batch) lists, one per recv."""
+
+    def __init__(self, script: list[list[tuple[int, EventBatch]]]) -> None:
+        self.script = script
+
+    def recv(self, timeout: float = 0.0) -> list[tuple[int, EventBatch]]:
+        return self.script.pop(0) if self.script else []
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_follower_resets_an_instance_whose_gap_no_replay_fills() -> None:
+    f = Follower(gap_timeout_s=0.05)
+    f._subs["a"] = ScriptedSub([[(0, stored([1, 2]))], [], [(2, stored([3]))]])   # type: ignore[assignment]
+    f.poll()
+    assert f.lookup([1, 2]) == {"a": Match(2, "GPU")}
+    f.poll()                                   # seq 2 after 0: a gap, the instance is stale
+    assert f.lookup([1, 2]) == {} and f.index.stale("a")
+    import time
+
+    time.sleep(0.06)
+    f.poll()
+    assert f.gaps_skipped == 1 and not f.index.stale("a")
+    assert f.lookup([1, 2]) == {} and f.lookup([3]) == {"a": Match(1, "GPU")}, "a subset of the truth"
+    f.check()
+    f.remove("a")
+    assert f.index.instances() == []
+    f.close()
+
+
+def test_the_follower_follows_two_caches_publishing_over_zmq() -> None:
+    import time
+
+    import numpy as np
+    import torch
+
+    import radixkv as rk
+    from radixkv.fleet.hashing import external_hash
+    from radixkv.fleet.publish import publish
+    from radixkv.hashing import keys_from_token_bytes
+    from radixkv.workloads import replay
+
+    layout = rk.KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
+    caches = [rk.PrefixCache(layout, num_pages=64, chunk_size=4) for _ in range(2)]
+    pubs = [publish(c, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*") for c in caches]
+    with Follower() as f:
+        for name, p in zip("ab", pubs):
+            f.add(name, p.publisher.endpoint, replay_endpoint=p.publisher.replay_endpoint)
+        f.start()
+        time.sleep(0.3)
+        replay(caches[0], [list(range(1, 13))])
+        replay(caches[1], [list(range(1, 9))])
+        names = [external_hash(k) for k in keys_from_token_bytes(np.arange(1, 13, dtype="<i4").tobytes(), 4,
+                                                                   caches[0].namespace.root)]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and f.lookup(names) != {"a": Match(3, "GPU"), "b": Match(2, "GPU")}:
+            time.sleep(0.05)
+        assert f.lookup(names) == {"a": Match(3, "GPU"), "b": Match(2, "GPU")}
+        f.check()
+    for p, c in zip(pubs, caches):
+        p.close()
+        c.close()
