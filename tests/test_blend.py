@@ -134,7 +134,7 @@ def test_segments_through_every_tier_sealed_and_never_forged(kind: str, tmp_path
     tier = make_tier(kind, tmp_path, s3_endpoint, redis_url)
     doc, kv = segment_data(11, 1)                       # two full pieces and a tail of 3
     prompt = tokens_of(5, 9) + doc + tokens_of(3, 8)
-    with stack_of(tier, secret=SECRET) as stack:
+    with stack_of(tier, secret=SECRET, timeout_s=30.0) as stack:   # generous: a loaded machine, a remote tier
         segments = SegmentCache(stack)
         assert segments.find(prompt, [(5, 16)]) == [False] and segments.load(doc) is None
         assert segments.store(doc, kv) == 3
