@@ -20,6 +20,7 @@ from radixkv.tree import RadixTree
 # Submodules and names that pull optional dependencies (hypothesis, a C++ build) load on first use.
 _LAZY = {
     "backends": "radixkv.backends",
+    "fleet": "radixkv.fleet",
     "ops": "radixkv.ops",
     "testing": "radixkv.testing",
 }
@@ -37,6 +38,7 @@ __all__ = sorted([
     "__version__",
     "backends",
     "chunk_keys",
+    "fleet",
     "ops",
     "testing",
 ])

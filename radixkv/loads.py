@@ -265,7 +265,7 @@ class Loads:
             return result.node
         inserted = self.tree.insert_bytes(data[:total * ps * 4], pages)
         assert inserted.prefix_len == len(result.pages) * ps, "the held tree match changed under a load"
-        self._cached(new)
+        self._cached(new, data, len(result.pages) * ps)
         return inserted.node
 
     def _settle(self, req: Request, held: int, load: GroupLoad) -> None:

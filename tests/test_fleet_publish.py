@@ -69,27 +69,35 @@ def truth(cache: rk.PrefixCache, seen: set[bytes]) -> dict[str, set[Any]]:
     return {m: s for m, s in out.items() if s}
 
 
-family = st.lists(st.integers(0, 3), min_size=1, max_size=14).map(lambda xs: [x + 1 for x in xs])
+family = st.lists(st.integers(0, 3), min_size=1, max_size=16).map(lambda xs: [x + 1 for x in xs])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=st.lists(st.one_of(st.tuples(st.just("req"), family), st.tuples(st.just("evict"), st.integers(1, 8))),
+@given(prompts=st.lists(family, min_size=1, max_size=4),
+       steps=st.lists(st.one_of(st.tuples(st.just("req"), st.integers(0, 3)), st.tuples(st.just("evict"), st.integers(1, 8))),
                       min_size=1, max_size=25),
-       cpu_chunks=st.integers(1, 6), with_lmdb=st.booleans())
-def test_the_index_fed_by_a_caches_events_holds_what_the_cache_holds(tmp_path: Path, steps: list[Any],
-                                                                      cpu_chunks: int, with_lmdb: bool) -> None:
+       cpu_chunks=st.integers(1, 6), with_lmdb=st.booleans(), sliding=st.booleans())
+def test_the_index_fed_by_a_caches_events_holds_what_the_cache_holds(tmp_path: Path, prompts: list[list[int]],
+                                                                      steps: list[Any],
+                                                                      cpu_chunks: int, with_lmdb: bool,
+                                                                      sliding: bool) -> None:
+    """Also with a sliding-window layer (KV groups: its chunks in a namespace of their own, loads
+    landing through the groups' path); the full-attention group is the one told."""
+    layout = rk.KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2,
+                         windows=(0, 4)) if sliding else LAYOUT
     sink = IndexSink()
     chunk_bytes = 4096
     tiers: list[Any] = [CpuTier(cpu_chunks * chunk_bytes, slot_bytes=chunk_bytes)]
     if with_lmdb:
         tiers.append(LmdbTier(str(tmp_path / f"db{time.monotonic_ns()}"), max_bytes=1 << 22))
-    with rk.PrefixCache(LAYOUT, num_pages=12, chunk_size=CHUNK, tiers=tiers) as cache:
+    with rk.PrefixCache(layout, num_pages=12, chunk_size=CHUNK, tiers=tiers) as cache:
         events = cache.observers.add(KVEvents(sink, namespace=cache.stack.namespace, chunk_size=CHUNK))  # type: ignore[union-attr]
         seen: set[bytes] = set()
         for kind, arg in steps:
-            if kind == "req":
-                replay(cache, [arg])
-                seen.add(np.asarray(arg, dtype="<i4").tobytes())
+            if kind == "req":                    # prompts repeat: loads from the tiers
+                prompt = prompts[arg % len(prompts)]
+                replay(cache, [prompt])
+                seen.add(np.asarray(prompt, dtype="<i4").tobytes())
             else:
                 cache.evict(arg)
             cache.flush()

@@ -7,7 +7,7 @@ import sys
 
 from radixkv.bench import BENCHMARKS as _CORE
 
-BENCHMARKS = (*_CORE, "vllm")     # vllm: needs vLLM (radixkv[vllm]); see radixkv.bench.vllm
+BENCHMARKS = (*_CORE, "vllm", "fleet")     # vllm, fleet: need vLLM (radixkv[vllm]); see their modules
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,12 +136,13 @@ class KVEvents(Listener):
         if names == "chunk" and block_size != chunk_size:
             raise ValueError("block_size: with names='chunk' a block is a chunk (leave block_size out)")
         if names == "vllm":
-            vllm_block_hashes([0] * block_size, block_size, algo=algo, seed=seed)  # type: ignore[arg-type]  # checks algo/seed now
+            vllm_block_hashes([0] * block_size, block_size, algo=algo, seed=seed)  # type: ignore[call-overload]  # checks algo/seed now
         self._ev = events
         self.sink = sink
         if namespace is None and names is not None:
             raise ValueError(f"namespace: names={names!r} names chunks from their keys, which need the namespace")
-        self.root, self.ns_id = (None, None) if namespace is None else (namespace.root, namespace.id)
+        self.root: bytes | None = None if namespace is None else namespace.root
+        self.ns_id: bytes | None = None if namespace is None else namespace.id
         self.chunk_size, self.block_size, self.naming = chunk_size, block_size, names
         self.media = dict({"pool": "GPU", **DEFAULT_MEDIA} if media is None else media)
         self.algo, self.seed = algo, seed
@@ -196,7 +197,7 @@ class KVEvents(Listener):
         begin = first if first == 0 or (known is not None and known[2] is not None) else 0
         parent = known[2] if begin and known is not None else None
         tokens = np.frombuffer(data[begin * cs * 4:last * cs * 4], dtype="<i4").tolist()
-        full = vllm_block_hashes(tokens, bs, parent, algo=self.algo, seed=self.seed)  # type: ignore[arg-type]
+        full = vllm_block_hashes(tokens, bs, parent, algo=self.algo, seed=self.seed)  # type: ignore[call-overload]
         per = cs // bs
         for c in range(begin, last):
             blocks = full[(c - begin) * per:(c - begin + 1) * per]

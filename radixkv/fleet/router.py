@@ -111,8 +111,8 @@ class Router:
     def _vllm_names(self, tokens: list[int], salt: str | None) -> list[Any]:
         n = len(tokens) // self.block_size
         extra = None if not salt or n == 0 else [(("cache_salt", salt),), *([None] * (n - 1))]
-        return vllm_block_hashes(tokens, self.block_size, extra_keys=extra, algo=self.hash_algo,  # type: ignore[arg-type]
-                                 seed=self.hash_seed, as_int=True)
+        return vllm_block_hashes(tokens, self.block_size, extra_keys=extra,  # type: ignore[call-overload]
+                                 algo=self.hash_algo, seed=self.hash_seed, as_int=True)
 
     def choose(self, tokens: list[int] | None, salt: str | None = None) -> tuple[list[Backend], str, int]:
         """The healthy instances in the order to try them, why the first was chosen

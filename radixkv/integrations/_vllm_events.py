@@ -49,7 +49,7 @@ def events_enabled(vllm_config: Any) -> bool:
     return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
 
-def block_hash_converter() -> Callable[[bytes], Any]:
+def block_hash_converter() -> Callable[[Any], Any]:
     """vLLM's conversion of a block hash to the form its events carry."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
