@@ -273,3 +273,31 @@ def test_the_follower_follows_two_caches_publishing_over_zmq() -> None:
     for p, c in zip(pubs, caches):
         p.close()
         c.close()
+
+
+def test_text_and_chat_prompts_are_routed_by_the_tokens_of_the_given_tokenizer(tmp_path: Any) -> None:
+    """``--tokenizer``: a completion's text and a chat's messages (through the chat template) are
+    tokenized as the instances would, and those tokens are what the index is asked about."""
+    import argparse
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from radixkv.fleet import router as route_cmd
+
+    words = ["[UNK]", "<s>", "hello", "world", "user", "assistant", ":", "hi"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
+    fast.save_pretrained(str(tmp_path / "tok"))
+    ap = argparse.ArgumentParser()
+    route_cmd.add_arguments(ap)
+    router = route_cmd.build(ap.parse_args(["--backend", "http://a", "--tokenizer", str(tmp_path / "tok")]))
+    assert router._tokens({"prompt": "hello world hi"}, chat=False) == [2, 3, 7]
+    assert router._tokens({"prompt": [5, 6]}, chat=False) == [5, 6]
+    assert router._tokens({"messages": [{"role": "user", "content": "hi"}]}, chat=True) == [4, 6, 7, 5, 6]
+    plain = route_cmd.build(ap.parse_args(["--backend", "http://a"]))
+    assert plain._tokens({"prompt": "hello"}, chat=False) is None, "no tokenizer: text is routed as a miss"
+    with pytest.raises(ValueError, match="--events"):
+        route_cmd.build(ap.parse_args(["--backend", "http://a", "--backend", "http://b", "--events", "tcp://x:1"]))

@@ -413,8 +413,9 @@ def build(args: argparse.Namespace) -> Router:
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
 
         def tokenize(body: dict[str, Any], chat: bool) -> list[int]:
-            if chat:
-                return list(tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True))
+            if chat:       # as vLLM does: the template rendered to text, then no special tokens added
+                text = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+                return list(tok(text, add_special_tokens=False).input_ids)
             return list(tok(body["prompt"]).input_ids)
 
     return Router(args.backend, follower=follower, policy=args.policy, block_size=args.block_size,
