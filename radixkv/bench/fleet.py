@@ -2,7 +2,7 @@
 
 Command that produced ``benchmarks/results/fleet_cpu.txt``::
 
-    python -m radixkv.bench fleet --out benchmarks/results/fleet_cpu.txt
+    python -m radixkv.bench fleet --requests 144 --out benchmarks/results/fleet_cpu.txt
 
 ``--instances`` (2) ``vllm serve`` processes on vLLM's CPU build (a random-weight Llama, fp32,
 block 128, a pool of ``--pool-blocks`` blocks each, radixkv's connector with a CPU tier of
