@@ -173,6 +173,10 @@ class Tier(abc.ABC):
     #: caller may read it on a latency-critical thread (the vLLM connector answers a lookup that
     #: such tiers cover at once, on its scheduler's thread).  ``False`` unless a tier says so.
     in_memory: bool = False
+    #: Peer: the tier reads other instances' local tiers (``radixkv.backends.peer.PeerTier``): remote,
+    #: read-only — a stack writes and promotes nothing into it — and its blobs are sealed as the
+    #: local tiers seal theirs (never encrypted: they are the peers' local blobs).
+    peer: bool = False
 
     @abc.abstractmethod
     def get(self, key: bytes) -> Blob | None:
@@ -639,9 +643,11 @@ _REGISTRY: dict[str, str | Callable[..., Tier]] = {
     "lmdb": "radixkv.backends.lmdb:LmdbTier",
     "s3": "radixkv.backends.s3:S3Tier",
     "redis": "radixkv.backends.redis:RedisTier",
+    "peer": "radixkv.backends.peer:PeerTier",
 }
 _LAZY_CLASSES = {"CpuTier": "radixkv.backends.cpu", "LmdbTier": "radixkv.backends.lmdb",
-                 "S3Tier": "radixkv.backends.s3", "RedisTier": "radixkv.backends.redis"}
+                 "S3Tier": "radixkv.backends.s3", "RedisTier": "radixkv.backends.redis",
+                 "PeerTier": "radixkv.backends.peer"}
 
 
 def register(name: str, factory: str | Callable[..., Tier]) -> None:

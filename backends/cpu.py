@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -34,10 +34,19 @@ from radixkv._checks import check_int
 from radixkv.backends import Blob, Entry, EvictionLog, Tier, blob_view, check_key, check_namespace_id, count_leading
 from radixkv.policy import Policy, make_policy
 
-__all__ = ["CpuTier"]
+__all__ = ["CpuTier", "Lease"]
 
 T = TypeVar("T")
 _ALIGN = 64  # slot starts stay aligned for any dtype view of a payload
+
+
+class Lease(NamedTuple):
+    """A hold on one blob in place (``CpuTier.lease``): its slot, and where the blob lies in the
+    tier's ``arena`` (byte ``offset``, ``length``)."""
+
+    slot: int
+    offset: int
+    length: int
 
 
 def _allocate_arena(nbytes: int, pinned: bool) -> torch.Tensor:
@@ -146,6 +155,26 @@ class CpuTier(Tier):
                 if slot in self._retired:
                     self._retired.discard(slot)
                     self._free.append(slot)
+
+    @property
+    def arena(self) -> torch.Tensor:
+        """The one uint8 tensor every slot is carved from (registered once with a transfer engine
+        such as NIXL, so that peers read leased blobs in place).  O(1)."""
+        return self._arena
+
+    def lease(self, key: bytes) -> Lease | None:
+        """Hold the blob of ``key`` in place for a reader outside the tier (a peer's read of
+        ``arena``): its slot is not reused, whatever happens to ``key``, until ``unlease``; ``None``
+        on a miss.  Counts as an access.  Every lease must be ended exactly once.  O(1)."""
+        entry = self._acquire(key)
+        if entry is None:
+            return None
+        slot, length = entry
+        return Lease(slot, slot * self._slot_bytes, length)
+
+    def unlease(self, lease: Lease) -> None:
+        """End ``lease``: its slot may be reused (freed now if its key is gone).  O(1)."""
+        self._unlease(lease.slot)
 
     def read(self, key: bytes, consume: Callable[[memoryview], T]) -> T | None:
         """``consume`` on the blob in its arena slot, without a copy; the slot is leased (never

@@ -6,6 +6,7 @@
     python -m radixkv inspect --config FILE   # what each tier holds per namespace; --verify, --drop NS, --json
     python -m radixkv warm --config FILE      # the remote tier's chunks onto the local disk before serving
     python -m radixkv route --backend URL --events ENDPOINT ...   # prefix-aware router for vllm serve
+    python -m radixkv controller --bind tcp://HOST:PORT --config FILE   # who holds what, for p2p sharing
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("route", help="a prefix-aware OpenAI-compatible router in front of vllm serve instances")
     route_cmd.add_arguments(r)
     r.set_defaults(func=route_cmd.main)
+    from radixkv.fleet import controller as controller_cmd
+
+    c = sub.add_parser("controller", help="the cache controller of peer-to-peer sharing (p2p_enabled)")
+    controller_cmd.add_arguments(c)
+    c.set_defaults(func=controller_cmd.main)
     args = ap.parse_args(argv)
     return int(args.func(args))
 

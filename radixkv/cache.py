@@ -185,6 +185,8 @@ class PrefixCache:
                                   counters=self._counters)
             for stack in self.stacks:
                 flush_at_exit(stack)
+                for listener in stack.observers:       # what listened to the stack goes on listening
+                    self.observers.add(listener)
                 stack.observers = self.observers       # one list hears the pool and the tiers
             # Blobs of several sizes (tails; with groups, each group's chunks): tell fixed-slot tiers
             # the largest before a smaller one comes first and sizes their slots.

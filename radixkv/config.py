@@ -24,6 +24,11 @@ that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's wh
     secret: ...                  # deployment secret: every chunk carries a MAC (prefer RADIXKV_SECRET)
     previous_secret: ...         # the secret before a rotation, still accepted on read
     encrypt: false               # AES-GCM for the remote tier's chunks (needs secret)
+    p2p_enabled: false           # true: read other instances' CPU tiers, and serve ours (radixkv.p2p) ...
+    p2p_controller: tcp://10.0.0.2:5600   # ... the controller (python -m radixkv controller); needs secret
+    p2p_address: tcp://10.0.0.5:5601      # this instance's request channel (bound; port 0: any); none: serve nothing
+    p2p_instance: engine-a       # this instance's id (default: host name and process id)
+    p2p_transport: nixl          # nixl (one READ per batch) or zmq (the bytes in the answer); nixl falls back to zmq
     write_policy: write_through  # or write_back
     promote: true                # copy lower-tier hits into the tiers above
     namespace: {model: meta-llama/Llama-2-7b-hf, revision: main, salt: tenant-a}
@@ -100,6 +105,11 @@ class CacheConfig:
     local_disk_admission: str = "none"
     namespace: Mapping[str, Any] = field(default_factory=dict)
     layout: Mapping[str, Any] | None = None
+    p2p_enabled: bool = False
+    p2p_controller: str | None = None
+    p2p_address: str | None = None
+    p2p_instance: str | None = None
+    p2p_transport: str = "nixl"
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size"):
@@ -159,6 +169,7 @@ class CacheConfig:
             raise ValueError("previous_secret: set, but secret is not (nor RADIXKV_SECRET)")
         if self.encrypt and self.secret is None and not os.environ.get("RADIXKV_SECRET"):
             raise ValueError("encrypt: needs secret (or RADIXKV_SECRET): the key is derived from it")
+        self._check_p2p()
         if self.write_policy not in ("write_through", "write_back"):
             raise ValueError(f"write_policy must be write_through or write_back, got {self.write_policy!r}")
         if not isinstance(self.namespace, Mapping) or set(self.namespace) - _NAMESPACE_KEYS:
@@ -168,6 +179,29 @@ class CacheConfig:
             raise ValueError("namespace.model: required (the model id that keys are bound to)")
         if self.layout is not None and (not isinstance(self.layout, Mapping) or set(self.layout) - _LAYOUT_KEYS):
             raise ValueError(f"layout: a mapping of {sorted(_LAYOUT_KEYS)}, got {self.layout!r}")
+
+    def _check_p2p(self) -> None:
+        if not isinstance(self.p2p_enabled, bool):
+            raise ValueError(f"p2p_enabled must be true or false, got {self.p2p_enabled!r}")
+        named = [k for k in ("p2p_controller", "p2p_address", "p2p_instance") if getattr(self, k) is not None]
+        if not self.p2p_enabled:
+            if named or self.p2p_transport != "nixl":
+                raise ValueError(f"{(named or ['p2p_transport'])[0]}: set, but p2p_enabled is not true")
+            return
+        from radixkv.fleet.wire import check_endpoint
+
+        if self.p2p_controller is None:
+            raise ValueError("p2p_controller: required when p2p_enabled is true (tcp://HOST:PORT)")
+        check_endpoint(self.p2p_controller, "p2p_controller")
+        if self.p2p_address is not None:
+            check_endpoint(self.p2p_address, "p2p_address")
+        if self.p2p_instance is not None and (not isinstance(self.p2p_instance, str) or not self.p2p_instance):
+            raise ValueError(f"p2p_instance must be a non-empty string, got {self.p2p_instance!r}")
+        if self.p2p_transport not in ("nixl", "zmq"):
+            raise ValueError(f"p2p_transport must be nixl or zmq, got {self.p2p_transport!r}")
+        if self.secret is None and not os.environ.get("RADIXKV_SECRET"):
+            raise ValueError("p2p_enabled: needs secret (or RADIXKV_SECRET): peers and the controller "
+                             "authenticate every message with it")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> CacheConfig:
@@ -252,13 +286,22 @@ class CacheConfig:
         from radixkv.tiers import TierStack
 
         tiers = self.make_tiers(layout)
+        ns = namespace if namespace is not None else self.make_namespace().bind(layout)
+        node = None
+        if self.p2p_enabled:             # the peer tier, and this instance's node serving its CPU tier
+            from radixkv.p2p import join
+
+            tiers, node = join(self, tiers, ns)
         if not tiers:
             return None
-        ns = namespace if namespace is not None else self.make_namespace().bind(layout)
-        return TierStack(tiers, namespace=ns, layout=layout, chunk_size=self.chunk_size, promote=self.promote,
-                         timeout_s=self.remote_timeout, secret=self.secret, previous_secret=self.previous_secret,
-                         encrypt=self.encrypt, queue_size=queue_size,
-                         exclusive=self.exclusive if exclusive is None else exclusive)
+        stack = TierStack(tiers, namespace=ns, layout=layout, chunk_size=self.chunk_size, promote=self.promote,
+                          timeout_s=self.remote_timeout, secret=self.secret, previous_secret=self.previous_secret,
+                          encrypt=self.encrypt, queue_size=queue_size,
+                          exclusive=self.exclusive if exclusive is None else exclusive)
+        if node is not None:
+            node.watch(stack)
+            node.start()
+        return stack
 
     def build(self, layout: KVLayout | None = None) -> PrefixCache:
         """The ``PrefixCache`` this config describes, tiers included (fastest first)."""

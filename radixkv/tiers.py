@@ -50,6 +50,9 @@ second secret accepted on read, never used to write: for rotation.  ``encrypt=Tr
 blobs of remote tiers (``Tier.local`` false: S3, Redis) with AES-256-GCM instead, so nothing they
 store reveals tokens or KV; local tiers keep the (cheaper) MAC.  See ``radixkv.format``.  The
 secrets are never stored on the stack, logged or shown in a ``repr``.
+
+**Peers.**  A tier with ``Tier.peer`` set (``PeerTier``: other instances' CPU tiers) is read, never
+written: stores and promotions skip it, and its blobs are verified with the local tiers' seal.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ class TierStack:
         self.write_timeout_s = float(write_timeout_s)
         #: Per tier, how its blobs are sealed (``radixkv.format.Seal``): remote tiers get the AEAD
         #: seal when ``encrypt``.
-        self.seals: tuple[Seal, ...] = tuple(local_seal if t.local else remote_seal for t in self.tiers)
+        self.seals: tuple[Seal, ...] = tuple(local_seal if t.local or t.peer else remote_seal for t in self.tiers)
         self.namespace = namespace
         self.layout = layout
         self.chunk_size = chunk_size
@@ -456,7 +459,7 @@ class TierStack:
             self._counts["bytes_loaded"] += nbytes
         if self.observers:
             self.observers.io(self.tiers[t].name, "load", seconds, nbytes, 1, "ok")
-        upper = [u for u in range(t) if u not in self.victims] if self.promote else []
+        upper = [u for u in range(t) if u not in self.victims and not self.tiers[u].peer] if self.promote else []
         if upper:
             if all(self.seals[u] == self.seals[t] for u in upper) and blob is not None:
                 self._enqueue(("promote", upper, ref, bytes(blob), None))
@@ -557,11 +560,11 @@ class TierStack:
 
     def _mask(self, tiers: Iterable[int] | None) -> frozenset[int]:
         if tiers is None:
-            return frozenset(range(len(self.tiers)))
+            return frozenset(i for i, t in enumerate(self.tiers) if not t.peer)   # a peer tier is read-only
         mask = frozenset(tiers)
         if not all(isinstance(i, int) and 0 <= i < len(self.tiers) for i in mask):
             raise ValueError(f"tiers must be indices into the stack's {len(self.tiers)} tiers, got {sorted(mask)!r}")
-        return mask
+        return frozenset(i for i in mask if not self.tiers[i].peer)
 
     def tier_stats(self) -> list[dict[str, Any]]:
         """Each tier's own ``stats()``, in stack order (a tier's fault gives ``{}``).  O(tiers)."""
@@ -840,7 +843,8 @@ class TierStack:
                 "a timeout not counted as an error"
         assert len(self.seals) == len(self.tiers), "one seal per tier"
         for tier, seal in zip(self.tiers, self.seals):
-            assert (seal.mode == 2) == (self.encrypt and not tier.local), f"{tier.name}: sealed against `encrypt`"
+            assert (seal.mode == 2) == (self.encrypt and not tier.local and not tier.peer), \
+                f"{tier.name}: sealed against `encrypt`"
             assert seal.keyed == self.seals[0].keyed, f"{tier.name}: keyed unlike the other tiers"
         for tier in self.tiers:
             tier.check()

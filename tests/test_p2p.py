@@ -1,0 +1,362 @@
+"""Peer-to-peer sharing: the signed wire, the controller, and instances in processes of their own
+reading each other's CPU tiers over loopback (pyzmq and NIXL) — exact KV or a miss, never wrong KV."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
+from radixkv.fleet.controller import Controller, ControllerClient, snapshot_batch  # noqa: E402
+from radixkv.fleet.events import BlockRemoved, BlockStored, EventBatch  # noqa: E402
+from radixkv.fleet.wire import (Ack, Channel, Fetch, Heartbeat, PeerLookup, Pin, Refused, Register,  # noqa: E402
+                                Report, Signer)
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from p2p_node import LAYOUT, chunk_kv, config, tokens  # noqa: E402
+
+SECRET = "p2p test secret, 32 bytes long.."
+CHUNKS = 6
+
+
+def _have_nixl() -> bool:
+    from radixkv._nixl import available
+
+    return available()
+
+
+# ---- the wire --------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(min_size=1, max_size=20), st.lists(st.binary(min_size=24, max_size=24), max_size=8),
+       st.integers(0, 2**40), st.data())
+def test_a_signed_message_opens_only_with_its_secret_and_unaltered(instance: str, keys: list[bytes], rid: int,
+                                                                    data: st.DataObject) -> None:
+    signer = Signer(SECRET)
+    frames = signer.seal(rid, PeerLookup(instance, keys))
+    envelope = signer.open(frames)
+    assert envelope.rid == rid and envelope.body == PeerLookup(instance, keys)
+    with pytest.raises(Refused):
+        Signer("some other secret, long enough").open(frames)
+    payload = bytearray(frames[1])
+    i = data.draw(st.integers(0, len(payload) - 1))
+    payload[i] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(Refused):
+        signer.open([frames[0], bytes(payload)])
+    with pytest.raises(Refused):
+        signer.open([b"", frames[1]])
+
+
+def test_an_old_message_is_refused_and_a_short_secret_is_an_error() -> None:
+    signer = Signer(SECRET, max_skew_s=0.05)
+    frames = signer.seal(1, Heartbeat("a", "x"))
+    time.sleep(0.1)
+    with pytest.raises(Refused, match="too old"):
+        signer.open(frames)
+    with pytest.raises(ValueError, match="16 bytes"):
+        Signer("short")
+
+
+# ---- the controller --------------------------------------------------------------------------
+
+def _stored(keys: list[bytes]) -> EventBatch:
+    return snapshot_batch(keys)
+
+
+def _removed(keys: list[bytes]) -> EventBatch:
+    return EventBatch(ts=0.0, events=[BlockRemoved(block_hashes=keys, medium="CPU")])
+
+
+def test_controller_members_reports_lookups_timeouts_and_restarts() -> None:
+    now = [0.0]
+    c = Controller("tcp://127.0.0.1:0", SECRET, heartbeat_timeout_s=5.0, clock=lambda: now[0])
+    k = [bytes([i]) * 24 for i in range(6)]
+    for name in ("a", "b"):
+        assert c.handle(Register(name, "1", f"tcp://127.0.0.1:{1000 + ord(name)}", "zmq")) == Ack("ok")
+    assert c.handle(Report("a", "1", 0, True, _stored(k[:4]))) == Ack("ok")
+    assert c.handle(Report("b", "1", 0, True, _stored(k[:2]))) == Ack("ok")
+    best = c.handle(PeerLookup("b", k))
+    assert (best.peer, best.count) == ("a", 4)
+    assert c.handle(PeerLookup("a", k)).peer == "b"            # never the asker itself
+    assert c.handle(Report("a", "1", 1, False, _removed([k[1]]))) == Ack("ok")
+    assert c.handle(PeerLookup("c", k)).count == 2 and c.handle(PeerLookup("c", k)).peer == "b"
+    assert c.handle(Report("a", "1", 5, False, _stored(k))) == Ack("resync")      # a gap: a snapshot, please
+    assert c.handle(Report("a", "2", 2, False, _stored(k))) == Ack("unknown")     # another run of a
+    assert c.handle(Register("a", "2", "tcp://127.0.0.1:2000", "zmq")) == Ack("ok")  # a restarted: its keys gone
+    assert c.handle(PeerLookup("c", k)).peer == "b"
+    c.check()
+    now[0] = 3.0
+    assert c.handle(Heartbeat("a", "2")) == Ack("ok")
+    now[0] = 6.0
+    assert c.expire() == 1 and c.members() == ["a"]              # b timed out with its holdings
+    assert c.handle(PeerLookup("c", k)).count == 0
+    assert c.handle(Heartbeat("b", "1")) == Ack("unknown")
+    c.check()
+    c.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans(), st.lists(st.integers(0, 7), max_size=5)),
+                max_size=30), st.lists(st.integers(0, 7), min_size=1, max_size=8))
+def test_peer_lookup_is_the_longest_run_a_live_other_instance_holds(ops: list[tuple[str, bool, list[int]]],
+                                                                    query: list[int]) -> None:
+    c = Controller("tcp://127.0.0.1:0", SECRET)
+    held: dict[str, set[bytes]] = {}
+    seq: dict[str, int] = {}
+    key = [bytes([i]) * 24 for i in range(8)]
+    for name, store, ids in ops:
+        if name not in held:
+            c.handle(Register(name, "1", "tcp://127.0.0.1:9", "zmq"))
+            held[name], seq[name] = set(), 0
+        keys = [key[i] for i in ids]
+        batch = _stored(keys) if store else _removed(keys)
+        assert c.handle(Report(name, "1", seq[name], seq[name] == 0, batch)) == Ack("ok")
+        seq[name] += 1
+        held[name] = held[name] | set(keys) if store else held[name] - set(keys)
+    keys = [key[i] for i in query]
+    for asker in "abcd":
+        runs = {}
+        for name, have in held.items():
+            n = 0
+            while n < len(keys) and keys[n] in have:
+                n += 1
+            if name != asker and n:
+                runs[name] = n
+        answer = c.handle(PeerLookup(asker, keys))
+        assert answer.count == max(runs.values(), default=0)
+        if runs:
+            assert runs[answer.peer] == answer.count
+    assert c.handle(Report("x", "1", 0, True, _stored([]))) == Ack("unknown")
+    c.check()
+    c.close()
+
+
+def test_the_controller_answers_only_signed_requests_over_the_socket() -> None:
+    with Controller("tcp://127.0.0.1:0", SECRET) as c:
+        good = ControllerClient(c.address, SECRET)
+        assert good.call(Register("a", "1", "tcp://127.0.0.1:9", "zmq")) == Ack("ok")
+        bad = Channel(c.address, Signer("not the deployment secret, no"))
+        assert bad.ask(Register("evil", "1", "tcp://127.0.0.1:9", "zmq"), time.monotonic() + 0.3) is None
+        assert c.refused >= 1 and c.members() == ["a"]
+        good.close(), bad.close()
+    down = ControllerClient(c.address, SECRET, timeout_s=0.2)        # nobody answers now: nothing, fast
+    t0 = time.monotonic()
+    assert down.peer_lookup("a", [bytes(24)]).count == 0 and down.lookup([bytes(24)]) == {}
+    assert time.monotonic() - t0 < 1.0
+    down.close()
+
+
+# ---- instances in processes ------------------------------------------------------------------
+
+class Fleet:
+    """A controller here, instances in subprocesses (tests/p2p_node.py), B's stack here."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.controller = Controller("tcp://127.0.0.1:0", SECRET, heartbeat_timeout_s=3.0).start()
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stacks: list[Any] = []
+
+    def start(self, name: str, *, mode: str = "serve", seed: int = 1, transport: str = "zmq") -> dict[str, Any]:
+        ready = self.tmp / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        spec = {"controller": self.controller.address, "secret": SECRET, "instance": name, "mode": mode,
+                "seed": seed, "chunks": CHUNKS, "ready": str(ready), "transport": transport}
+        path = self.tmp / f"{name}.json"
+        path.write_text(json.dumps(spec))
+        log = open(self.tmp / f"{name}.log", "wb")
+        self.procs[name] = subprocess.Popen([sys.executable, str(HERE / "p2p_node.py"), str(path)], stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert self.procs[name].poll() is None, (self.tmp / f"{name}.log").read_text()
+            assert time.monotonic() < deadline, "the instance did not start"
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        self.wait_holds(name, seed)
+        return info
+
+    def names(self, seed: int) -> list[bytes]:
+        stack = self.reader("probe", "zmq")
+        return [stack.namespace.id + ref.key for ref in stack.refs(tokens(seed, CHUNKS))]
+
+    def wait_holds(self, name: str, seed: int, count: int = CHUNKS) -> None:
+        client = ControllerClient(self.controller.address, SECRET)
+        names = self.names(seed)
+        deadline = time.monotonic() + 15
+        while client.lookup(names).get(name, 0) != count:
+            assert time.monotonic() < deadline, f"the controller never saw {name} hold its chunks"
+            time.sleep(0.05)
+        client.close()
+
+    def reader(self, name: str, transport: str, timeout: float = 2.0) -> Any:
+        cfg = config({"controller": self.controller.address, "secret": SECRET, "transport": transport,
+                      "timeout": timeout}, name, None)
+        stack = cfg.make_stack(LAYOUT, exclusive=False)
+        self.stacks.append(stack)
+        return stack
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def close(self) -> None:
+        for stack in self.stacks:
+            stack.close()
+        for name in list(self.procs):
+            self.kill(name)
+        self.controller.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _load(stack: Any, seed: int) -> tuple[list[int], list[torch.Tensor]]:
+    refs = stack.refs(tokens(seed, CHUNKS))
+    where = stack.lookup([r.key for r in refs])
+    return where, stack.load(refs[:len(where)], where=where)
+
+
+@pytest.mark.parametrize("transport", ["zmq", "nixl"])
+def test_b_gets_as_chunks_exactly_and_a_forged_peer_is_a_miss(fleet: Fleet, transport: str) -> None:
+    if transport == "nixl" and not _have_nixl():
+        pytest.skip("NIXL does not load here")
+    fleet.start("a", seed=1, transport=transport)
+    fleet.start("f", seed=2, mode="forge", transport=transport)
+    b = fleet.reader("b", transport)
+    where, chunks = _load(b, 1)
+    assert where == [1] * CHUNKS                         # the peer tier, below b's own CPU tier
+    assert len(chunks) == CHUNKS
+    for i, chunk in enumerate(chunks):
+        assert torch.equal(chunk, chunk_kv(1, i))
+    peer = b.tiers[1]
+    assert peer.stats()[f"{transport}_reads"] >= 1
+    b.flush(5.0)
+    assert _load(b, 1)[0] == [0] * CHUNKS                # promoted into b's CPU tier
+    where, chunks = _load(b, 2)                          # f's blobs were changed: every one is a miss
+    assert chunks == [] and b.stats()["forged"][1] >= 1
+    b.check()
+
+
+def test_a_peer_killed_mid_transfer_or_restarted_or_stale_is_a_miss(fleet: Fleet) -> None:
+    fleet.start("a", seed=1, mode="die_on_request")
+    b = fleet.reader("b", "zmq", timeout=1.0)
+    t0 = time.monotonic()
+    where, chunks = _load(b, 1)
+    assert where == [1] * CHUNKS and chunks == []         # the controller named a; a died answering
+    assert time.monotonic() - t0 < 3.0
+    # Stale: the controller still lists the dead a (no heartbeat timeout yet); a miss at once.
+    assert _load(b, 1)[1] == []
+    # a restarted with other chunks: its old holdings are gone, the new ones are served.
+    fleet.start("a", seed=3)
+    assert b.lookup([r.key for r in b.refs(tokens(1, CHUNKS))]) == []
+    where, chunks = _load(b, 3)
+    assert len(chunks) == CHUNKS and torch.equal(chunks[-1], chunk_kv(3, CHUNKS - 1))
+    b.check()
+
+
+def test_nixl_a_peer_killed_between_pin_and_read_is_a_miss(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _have_nixl():
+        pytest.skip("NIXL does not load here")
+    from radixkv import _nixl
+
+    fleet.start("a", seed=1, transport="nixl")
+    b = fleet.reader("b", "nixl", timeout=1.5)
+    read = _nixl.Agent.read
+
+    def killed_first(self: Any, *args: Any) -> bool:
+        if "a" in fleet.procs:
+            fleet.kill("a")
+        return read(self, *args)
+
+    monkeypatch.setattr(_nixl.Agent, "read", killed_first)
+    t0 = time.monotonic()
+    where, chunks = _load(b, 1)
+    assert where == [1] * CHUNKS and chunks == []
+    assert time.monotonic() - t0 < 4.0
+    b.check()
+
+
+def test_an_unauthenticated_reader_gets_nothing(fleet: Fleet) -> None:
+    info = fleet.start("a", seed=1)
+    names = fleet.names(1)
+    evil = Channel(info["address"], Signer("a guessed secret, 16+ bytes"))
+    assert evil.ask(Fetch(names), time.monotonic() + 0.5) is None
+    assert evil.ask(Pin("evil", names, 5.0), time.monotonic() + 0.5) is None
+    evil.close()
+    good = Channel(info["address"], Signer(SECRET))       # the control: the same request, signed
+    answer = good.ask(Fetch(names), time.monotonic() + 5.0)
+    assert answer is not None and len(answer[1]) == CHUNKS
+    good.close()
+
+
+def test_a_restarted_controller_is_rebuilt_by_the_instances(fleet: Fleet) -> None:
+    fleet.start("a", seed=1)
+    address = fleet.controller.address
+    fleet.controller.close()
+    b = fleet.reader("b", "zmq")
+    assert _load(b, 1)[1] == []                              # no controller: no peers, no error
+    fleet.controller = Controller(address, SECRET, heartbeat_timeout_s=3.0).start()
+    fleet.wait_holds("a", 1)                                 # a re-registered and sent a snapshot
+    deadline = time.monotonic() + 10
+    while len(chunks := _load(b, 1)[1]) < CHUNKS and time.monotonic() < deadline:
+        time.sleep(0.2)                                      # b's client backs off for a second
+    assert len(chunks) == CHUNKS and torch.equal(chunks[0], chunk_kv(1, 0))
+    fleet.controller.check()
+
+
+def test_p2p_config_keys_are_checked_and_need_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixkv.config import CacheConfig
+
+    monkeypatch.delenv("RADIXKV_SECRET", raising=False)
+    base = {"num_pages": 1, "namespace": {"model": "m"}, "secret": SECRET}
+    on = {**base, "p2p_enabled": True, "p2p_controller": "tcp://127.0.0.1:5600"}
+    assert CacheConfig.from_mapping(on).p2p_transport == "nixl"
+    for bad, name in (({**base, "p2p_controller": "tcp://127.0.0.1:5600"}, "p2p_controller"),
+                      ({**base, "p2p_enabled": True}, "p2p_controller"),
+                      ({**on, "p2p_controller": "127.0.0.1:5600"}, "p2p_controller"),
+                      ({**on, "p2p_address": "tcp://:5601"}, "p2p_address"),
+                      ({**on, "p2p_transport": "rdma"}, "p2p_transport"),
+                      ({**on, "secret": None}, "secret"),
+                      ({**on, "p2p_enabled": "yes"}, "p2p_enabled")):
+        with pytest.raises(ValueError, match=name):
+            CacheConfig.from_mapping(bad)
+
+
+def test_python_m_radixkv_controller_serves_signed_requests(tmp_path: Path) -> None:
+    from radixkv.testing.s3server import free_port
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"secret": SECRET}))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "radixkv", "controller", "--bind", address, "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        client = ControllerClient(address, SECRET, timeout_s=1.0)
+        deadline = time.monotonic() + 30
+        while client.call(Register("a", "1", "tcp://127.0.0.1:9", "zmq"), force=True) != Ack("ok"):
+            assert proc.poll() is None and time.monotonic() < deadline
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
