@@ -20,7 +20,9 @@ given the KV of the block before it, as a block table off by one would) or ``"ot
 (each chunk replaced by the request's first chunk).
 ``kv_events`` (a ZMQ endpoint) turns vLLM's KV events on and records them, decoded by vLLM's own
 structs, under ``kv_events`` in the output (each with the index of the step it arrived in).
-``until_loaded`` (a number) repeats the step, after a second's pause, until the connector loaded
+``wait_for`` (a path) waits, before the step, until another process created that file (at most
+``wait_s``, default 300 s); ``signal`` (a path) creates that file after it: two engines taking
+turns (peer-to-peer sharing).  ``until_loaded`` (a number) repeats the step, after a second's pause, until the connector loaded
 tokens for it or that many tries are done (a tier that comes up while the engine runs).  The output
 has per step the tokens, logprobs (top 3 of each generated token), ``num_cached_tokens``,
 ``kv_transfer_params`` and the wall time of the step.  ``"in_process": true`` runs vLLM's engine
@@ -194,6 +196,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for i, step in enumerate(spec["steps"]):
         if log is not None:
             log.step = i
+        if step.get("wait_for"):      # another process's step must be done first (bounded)
+            until = time.monotonic() + float(step.get("wait_s", 300))
+            while not os.path.exists(step["wait_for"]) and time.monotonic() < until:
+                time.sleep(0.1)
         if step.get("action"):
             s3_action(step["action"], spec["late_s3"] if step["action"] == "start_s3" else spec["s3"])
         names = step.get("batch") or [step["prompt"]]
@@ -223,6 +229,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 "logprobs": [sorted([int(k), float(v.logprob)] for k, v in d.items()) for d in gen.logprobs or []],
                 "num_cached_tokens": int(out.num_cached_tokens or 0),
                 "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed, "tries": tries})
+        if step.get("signal"):        # tell another process this step is done
+            with open(step["signal"], "w") as f:
+                f.write("done")
     if log is not None:
         results["kv_events"] = log.close()
     if spec.get("log_stats"):

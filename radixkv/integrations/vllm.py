@@ -47,6 +47,10 @@ How it works (``radixkv.integrations._vllm_plan`` and ``_vllm_worker`` hold the 
   with vLLM's own block hashes, ``medium`` ``"CPU"`` (the CPU tier) or ``"STORAGE"`` (LMDB); remote
   tiers are not told (``radixkv.integrations._vllm_events``).  A router (``radixkv.fleet.Index``)
   then sees a prefix vLLM evicted but radixkv still holds.
+* **Peers.**  With ``p2p_enabled`` (and the other ``p2p_*`` keys, ``radixkv.config``) each
+  worker's stack also reads the CPU tiers of the other instances, after its local tiers and before
+  S3 or Redis, and serves its own CPU tier to them (``radixkv.p2p``); under tensor parallelism each
+  rank is an instance of its own (``<p2p_instance>/tp<rank>``), reading the same rank of its peers.
 * **Stats** go through vLLM's connector stats hook (``KV Transfer metrics`` in its log, with
   ``disable_log_stats=False``) and ``RadixKVConnector.stats()``.
 
