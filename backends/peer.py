@@ -91,6 +91,7 @@ class PeerTier(Tier):
         self._counts: Counter[str] = Counter(dict.fromkeys(
             ("lookups", "lookup_hits", "gets", "hits", "misses", "skipped", "failures", "nixl_reads", "zmq_reads",
              "bytes_read", "oversize", "abandoned"), 0))
+        self._read_seconds = 0.0        # time in NIXL READs (the transfers alone)
         self._closed = False
 
     # -- peers ----------------------------------------------------------------------------------
@@ -157,9 +158,9 @@ class PeerTier(Tier):
                     j += 1
             blobs = self._read(holder, keys[i:j], deadline)
             out[i:i + len(blobs)] = blobs
-            if len(blobs) < j - i:
+            if not blobs:
                 break
-            i = j
+            i += len(blobs)      # a short answer (the peer's pin budget, or it lost a key): ask for the rest
         found = sum(b is not None for b in out)
         self._count(gets=len(keys), hits=found, misses=len(keys) - found)
         return out
@@ -219,7 +220,10 @@ class PeerTier(Tier):
                 for _, n in spans:
                     local.append((base + at, n))
                     at += n
-                if not agent.read(pinned.agent, local, [(pinned.base + o, n) for o, n in spans], deadline):
+                t0 = time.perf_counter()
+                done = agent.read(pinned.agent, local, [(pinned.base + o, n) for o, n in spans], deadline)
+                self._read_seconds += time.perf_counter() - t0
+                if not done:
                     self._retire(staging)
                     return None
                 memory = staging.numpy()
@@ -295,12 +299,13 @@ class PeerTier(Tier):
 
     def stats(self) -> dict[str, int | float]:
         """Counters (lookups, hits, misses, reads per transport, failures, skipped by a breaker,
-        abandoned transfers) and the peers known.  O(peers)."""
+        abandoned transfers), the time spent in NIXL READs, and the peers known.  O(peers)."""
         with self._lock:
             counts = dict(self._counts)
             peers = len(self._peers)
             open_ = sum(p.breaker.state != "closed" for p in self._peers.values())
-        return {**counts, "used_bytes": 0, "peers": peers, "breakers_open": open_}
+        return {**counts, "used_bytes": 0, "peers": peers, "breakers_open": open_,
+                "nixl_read_seconds": self._read_seconds}
 
     def close(self) -> None:
         """Close the channels, the controller client and the node (which leaves the fleet).

@@ -18,8 +18,8 @@ With ``p2p_enabled: true`` (``radixkv.config``) every instance joins the fleet o
   is evicted meanwhile) and answers where they lie in the arena, which is registered with NIXL once
   at start; the peer reads them with one NIXL READ and sends ``Release``.  A pin ends on
   ``Release``, or at its ``ttl_s`` (at most ``max_ttl_s``, 10 s) when the peer died or went away.
-  At most ``max_leases`` slots (a quarter of the tier's) are leased at once; a pin past that gets
-  fewer keys.  ``Fetch(keys)`` (the pyzmq transport, for machines without NIXL) answers the blobs
+  At most ``max_leases`` slots (a quarter of the tier's, at least 16) are leased at once; a pin past
+  that gets fewer keys (the peer asks again for the rest).  ``Fetch(keys)`` (the pyzmq transport, for machines without NIXL) answers the blobs
   themselves, copied out of leased slots.
 
 **What a peer can read.**  Only members that hold the deployment secret get answers, and with the
@@ -73,7 +73,7 @@ class PeerServer:
         self.tier = tier
         self.agent = agent
         slots = int(tier.stats().get("slots", 0))
-        self.max_leases = max_leases if max_leases is not None else max(1, slots // 4)
+        self.max_leases = max_leases if max_leases is not None else max(min(slots, 16), slots // 4, 1)
         self.max_ttl_s = float(max_ttl_s)
         self._clock = clock
         self._pins: dict[int, tuple[float, list[Lease]]] = {}       # pin id -> (expiry, leases)

@@ -7,7 +7,7 @@ import sys
 
 from radixkv.bench import BENCHMARKS as _CORE
 
-BENCHMARKS = (*_CORE, "vllm", "fleet")     # vllm, fleet: need vLLM (radixkv[vllm]); see their modules
+BENCHMARKS = (*_CORE, "vllm", "fleet", "p2p")   # vllm, fleet: need vLLM (radixkv[vllm]); p2p: radixkv[p2p]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,7 +83,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _child(spec_path: str, out_path: str) -> int:
-    """Run the rounds of one spec in one engine; write ``[{label, size, seconds, cached}]``."""
+    """Run the rounds of one spec in one engine; write ``[{label, size, seconds, cached, loaded}]``.
+    A round may ``wait_for`` a file before it and ``signal`` (create) one after it: engines taking
+    turns (``bench p2p``)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     with open(spec_path) as f:
@@ -107,6 +109,10 @@ def _child(spec_path: str, out_path: str) -> int:
     params = SamplingParams(max_tokens=1, temperature=0.0)
     records = []
     for r in spec["rounds"]:
+        if r.get("wait_for"):           # another engine's rounds must be done first (bench p2p)
+            until = time.monotonic() + 1800
+            while not os.path.exists(r["wait_for"]) and time.monotonic() < until:
+                time.sleep(0.1)
         if r.get("reset"):
             llm.reset_prefix_cache()
         if r.get("sleep"):
@@ -116,7 +122,11 @@ def _child(spec_path: str, out_path: str) -> int:
         seconds = time.perf_counter() - t0
         if r.get("label"):
             records.append({"label": r["label"], "size": r["size"], "seconds": seconds,
-                            "cached": int(out.num_cached_tokens or 0)})
+                            "cached": int(out.num_cached_tokens or 0),
+                            "loaded": int((out.kv_transfer_params or {}).get("radixkv_loaded_tokens", 0))})
+        if r.get("signal"):             # tell another engine (bench p2p) this round is done
+            with open(r["signal"], "w") as f:
+                f.write("done")
     with open(out_path, "w") as f:
         json.dump(records, f)
     return 0
