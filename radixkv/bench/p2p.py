@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=5, help="rounds per row (default 5)")
     p.add_argument("--ttft", action="store_true", help="also time to first token on vLLM-CPU (minutes)")
     p.add_argument("--prefixes", default="2048,4096,8192", help="TTFT prefix lengths (default 2048,4096,8192)")
-    p.add_argument("--ttft-repeat", type=int, default=3, help="TTFT rounds per prefix and row (default 3)")
+    p.add_argument("--ttft-repeat", type=int, default=5, help="TTFT rounds per prefix and row (default 5)")
     p.add_argument("--out", help="also write the report to this file")
     return p
 
@@ -206,14 +206,14 @@ def _remote_rows(args: argparse.Namespace, say: Report, row: Callable[[str, floa
     if redis_server_binary() is None:
         say("redis: not measured (redis-server is not installed)")
         return
-    server = RedisServer().start()
+    redis = RedisServer().start()
     try:
-        tier = RedisTier(server.url, prefix="bench")
+        tier = RedisTier(redis.url, prefix="bench")
         tier.put_many(zip(keys, blobs))
         row("RedisTier get_many (redis-server on 127.0.0.1)", _rate(total, _windows(tier, keys, size), args.repeat))
         tier.close()
     finally:
-        server.stop()
+        redis.stop()
 
 
 # ---- TTFT on vLLM-CPU ------------------------------------------------------------------------
@@ -299,7 +299,8 @@ def _ttft_rows(args: argparse.Namespace, say: Report, workdir: str) -> None:
                 if a[0].poll() is not None or time.monotonic() > until:
                     _finish(workdir, "a", *a, 1)
                 time.sleep(0.5)
-            rows = [("p2p", "kv_consumer", {**p2p, "p2p_instance": "b"}), ("s3", "kv_consumer", s3_conf),
+            rows: list[tuple[str, str | None, dict[str, Any]]] = [
+                    ("p2p", "kv_consumer", {**p2p, "p2p_instance": "b"}), ("s3", "kv_consumer", s3_conf),
                     ("redis", "kv_consumer", redis_conf), ("recompute", None, {})]
             for label, role, config in rows:
                 t0 = time.perf_counter()
