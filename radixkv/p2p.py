@@ -19,8 +19,8 @@ With ``p2p_enabled: true`` (``radixkv.config``) every instance joins the fleet o
   at start; the peer reads them with one NIXL READ and sends ``Release``.  A pin ends on
   ``Release``, or at its ``ttl_s`` (at most ``max_ttl_s``, 10 s) when the peer died or went away.
   At most ``max_leases`` slots (a quarter of the tier's, at least 16) are leased at once; a pin past
-  that gets fewer keys (the peer asks again for the rest).  ``Fetch(keys)`` (the pyzmq transport, for machines without NIXL) answers the blobs
-  themselves, copied out of leased slots.
+  that gets fewer keys (the peer asks again for the rest).  ``Fetch(keys)`` (the pyzmq transport,
+  for machines without NIXL) answers the blobs themselves, copied out of leased slots.
 
 **What a peer can read.**  Only members that hold the deployment secret get answers, and with the
 pyzmq transport they get exactly the keys they asked for.  With NIXL, the agent metadata a member
@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from radixkv.fleet.controller import ControllerClient, snapshot_batch
 from radixkv.fleet.events import BlockRemoved, BlockStored, EventBatch
-from radixkv.fleet.wire import Ack, Blobs, Deregister, Fetch, Heartbeat, Pin, Pinned, Register, Release, Report, Server, Signer
+from radixkv.fleet.wire import (Ack, Blobs, Deregister, Fetch, Heartbeat, Pin, Pinned, Register, Release, Report,
+                                Server, Signer)
 from radixkv.observe import Listener
 
 if TYPE_CHECKING:

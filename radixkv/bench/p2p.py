@@ -2,9 +2,10 @@
 memory copy, the S3 tier and the Redis tier on the same machine; then time to first token on
 vLLM-CPU for an instance B whose prefix instance A computed.
 
-Commands that produced ``benchmarks/results/p2p_cpu.txt``::
+Commands that produced ``benchmarks/results/p2p_cpu.txt`` and ``p2p_cpu_kv16k.txt``::
 
     python -m radixkv.bench p2p --ttft --out benchmarks/results/p2p_cpu.txt
+    python -m radixkv.bench p2p --ttft --layers 4 --kv-heads 8 --out benchmarks/results/p2p_cpu_kv16k.txt
 
 **Fetch.**  ``--chunks`` chunks of 256 tokens of a mid-size layout (8 layers, 8 KV heads, head_dim
 128, fp16: 8 MiB each), read with one ``get_many`` per window of 8 (what a ``TierStack`` load
@@ -22,8 +23,9 @@ asks), median MB/s of ``--repeat`` rounds:
   127.0.0.1 (``radixkv.testing``).
 
 **TTFT** (``--ttft``; as ``python -m radixkv.bench vllm``: random-weight Llama, fp32, eager, chunk
-256, vLLM block 128, a 2K/4K/8K prefix and a new 256-token question each round, ``max_tokens=1``,
-``reset_prefix_cache()`` before each round, medians of ``--repeat``).  Instance A (``kv_both``:
+256, vLLM block 128, by default 2 KiB of KV a token: ``--layers``/``--kv-heads`` make it more; a
+2K/4K/8K prefix and a new 256-token question each round, ``max_tokens=1``,
+``reset_prefix_cache()`` before each round, medians of ``--ttft-repeat``).  Instance A (``kv_both``:
 CPU tier, served peer to peer, and S3 below it) computes each prefix and stays up; a producer
 writes them to Redis; then one instance B per row, each a ``kv_consumer`` with a single source: the
 peer tier (A's CPU tier), S3, Redis, or no connector (recompute).
@@ -63,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft", action="store_true", help="also time to first token on vLLM-CPU (minutes)")
     p.add_argument("--prefixes", default="2048,4096,8192", help="TTFT prefix lengths (default 2048,4096,8192)")
     p.add_argument("--ttft-repeat", type=int, default=5, help="TTFT rounds per prefix and row (default 5)")
+    p.add_argument("--layers", type=int, default=2, help="TTFT model layers (default 2)")
+    p.add_argument("--kv-heads", type=int, default=2, help="TTFT model KV heads of 64 (default 2: 2 KiB of KV a token)")
     p.add_argument("--out", help="also write the report to this file")
     return p
 
@@ -254,8 +258,9 @@ def _ttft_rows(args: argparse.Namespace, say: Report, workdir: str) -> None:
     question, vocab, block = 256, 32000, 128
     max_len = max(sizes) + question + block
     model = os.path.join(workdir, "model")
-    random_model("llama", seed=0, num_layers=2, hidden_size=512, num_heads=8, num_kv_heads=2,
+    random_model("llama", seed=0, num_layers=args.layers, hidden_size=512, num_heads=8, num_kv_heads=args.kv_heads,
                  intermediate_size=8192, vocab_size=vocab, max_positions=max_len).save_pretrained(model)
+    kv_token = args.layers * 2 * args.kv_heads * 64 * 4
     env = {**os.environ, **CREDENTIALS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     rng = np.random.default_rng(0)
     prefixes = {n: rng.integers(1, vocab, n).tolist() for n in sizes}
@@ -304,17 +309,19 @@ def _ttft_rows(args: argparse.Namespace, say: Report, workdir: str) -> None:
                     ("redis", "kv_consumer", redis_conf), ("recompute", None, {})]
             for label, role, config in rows:
                 t0 = time.perf_counter()
-                records += _finish(workdir, label, *_engine(workdir, label, spec(timed(label), role, config), env), 1800)
+                engine = _engine(workdir, label, spec(timed(label), role, config), env)
+                records += _finish(workdir, label, *engine, 1800)
                 say(f"# {label}: {time.perf_counter() - t0:.0f} s")
             with open(b_done, "w") as f:
                 f.write("done")
             _finish(workdir, "a", *a, 300)
         finally:
             redis.stop()
-    say(f"TTFT (s), median of {args.ttft_repeat}; model: random-weight Llama, 2 layers, hidden 512, 8 query / 2 KV "
-        f"heads, MLP 8192, fp32; B's prefix from one source each ({transport} for p2p); 'loaded': tokens the "
-        "connector loaded (median)")
-    say(f"{'prefix':>7}  " + "  ".join(f"{label:>15}" for label, *_ in rows) + "   p2p speedup vs recompute / s3 / redis")
+    say(f"TTFT (s), median of {args.ttft_repeat}; model: random-weight Llama, {args.layers} layers, hidden 512, 8 "
+        f"query / {args.kv_heads} KV heads, MLP 8192, fp32 ({kv_token // 1024} KiB of KV a token); B's prefix from "
+        f"one source each ({transport} for p2p); 'loaded': tokens the connector loaded (median)")
+    say(f"{'prefix':>7}  " + "  ".join(f"{label:>15}" for label, *_ in rows)
+        + "   p2p speedup vs recompute / s3 / redis")
     for n in sizes:
         med = {label: statistics.median(r["seconds"] for r in records if r["label"] == label and r["size"] == n)
                for label, *_ in rows}

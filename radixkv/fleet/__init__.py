@@ -8,7 +8,10 @@
 * ``radixkv.fleet.publish``: ``KVEvents`` and ``publish(cache, endpoint)``, a cache's holdings as
   events (the observer seam's listener);
 * ``radixkv.fleet.follow``: ``Follower``, every instance's stream into one ``Index``;
-* ``radixkv.fleet.router``: ``Router``, the prefix-aware proxy of ``python -m radixkv route``.
+* ``radixkv.fleet.router``: ``Router``, the prefix-aware proxy of ``python -m radixkv route``;
+* ``radixkv.fleet.controller``: ``Controller`` and ``ControllerClient``, the cache controller of
+  peer-to-peer sharing (``python -m radixkv controller``; ``radixkv.p2p``), over the signed
+  messages of ``radixkv.fleet.wire`` (``'radixkv[p2p]'``).
 
 The names load on first use: ``hashing`` and ``index`` need nothing beyond radixkv's own
 dependencies; ``events`` (and what uses it) needs msgspec, and its sockets pyzmq
@@ -24,6 +27,8 @@ __all__ = sorted([
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "Controller",
+    "ControllerClient",
     "EventBatch",
     "Follower",
     "Index",
@@ -50,6 +55,8 @@ _WHERE = {
     "decode_batch": "events",
     "encode_batch": "events",
     "Index": "index",
+    "Controller": "controller",
+    "ControllerClient": "controller",
     "Follower": "follow",
     "KVEvents": "publish",
     "publish": "publish",

@@ -44,9 +44,9 @@ import msgspec
 
 from radixkv.fleet.events import EventBatch
 
-__all__ = ["Ack", "Blobs", "Channel", "Deregister", "Envelope", "Fetch", "Heartbeat", "Holdings", "Lookup", "PeerAnswer",
-           "PeerLookup", "Pin", "Pinned", "Refused", "Register", "Release", "Report", "Server", "Signer", "check_endpoint",
-           "secret_of"]
+__all__ = ["Ack", "Blobs", "Channel", "Deregister", "Envelope", "Fetch", "Heartbeat", "Holdings", "Lookup",
+           "PeerAnswer", "PeerLookup", "Pin", "Pinned", "Refused", "Register", "Release", "Report", "Server", "Signer",
+           "check_endpoint", "secret_of"]
 
 log = logging.getLogger(__name__)
 
