@@ -112,9 +112,13 @@ def test_policy_objects_and_names():
 
 
 class S3FifoCpuContract(CpuTierContract):
-    """The tier contract on a CpuTier ordered by S3-FIFO (not LRU: ``lru`` off)."""
+    """The tier contract on a CpuTier ordered by S3-FIFO (not LRU: ``lru`` off).  No threaded
+    burst: which keys S3-FIFO keeps after racing puts depends on their order, which varies between
+    replays of an example (hypothesis then reports the rules drawn from what is held as flaky, as
+    it did on a loaded machine); the LRU tier's contract runs the burst on the same locking code."""
 
     lru = False
+    threads = 0
 
     def make_tier(self) -> Tier:
         return CpuTier(max_bytes=1024, slot_bytes=256, policy="s3fifo")

@@ -132,6 +132,8 @@ class _Live:
         self.req = req
         self.tail: int | None = None        # an engine page holding the partial last page
         self.prefilled = False
+        #: Positions of the pages it matched whose sliding page a trim had dropped already.
+        self.tombs: frozenset[int] = frozenset()
 
 
 class RequestMachine(RuleBasedStateMachine):
@@ -333,6 +335,7 @@ class RequestMachine(RuleBasedStateMachine):
         resident, asked = resident_tokens(self.cache.tree, tokens), self._taking()
         req = self.cache.open(tokens, load="wait" if wait else "async")
         self.live.append(_Live(tokens, req))
+        self.live[-1].tombs = self._tombstones(req)
         self._used(tokens, req.num_cached)
         self._observe(f"open({tokens}, load={'wait' if wait else 'async'})", asked)
         self._matched(tokens, req.num_cached, True, resident, "open")
@@ -430,16 +433,19 @@ class RequestMachine(RuleBasedStateMachine):
         page of the last token (with sliding groups: the window of a match that stops a page short
         of a reuse point is kept too, where the pool computed the request's pages: a tier load
         brings a sliding group's window of its end only, not the page more that ``KVGroups.keep``
-        keeps, so a retry a page short of a loaded end may miss its window)."""
+        keeps, so a retry a page short of a loaded end may miss its window; and a request that
+        matched pages whose window an earlier trim had already dropped holds them as they are: a
+        hold keeps what is there, it does not bring dropped pages back)."""
         live = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
         req = live.req
+        intact = self._window_intact(live)
         req.release()
         if live.tail is not None:
             self.cache.free([live.tail])
         if live.prefilled:
             self.seen.append(list(live.tokens))
         loaded = self.cache.groups is not None and req.tier_tokens > 0
-        if again and live.prefilled and req.num_cached and len(req.node.children) != 1 and not loaded:
+        if again and live.prefilled and req.num_cached and len(req.node.children) != 1 and not loaded and intact:
             tokens = live.tokens[:data.draw(st.sampled_from([req.num_cached, len(live.tokens)]), label="retry")]
             want = min(req.num_cached, (len(tokens) - 1) // self.ps * self.ps)
             resident = resident_tokens(self.cache.tree, tokens)
@@ -451,6 +457,27 @@ class RequestMachine(RuleBasedStateMachine):
             assert retry.num_cached >= want, \
                 f"{retry!r}: {req!r} ended at a reuse point and was released; the same tokens again got " \
                 f"{retry.num_cached} tokens from the pool, not {want}"
+
+    def _tombstones(self, req: Request) -> frozenset[int]:
+        """Positions of ``req``'s held pages whose page in some sliding group is dropped."""
+        groups = self.cache.groups
+        if groups is None or not req.num_cached:
+            return frozenset()
+        pages = np.asarray(req.pages, dtype=np.int64)
+        gone = np.zeros(len(pages), dtype=bool)
+        for table in groups.maps:
+            gone |= table[pages] < 0
+        return frozenset(int(i) for i in np.flatnonzero(gone))
+
+    def _window_intact(self, live: _Live) -> bool:
+        """Whether the pages ``KVGroups.keep`` keeps before the end of the request's held prefix
+        were all there when it matched them (or it computed them): what a retry may count on.  A
+        page dropped while it held them is not excused: the hold must keep it."""
+        groups = self.cache.groups
+        if groups is None or not live.tombs:
+            return True
+        n = len(live.req.pages)
+        return not any(i in live.tombs for i in range(max(0, n - max(groups.keep)), n))
 
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=10), again=st.booleans(),
           leave_last=st.booleans())
