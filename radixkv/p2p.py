@@ -83,7 +83,7 @@ class PeerServer:
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("pins", "pinned_keys", "released", "expired", "fetches", "fetched_keys",
                                      "fetched_bytes", "over_budget"), 0)
-        self._server = Server(bind, signer, self._answer, tick=self._tick, tick_s=0.01 if agent else 0.1,
+        self._server = Server(bind, signer, self.handle, tick=self.tick, tick_s=0.01 if agent else 0.1,
                               name="radixkv-peer-server")
         #: The address bound (the real port when ``bind`` said 0).
         self.address = self._server.address
@@ -113,7 +113,9 @@ class PeerServer:
             leases.append(lease)
         return leases
 
-    def _answer(self, body: Any, blobs: list[memoryview]) -> tuple[Any, Sequence[Any]] | None:
+    def handle(self, body: Any, blobs: Sequence[memoryview] = ()) -> tuple[Any, Sequence[Any]] | None:
+        """The answer to one request ``body`` and its blobs (``None``: no answer), as the server's
+        thread gives it; public for tests.  O(keys), plus the copies of a ``Fetch``."""
         if isinstance(body, Pin):
             with self._lock:
                 leases = self._lease_leading(body.keys) if self.agent is not None else []
@@ -160,8 +162,9 @@ class PeerServer:
         self._leased -= len(held[1])
         return True
 
-    def _tick(self) -> None:
-        """Expire pins past their time (a peer that died or forgot to release) and drive NIXL."""
+    def tick(self) -> None:
+        """Expire pins past their time (a peer that died or forgot to release) and drive NIXL; the
+        server's thread calls it every 10 ms (NIXL) or 100 ms.  O(pins)."""
         now = self._clock()
         with self._lock:
             for pin in [p for p, (expiry, _) in self._pins.items() if expiry <= now]:

@@ -56,14 +56,14 @@ def main(spec_path: str) -> int:
     from radixkv.p2p import PeerServer
 
     if spec["mode"] == "die_on_request":
-        answer = PeerServer._answer
+        answer = PeerServer.handle
 
         def dying(self: PeerServer, body: Any, blobs: Any) -> Any:
             if type(body).__name__ == "Fetch":
                 os._exit(0)
             return answer(self, body, blobs)
 
-        PeerServer._answer = dying  # type: ignore[method-assign]
+        PeerServer.handle = dying  # type: ignore[method-assign]
     cfg = config(spec, spec["instance"], "tcp://127.0.0.1:0")
     stack = cfg.make_stack(LAYOUT, exclusive=False)
     assert stack is not None

@@ -10,11 +10,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
@@ -360,3 +361,73 @@ def test_python_m_radixkv_controller_serves_signed_requests(tmp_path: Path) -> N
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@example([("put", i, i) for i in range(6)] + [("pin", [0, 1], 5.0)]    # the pinned keys evicted, then expired
+         + [("put", i, 99) for i in (6, 7, 8, 9, 2, 3)] + [("fetch", [2, 3]), ("time", 6.0), ("put", 4, 7)])
+@given(st.lists(st.one_of(st.tuples(st.just("put"), st.integers(0, 9), st.integers(0, 255)),
+                          st.tuples(st.just("put"), st.integers(0, 9), st.integers(0, 255)),
+                          st.tuples(st.just("pin"), st.lists(st.integers(0, 9), min_size=1, max_size=4),
+                                    st.sampled_from([0.5, 5.0])),
+                          st.tuples(st.just("release"), st.integers(0, 20)),
+                          st.tuples(st.just("fetch"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
+                          st.tuples(st.just("time"), st.floats(0.1, 3.0))), max_size=50))
+def test_a_pinned_blob_stays_put_whatever_the_tier_does_until_released_or_expired(ops: list[tuple[Any, ...]]) -> None:
+    """The serving side against a model: what a pin said lies at an offset stays there, unchanged,
+    through puts, evictions and overwrites of its key, until released or expired; fetches answer the
+    leading keys held, exactly; the lease budget holds."""
+    from radixkv.backends.cpu import CpuTier
+    from radixkv.fleet.wire import Blobs, Pinned, Release
+    from radixkv.p2p import PeerServer
+
+    now = [0.0]
+    tier = CpuTier(6 * 64, slot_bytes=64)                    # 6 slots: puts evict all the time
+    agent = SimpleNamespace(name="a", progress=lambda: None)  # pins answered as for NIXL, no transfer made
+    server = PeerServer(tier, "tcp://127.0.0.1:0", Signer(SECRET), agent=agent, max_leases=4,  # type: ignore[arg-type]
+                        clock=lambda: now[0])
+    key = [bytes([i]) * 24 for i in range(10)]
+    held: dict[bytes, bytes] = {}                            # the model: what the tier holds
+    pins: dict[int, tuple[float, list[tuple[int, int, bytes]]]] = {}
+    memory = tier.arena.numpy()
+    for op in ops:
+        if op[0] == "put":
+            blob = bytes([op[2]]) * (20 + op[1])
+            if tier.put(key[op[1]], blob):
+                held[key[op[1]]] = blob
+            else:
+                held.pop(key[op[1]], None)
+            for k in list(held):
+                if tier.contains_prefix([k]) == 0:
+                    del held[k]                              # evicted
+        elif op[0] == "pin":
+            answer = server.handle(Pin("b", [key[i] for i in op[1]], op[2]))
+            assert answer is not None and isinstance(answer[0], Pinned)
+            spans = answer[0].spans
+            expect = [held.get(key[i]) for i in op[1]]
+            lead = next((n for n, b in enumerate(expect) if b is None), len(expect))
+            assert len(spans) <= lead
+            assert [memory[o:o + n].tobytes() for o, n in spans] == expect[:len(spans)]
+            if spans:
+                pins[answer[0].pin] = (now[0] + op[2], [(o, n, memory[o:o + n].tobytes()) for o, n in spans])
+        elif op[0] == "release":
+            server.handle(Release(op[1]))
+            pins.pop(op[1], None)
+        elif op[0] == "fetch":
+            answer = server.handle(Fetch([key[i] for i in op[1]]))
+            assert answer is not None and isinstance(answer[0], Blobs)
+            expect = [held.get(key[i]) for i in op[1]]
+            lead = next((n for n, b in enumerate(expect) if b is None), len(expect))
+            assert [bytes(b) for b in answer[1]] == expect[:len(answer[1])] and len(answer[1]) <= lead
+        else:
+            now[0] += op[1]
+            server.tick()
+            pins = {p: v for p, v in pins.items() if v[0] > now[0]}
+        for _, spans in pins.values():                       # every live pin's bytes are still there
+            for o, n, blob in spans:
+                assert memory[o:o + n].tobytes() == blob
+        assert server.pins() == len(pins)
+        server.check()
+        tier.check()
+    server.close()
+    tier.check()
