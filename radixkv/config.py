@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -202,6 +202,13 @@ class CacheConfig:
         if self.secret is None and not os.environ.get("RADIXKV_SECRET"):
             raise ValueError("p2p_enabled: needs secret (or RADIXKV_SECRET): peers and the controller "
                              "authenticate every message with it")
+
+    def without_p2p(self) -> CacheConfig:
+        """This config with peer-to-peer sharing off (its ``p2p_*`` keys cleared): for tools that
+        read the configured tiers offline (``python -m radixkv warm``) and must not join the fleet.
+        O(1)."""
+        return replace(self, p2p_enabled=False, p2p_controller=None, p2p_address=None, p2p_instance=None,
+                       p2p_transport="nixl")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> CacheConfig:

@@ -273,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
               "the configuration lacks one of them (an engine warms its CPU tier with cache.warm())")
         return 2
     layout = cfg.make_layout(None)
-    stack = replace(cfg, local_cpu=False, max_local_cpu_size=None).make_stack(layout)
+    stack = replace(cfg.without_p2p(), local_cpu=False, max_local_cpu_size=None).make_stack(layout)
     assert stack is not None
     try:
         prompts = read_prompts(args.prompts) if args.prompts else None

@@ -431,3 +431,14 @@ def test_a_pinned_blob_stays_put_whatever_the_tier_does_until_released_or_expire
         tier.check()
     server.close()
     tier.check()
+
+
+def test_offline_tools_do_not_join_the_fleet() -> None:
+    from radixkv.config import CacheConfig
+
+    cfg = CacheConfig.from_mapping({"num_pages": 1, "namespace": {"model": "m"}, "secret": SECRET,
+                                    "p2p_enabled": True, "p2p_controller": "tcp://127.0.0.1:9",
+                                    "p2p_instance": "a", "p2p_transport": "zmq"})
+    off = cfg.without_p2p()
+    assert not off.p2p_enabled and off.p2p_controller is None and off.secret == cfg.secret
+    assert off.make_stack(LAYOUT) is None                    # no tier left: nothing built, nobody joined
