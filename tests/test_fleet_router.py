@@ -64,6 +64,7 @@ def test_prefix_policy_picks_what_its_rules_say(loads: list[int], held: list[Any
         assert MEDIA.index(matches[first.url].medium) == fastest
         assert first.in_flight == min(b.in_flight for b in ties if MEDIA.index(matches[b.url].medium) == fastest)
     assert [b.in_flight for b in order[1:]] == sorted(b.in_flight for b in order[1:]), "then by load"
+    router.check()
 
 
 def test_round_robin_and_random_cover_every_instance() -> None:
@@ -173,6 +174,7 @@ def test_an_unreachable_instance_is_retried_elsewhere_and_none_left_is_a_503() -
         metrics = await (await client.get("/metrics")).text()
         assert "radixkv_router_retries_total 1.0" in metrics and f'backend="{urls[0]}",outcome="retried"' in metrics
         assert all(b.in_flight == 0 for b in router.backends)
+        router.check()
 
     # health checks pass, the connection drops on the request: retried on b, then left out
     asyncio.run(_with_router({"drops": fake_backend("a", drop=True), "b": fake_backend("b")}, body))

@@ -146,6 +146,15 @@ class Router:
             return [first] + [b for b in by_load if b is not first], "no_match", 0
         return [best] + [b for b in by_load if b is not best], "prefix", matches[best.name].blocks * self.block_size
 
+    def check(self) -> None:
+        """Assert the router's invariants: instances named once, no negative in-flight count,
+        a known policy; and the follower's, when there is one.  O(instances) plus the index's."""
+        assert len({b.name for b in self.backends}) == len(self.backends), "an instance named twice"
+        assert all(b.in_flight >= 0 for b in self.backends), "a negative in-flight count"
+        assert self.policy in POLICIES, f"unknown policy {self.policy!r}"
+        if self.follower is not None and hasattr(self.follower, "check"):
+            self.follower.check()
+
     # -- serving -------------------------------------------------------------------------------
 
     def app(self) -> Any:
