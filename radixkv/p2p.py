@@ -17,7 +17,9 @@ With ``p2p_enabled: true`` (``radixkv.config``) every instance joins the fleet o
   the leading keys the tier holds (``CpuTier.lease``: a leased slot is never reused, even if its key
   is evicted meanwhile) and answers where they lie in the arena, which is registered with NIXL once
   at start; the peer reads them with one NIXL READ and sends ``Release``.  A pin ends on
-  ``Release``, or at its ``ttl_s`` (at most ``max_ttl_s``, 10 s) when the peer died or went away.
+  ``Release``; when the controller says its reader left the fleet (``Ack.departed``, on the
+  node's next heartbeat or report: ``release_from``); else at its ``ttl_s`` (at most
+  ``max_ttl_s``, 10 s), when the reader died and the controller has not timed it out yet.
   At most ``max_leases`` slots (a quarter of the tier's, at least 16) are leased at once; a pin past
   that gets fewer keys (the peer asks again for the rest).  ``Fetch(keys)`` (the pyzmq transport,
   for machines without NIXL) answers the blobs themselves, copied out of leased slots.
@@ -77,12 +79,12 @@ class PeerServer:
         self.max_leases = max_leases if max_leases is not None else max(min(slots, 16), slots // 4, 1)
         self.max_ttl_s = float(max_ttl_s)
         self._clock = clock
-        self._pins: dict[int, tuple[float, list[Lease]]] = {}       # pin id -> (expiry, leases)
+        self._pins: dict[int, tuple[float, list[Lease], str]] = {}  # pin id -> (expiry, leases, requester)
         self._ids = itertools.count(1)
         self._leased = 0
         self._lock = threading.Lock()
-        self.counts = dict.fromkeys(("pins", "pinned_keys", "released", "expired", "fetches", "fetched_keys",
-                                     "fetched_bytes", "over_budget"), 0)
+        self.counts = dict.fromkeys(("pins", "pinned_keys", "released", "expired", "departed", "fetches",
+                                     "fetched_keys", "fetched_bytes", "over_budget"), 0)
         self._server = Server(bind, signer, self.handle, tick=self.tick, tick_s=0.01 if agent else 0.1,
                               name="radixkv-peer-server")
         #: The address bound (the real port when ``bind`` said 0).
@@ -122,7 +124,7 @@ class PeerServer:
                 pin = next(self._ids)
                 if leases:
                     ttl = min(max(float(body.ttl_s), 0.0), self.max_ttl_s)
-                    self._pins[pin] = (self._clock() + ttl, leases)
+                    self._pins[pin] = (self._clock() + ttl, leases, body.requester)
                     self._leased += len(leases)
                 self.counts["pins"] += 1
                 self.counts["pinned_keys"] += len(leases)
@@ -167,11 +169,22 @@ class PeerServer:
         server's thread calls it every 10 ms (NIXL) or 100 ms.  O(pins)."""
         now = self._clock()
         with self._lock:
-            for pin in [p for p, (expiry, _) in self._pins.items() if expiry <= now]:
+            for pin in [p for p, (expiry, _, _) in self._pins.items() if expiry <= now]:
                 self._end(pin)
                 self.counts["expired"] += 1
         if self.agent is not None:
             self.agent.progress()
+
+    def release_from(self, requesters: Sequence[str]) -> int:
+        """End the pins of ``requesters`` (instances that left the fleet: the controller says so);
+        how many ended.  O(pins)."""
+        gone = set(requesters)
+        with self._lock:
+            ended = [p for p, (_, _, who) in self._pins.items() if who in gone]
+            for pin in ended:
+                self._end(pin)
+            self.counts["departed"] += len(ended)
+        return len(ended)
 
     def pins(self) -> int:
         """Pins held now.  O(1)."""
@@ -188,7 +201,7 @@ class PeerServer:
     def check(self) -> None:
         """The leases counted are the leases held, within the budget.  O(pins)."""
         with self._lock:
-            held = sum(len(leases) for _, leases in self._pins.values())
+            held = sum(len(leases) for _, leases, _ in self._pins.values())
             assert held == self._leased, f"{self._leased} leases counted, {held} held"
             assert 0 <= self._leased <= self.max_leases, f"{self._leased} leases over the budget {self.max_leases}"
 
@@ -358,9 +371,15 @@ class Node:
         if isinstance(answer, Ack) and answer.status == "ok":
             self._seq += 1
             self.counts["reports"] += 1
+            self._departures(answer)
             return True
         self._after(answer)
         return False
+
+    def _departures(self, answer: Ack) -> None:
+        """End the pins of the instances the controller says left."""
+        if answer.departed and self.server is not None:
+            self.server.release_from(answer.departed)
 
     def _requeue(self, batches: list[EventBatch]) -> None:
         """Put unsent batches back in front of the queue (the controller did not answer: the same
@@ -376,6 +395,8 @@ class Node:
                         self._pending += len(ev.block_hashes)
 
     def _after(self, answer: Any) -> None:
+        if isinstance(answer, Ack):
+            self._departures(answer)
         if answer is None:
             self.counts["unanswered"] += 1
         elif isinstance(answer, Ack) and answer.status == "unknown":

@@ -22,8 +22,8 @@ pytest.importorskip("msgspec")
 
 from radixkv.fleet.controller import Controller, ControllerClient, snapshot_batch  # noqa: E402
 from radixkv.fleet.events import BlockRemoved, BlockStored, EventBatch  # noqa: E402
-from radixkv.fleet.wire import (Ack, Channel, Fetch, Heartbeat, PeerLookup, Pin, Refused, Register,  # noqa: E402
-                                Report, Signer)
+from radixkv.fleet.wire import (Ack, Channel, Deregister, Fetch, Heartbeat, PeerLookup, Pin, Refused,  # noqa: E402
+                                Register, Report, Signer)
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -442,3 +442,44 @@ def test_offline_tools_do_not_join_the_fleet() -> None:
     off = cfg.without_p2p()
     assert not off.p2p_enabled and off.p2p_controller is None and off.secret == cfg.secret
     assert off.make_stack(LAYOUT) is None                    # no tier left: nothing built, nobody joined
+
+
+def test_a_departed_readers_pins_end_when_the_controller_says_it_left() -> None:
+    """The controller tells each member, in the answer to its next heartbeat or report, who left
+    since its last message (deregistered, timed out, restarted); the serving side then ends those
+    readers' pins at once, not at their time limit, and keeps the others'."""
+    from radixkv.backends.cpu import CpuTier
+    from radixkv.fleet.wire import Pin, Pinned
+    from radixkv.p2p import PeerServer
+
+    now = [0.0]
+    c = Controller("tcp://127.0.0.1:0", SECRET, heartbeat_timeout_s=5.0, clock=lambda: now[0])
+    for name in ("a", "b", "c"):
+        assert c.handle(Register(name, "1", f"tcp://127.0.0.1:{1000 + ord(name)}", "zmq")) == Ack("ok")
+    assert c.handle(Heartbeat("a", "1")) == Ack("ok")
+    now[0] = 1.0
+    assert c.handle(Deregister("b", "1")) == Ack("ok")
+    assert c.handle(Register("c", "2", "tcp://127.0.0.1:3000", "zmq")) == Ack("ok")     # c restarted
+    now[0] = 2.0
+    assert c.handle(Heartbeat("a", "1")) == Ack("ok", ("b", "c"))
+    assert c.handle(Report("a", "1", 0, True, _stored([]))) == Ack("ok"), "told once"
+    now[0] = 5.0
+    assert c.handle(Heartbeat("a", "1")) == Ack("ok")
+    now[0] = 8.0
+    assert c.expire() == 1 and c.members() == ["a"]                # c's new run timed out
+    assert c.handle(Heartbeat("a", "1")) == Ack("ok", ("c",))
+    c.check()
+    c.close()
+
+    tier = CpuTier(4 * 64, slot_bytes=64)
+    keys = [bytes([i]) * 24 for i in range(3)]
+    for k in keys:
+        assert tier.put(k, b"x" * 40)
+    agent = SimpleNamespace(name="a", progress=lambda: None)
+    server = PeerServer(tier, "tcp://127.0.0.1:0", Signer(SECRET), agent=agent, clock=lambda: now[0])  # type: ignore[arg-type]
+    mine, other = server.handle(Pin("b", keys[:2], 10.0))[0], server.handle(Pin("d", keys[2:], 10.0))[0]
+    assert isinstance(mine, Pinned) and len(mine.spans) == 2 and server.pins() == 2
+    assert server.release_from(["b", "c"]) == 1 and server.pins() == 1 and server.counts["departed"] == 1
+    server.check()
+    server.close()
+    assert other.pin != mine.pin

@@ -11,7 +11,9 @@ Contract:
   request channel, its transport and NIXL agent metadata), then sends a ``Heartbeat`` every second
   or so.  An instance not heard from for ``heartbeat_timeout_s`` (default 5 s) is dropped with its
   holdings, as on ``Deregister``.  A ``Register`` with a new incarnation (the instance restarted)
-  drops what the old one held.
+  drops what the old one held.  Every departure (the last 4,096) is told to each member in the
+  answer to its next heartbeat or report (``Ack.departed``), so that it ends the departed
+  instance's pins on it at once instead of at their time limit.
 * **Holdings** are an ``Index`` (``radixkv.fleet.index``) fed by the instances' ``Report``s: KV
   events in vLLM's format (``BlockStored`` / ``BlockRemoved``, medium ``"CPU"``) naming the full
   24-byte tier keys, numbered; a ``snapshot`` replaces everything the instance held.  A report out
@@ -39,6 +41,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -77,6 +80,7 @@ class Controller:
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
         self.index = Index(max_blocks=max_blocks)
         self._members: dict[str, _Member] = {}
+        self._departed: deque[tuple[float, str]] = deque(maxlen=4096)   # (when, instance), for members' pins
         self._clock = clock
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("registered", "timed_out", "deregistered", "reports", "resyncs", "unknown",
@@ -130,8 +134,10 @@ class Controller:
             return Holdings({name: m.blocks for name, m in live.items() if name in self._members})
         if isinstance(body, Register):
             old = self._members.get(body.instance)
-            if old is not None and old.incarnation != body.incarnation and body.instance in self.index.instances():
-                self.index.remove(body.instance)       # a restart: what the old run held is gone
+            if old is not None and old.incarnation != body.incarnation:
+                self._departed.append((now, body.instance))     # the old run left: its pins may end
+                if body.instance in self.index.instances():
+                    self.index.remove(body.instance)   # a restart: what the old run held is gone
             self._members[body.instance] = _Member(body.incarnation, body.endpoint, body.transport,
                                                    bytes(body.metadata), now)
             self.counts["registered"] += 1
@@ -140,15 +146,16 @@ class Controller:
         if member is None or member.incarnation != getattr(body, "incarnation", None):
             self.counts["unknown"] += 1
             return Ack("unknown")
-        member.seen = now
+        since, member.seen = member.seen, now
+        gone = tuple(sorted({name for when, name in self._departed if when >= since and name != body.instance}))
         if isinstance(body, Heartbeat):
-            return Ack("ok")
+            return Ack("ok", gone)
         if isinstance(body, Deregister):
             self._drop(body.instance)
             self.counts["deregistered"] += 1
             return Ack("ok")
         if isinstance(body, Report):
-            return self._report(body)
+            return Ack(self._report(body).status, gone)
         return None
 
     def _report(self, report: Report) -> Ack:
@@ -174,7 +181,8 @@ class Controller:
 
     def _drop(self, instance: str) -> None:
         # Lock held.
-        self._members.pop(instance, None)
+        if self._members.pop(instance, None) is not None:
+            self._departed.append((self._clock(), instance))
         if instance in self.index.instances():
             self.index.remove(instance)
 

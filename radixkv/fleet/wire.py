@@ -131,9 +131,12 @@ class Fetch(msgspec.Struct, tag=True, frozen=True):
 
 
 class Ack(msgspec.Struct, tag=True, frozen=True):
-    """``"ok"``; ``"unknown"`` (register again, then send a snapshot); ``"resync"`` (send a snapshot)."""
+    """``"ok"``; ``"unknown"`` (register again, then send a snapshot); ``"resync"`` (send a snapshot).
+    ``departed``: to a member, the instances that left the fleet since its last message (their pins
+    on it may end at once)."""
 
     status: str
+    departed: tuple[str, ...] = ()
 
 
 class PeerAnswer(msgspec.Struct, tag=True, frozen=True):
