@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -67,6 +68,15 @@ def build_ext(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The commands whose module parses its own options: (name, module, help).
+_TOOLS = (
+    ("inspect", "radixkv.inspect", "what each tier holds per namespace; --verify checks every chunk's seal"),
+    ("warm", "radixkv.warm", "bring the remote tier's chunks onto the local disk before serving"),
+    ("route", "radixkv.fleet.router", "a prefix-aware OpenAI-compatible router in front of vllm serve instances"),
+    ("controller", "radixkv.fleet.controller", "the cache controller of peer-to-peer sharing (p2p_enabled)"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
@@ -89,24 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--lock-timeout", type=float, default=600.0,
                    help="seconds to wait for another process's build of the same sources (default 600)")
     b.set_defaults(func=build_ext)
-    from radixkv import inspect as inspect_cmd, warm as warm_cmd
-
-    i = sub.add_parser("inspect", help="what each tier holds per namespace; --verify checks every chunk's seal")
-    inspect_cmd.add_arguments(i)
-    i.set_defaults(func=inspect_cmd.main)
-    w = sub.add_parser("warm", help="bring the remote tier's chunks onto the local disk before serving")
-    warm_cmd.add_arguments(w)
-    w.set_defaults(func=warm_cmd.main)
-    from radixkv.fleet import router as route_cmd
-
-    r = sub.add_parser("route", help="a prefix-aware OpenAI-compatible router in front of vllm serve instances")
-    route_cmd.add_arguments(r)
-    r.set_defaults(func=route_cmd.main)
-    from radixkv.fleet import controller as controller_cmd
-
-    c = sub.add_parser("controller", help="the cache controller of peer-to-peer sharing (p2p_enabled)")
-    controller_cmd.add_arguments(c)
-    c.set_defaults(func=controller_cmd.main)
+    for name, module, text in _TOOLS:            # each tool's module gives add_arguments and main
+        tool = importlib.import_module(module)
+        t = sub.add_parser(name, help=text)
+        tool.add_arguments(t)
+        t.set_defaults(func=tool.main)
     args = ap.parse_args(argv)
     return int(args.func(args))
 
