@@ -23,8 +23,8 @@ Contract:
   restarted controller is rebuilt by the instances within a heartbeat or two, and until then
   answers "no peer" (misses, never errors).
 * **Lookups.**  ``PeerLookup(keys, instance)``: the live instance other than the asker that holds
-  the longest leading run of ``keys``, with its address, transport, metadata and that count (ties:
-  the first by name).  ``Lookup(names)``: how many leading names every live instance holds (for
+  the longest leading run of ``keys``, with its address, transport, metadata and that count
+  (equal holders take turns, so that their reads spread).  ``Lookup(names)``: how many leading names every live instance holds (for
   routers).  Both O(matched keys + instances).
 * **Bounds.**  At most ``max_blocks`` keys per instance (``Index``); what the index forgets is a
   miss, never a false hit the peer cannot serve (a peer that no longer holds a key pins nothing).
@@ -81,6 +81,7 @@ class Controller:
         self.index = Index(max_blocks=max_blocks)
         self._members: dict[str, _Member] = {}
         self._departed: deque[tuple[float, str]] = deque(maxlen=4096)   # (when, instance), for members' pins
+        self._turn = 0                                  # spreads peer lookups over equal holders
         self._clock = clock
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("registered", "timed_out", "deregistered", "reports", "resyncs", "unknown",
@@ -175,9 +176,12 @@ class Controller:
                 if name != asker and name in self._members and self._members[name].endpoint]
         if not live:
             return NO_PEER
-        best = min(live)                               # the longest run; ties: the first by name
-        member = self._members[best[1]]
-        return PeerAnswer(best[1], member.incarnation, member.endpoint, member.transport, member.metadata, -best[0])
+        longest = min(live)[0]
+        ties = sorted(name for blocks, name in live if blocks == longest)
+        name = ties[self._turn % len(ties)]            # the longest run; equal holders take turns
+        self._turn += 1
+        member = self._members[name]
+        return PeerAnswer(name, member.incarnation, member.endpoint, member.transport, member.metadata, -longest)
 
     def _drop(self, instance: str) -> None:
         # Lock held.
