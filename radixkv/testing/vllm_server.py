@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -113,15 +114,23 @@ class VllmServer:
             return ""
 
     def kill(self) -> None:
-        """SIGKILL, as a crash."""
+        """SIGKILL to the server and its engine processes (its process group), as a crashed
+        instance: killing the API server alone leaves vLLM's engine core and worker running."""
         if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.process.wait()
 
     def stop(self) -> None:
-        """End the process (SIGTERM, SIGKILL after 5 s)."""
+        """End the process (SIGTERM, SIGKILL after 5 s), then whatever of its group is left."""
         if self.process is not None:
             stop_process(self.process)
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> VllmServer:
         return self.start()
