@@ -11,8 +11,9 @@ computed on its own (``radixkv.segments``) is reused in two steps:
    ``R(Δ) R(p) = R(p + Δ)``), to float rounding.  ``recover_positions`` does it; values carry no
    position.  What recovery cannot restore is the attention to what precedes the document in the
    prompt: the cached KV is that of the document alone.
-2. **Selective recomputation** (``blend_prefill``): layer by layer, only a share of the reused
-   tokens is recomputed — those whose KV deviates most from what a full prefill would give — and
+2. **Selective recomputation** (an engine's blended forward, e.g. the reference engine's
+   ``radixkv.integrations.paged.blend_prefill``; ``next_rows`` picks the rows): layer by layer,
+   only a share of the reused tokens is recomputed — those whose KV deviates most from what a full prefill would give — and
    every other reused token keeps its cached KV.  On the first layer every token is recomputed
    and its KV deviation (squared difference of K and V from the cached) measured; on each next
    layer the tokens kept are the highest-deviation ones among those recomputed on the layer
@@ -27,11 +28,15 @@ documents).  Cost per prompt of ``T`` tokens of which ``R`` reused, over ``L`` l
 layer over all ``T``, then ``T - R + ratio * R`` rows per layer — against ``T`` per layer for a
 full prefill — plus one read of every layer's keys per recomputed query.
 
+This module is the engine-independent part (recovery, the per-layer shares, deviation and
+selection): it depends on torch and ``radixkv.rope`` only.
+
 What it is not: exact.  A blended request's KV differs from a full prefill's (by how much is what
 ``python -m radixkv.bench blend`` measures), so an engine marks its result approximate and never
 caches its KV as a prefix (``radixkv.integrations.paged`` does both).  Supported: the RoPE models
 of the reference paged engine (Llama, Qwen2, Mistral without a window) with grouped-query
-attention; refused with ``ValueError``: sliding windows (a window would drop the reused KV it is
+attention; refused with ``ValueError`` (``radixkv.integrations.transformers.check_blendable``):
+sliding windows (a window would drop the reused KV it is
 built on), MLA (its cached latent is not a rotated key), and RoPE variants whose rotation depends
 on the sequence length (``dynamic``, ``longrope``).
 """
@@ -40,17 +45,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from radixkv.integrations.paged import PagedLlama
+from radixkv.rope import rotate_half
 
-__all__ = ["Blend", "BlendInfo", "blend_prefill", "check_blendable", "kv_deviation", "layer_ratios",
-           "recover_positions", "select_tokens"]
-
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+__all__ = ["Blend", "BlendInfo", "kv_deviation", "layer_ratios", "next_rows", "recover_positions", "select_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,26 +88,6 @@ class BlendInfo(NamedTuple):
     ratio: float
 
 
-def check_blendable(model: Any) -> None:
-    """Raise ``ValueError`` unless blending can serve ``model`` (a Hugging Face causal LM): RoPE
-    full attention without MLA or length-dependent RoPE (see the module docstring).  O(layers)."""
-    from radixkv.integrations.transformers import layer_windows
-
-    config = model.config
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError("model: MLA (a compressed latent KV) cannot be blended: its cached latent is not a "
-                         "rotated key, so positional recovery does not apply")
-    if any(layer_windows(model)):
-        raise ValueError("model: sliding-window layers cannot be blended: a window drops the reused KV that "
-                         "selective recomputation builds on")
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
-        raise ValueError("model: blending needs rotary position embeddings (model.model.rotary_emb)")
-    if getattr(rotary, "rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
-        raise ValueError(f"model: {rotary.rope_type!r} RoPE changes its frequencies with the sequence length; "
-                         "positional recovery would not be exact")
-
-
 def recover_positions(kv: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """``kv`` (``[layers, 2, n, kv_heads, head_dim]``, K then V, computed at positions
     ``p .. p + n - 1``) moved to positions ``p + delta ..``: every key rotated by ``delta`` more
@@ -124,8 +105,6 @@ def recover_positions(kv: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> t
         raise TypeError(f"delta must be an int, got {type(delta).__name__}")
     if inv_freq.dim() != 1 or 2 * inv_freq.shape[0] != kv.shape[-1]:
         raise ValueError(f"inv_freq must be [head_dim / 2] = [{kv.shape[-1] // 2}], got {tuple(inv_freq.shape)}")
-    from radixkv.integrations.paged import rotate_half
-
     angles = delta * inv_freq.detach().to("cpu", torch.float64)
     angles = torch.cat([angles, angles])
     cos, sin = angles.cos().to(kv.device, kv.dtype), angles.sin().to(kv.device, kv.dtype)
@@ -177,76 +156,19 @@ def select_tokens(deviation: torch.Tensor, count: int) -> torch.Tensor:
     return order.sort().values
 
 
-@torch.no_grad()
-def blend_prefill(model: PagedLlama, tokens: torch.Tensor, start: int, table: torch.Tensor,
-                  cached: torch.Tensor, reused: torch.Tensor, ratio: float) -> tuple[torch.Tensor, BlendInfo]:
-    """Prefill ``tokens`` (int64, ``[T]``, at positions ``start ..``) into the pool pages of
-    ``table`` (page ids of positions ``0 .. start + T - 1``; the first ``start`` tokens' KV is in
-    its pages already, the rest are the caller's own pages), reusing ``cached``
-    (``[layers, 2, T, kv_heads, head_dim]``, positionally recovered) where ``reused`` (bool,
-    ``[T]``; never the last token) is set and recomputing ``ratio`` of those per layer (see the
-    module docstring).  Returns the last token's logits (``[vocab]``) and a ``BlendInfo``.
-
-    The pages end up holding the blended KV: recomputed rows' fresh KV, the others' cached KV.
-    ``model`` is a ``PagedLlama`` over a full-attention pool.  Cost: the module docstring's.
-    """
-    from radixkv.integrations.paged import attend
-
-    layout_shape = (len(model.inner.layers), 2, len(tokens), model.num_kv_heads, model.head_dim)
-    if tokens.dim() != 1 or not len(tokens) or tokens.is_floating_point():
-        raise ValueError(f"tokens must be a non-empty 1-D tensor of token ids, got {tuple(tokens.shape)}")
-    if tuple(cached.shape) != layout_shape:
-        raise ValueError(f"cached must be {layout_shape} (the KV of the {len(tokens)} tokens), got {tuple(cached.shape)}")
-    if reused.dtype != torch.bool or tuple(reused.shape) != (len(tokens),):
-        raise ValueError(f"reused must be a bool tensor of shape ({len(tokens)},)")
-    if bool(reused[-1]):
-        raise ValueError("reused: the last token is always computed (its logits are the answer)")
-    if model.groups is not None:
-        raise ValueError("model: blending needs a full-attention pool (no KV groups)")
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be in [0, 1], got {ratio!r}")
-    ps, device = model.page_size, model.device
-    total, end = len(tokens), start + len(tokens)
-    positions = torch.arange(start, end)
-    table = table.to(torch.long).cpu()
-    if len(table) < -(-end // ps):
-        raise ValueError(f"table: {len(table)} pages for {end} tokens")
-    slots = table[positions // ps] * ps + positions % ps
-    pages = table[:-(-end // ps)]
-    reused = reused.cpu()
-    num_reused = int(reused.sum())
-    shares = layer_ratios(ratio, len(model.inner.layers))
-    fresh = torch.nonzero(~reused).flatten()
-    rows = torch.arange(total) if shares[0] > 0 else fresh          # the rows computed in this layer
-    hidden, cos, sin = model.embed(tokens.to(device), positions.to(device))
-    computed = []
-    for i, layer in enumerate(model.inner.layers):
-        pool = model.pool.layer(i)                                  # [2, pages, page_size, kvh, dim]
-        flat = pool.view(2, -1, model.num_kv_heads, model.head_dim)
-        flat[:, slots[reused].to(flat.device)] = cached[i][:, reused].to(flat.device, flat.dtype)
-        q, k, v = model.qkv(layer, hidden[:, rows.to(device)], cos[rows], sin[rows])
-        where = slots[rows].to(flat.device)
-        flat[0, where] = k.to(flat.device, flat.dtype)
-        flat[1, where] = v.to(flat.device, flat.dtype)
-        keys = pool[0, pages.to(pool.device)].reshape(-1, model.num_kv_heads, model.head_dim)[:end]
-        values = pool[1, pages.to(pool.device)].reshape(-1, model.num_kv_heads, model.head_dim)[:end]
-        out = attend(q, keys.to(device, q.dtype), values.to(device, q.dtype), positions[rows],
-                     layer.self_attn.scaling)
-        new = model.residual(layer, hidden[:, rows.to(device)], out)
-        hidden = hidden.clone()
-        hidden[:, rows.to(device)] = new
-        computed.append(len(rows))
-        if i + 1 < len(shares):
-            rows = _next_rows(rows, reused, shares[i + 1], num_reused, k, v, cached[i].to(device))
-    logits = model.logits(hidden[0, -1:])[0]
-    return logits, BlendInfo(num_reused, tuple(computed), float(ratio))
-
-
-def _next_rows(rows: torch.Tensor, reused: torch.Tensor, share: float, num_reused: int, k: torch.Tensor,
+def next_rows(rows: torch.Tensor, reused: torch.Tensor, share: float, num_reused: int, k: torch.Tensor,
                v: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-    """The rows the next layer recomputes: every row not reused, and of the reused rows computed
-    in this layer (fresh ``k``/``v`` per row of ``rows``), the ``share * num_reused`` of highest
-    KV deviation from ``cached`` (``[2, T, kv_heads, dim]``)."""
+    """The rows (ascending token indices) the next layer recomputes: every row not ``reused``
+    (bool, ``[T]``), and of the reused rows computed in this layer (``rows``; their fresh ``k``/``v``,
+    ``[len(rows), kv_heads, dim]``), the ``ceil(share * num_reused)`` of highest KV deviation
+    from ``cached`` (``[2, T, kv_heads, dim]``, this layer's cached K and V).  The paper's gradual
+    filtering step.  O(len(rows) x kv_heads x dim + len(rows) log len(rows)).
+
+    >>> cached = torch.zeros(2, 4, 1, 2)
+    >>> k = torch.tensor([[[0., 0.]], [[3., 0.]], [[1., 0.]], [[9., 9.]]])
+    >>> next_rows(torch.arange(4), torch.tensor([True, True, True, False]), 1 / 3, 3, k, k, cached).tolist()
+    [1, 3]
+    """
     mine = reused[rows]
     candidates = rows[mine]
     count = min(len(candidates), math.ceil(round(share * num_reused, 9)))

@@ -16,10 +16,10 @@ from hypothesis import given, settings, strategies as st
 import radixkv as rk
 from radixkv.backends import CpuTier, MemoryTier
 from radixkv.backends.lmdb import LmdbTier
-from radixkv.blend import Blend, blend_prefill, kv_deviation, layer_ratios, recover_positions, select_tokens
+from radixkv.blend import Blend, kv_deviation, layer_ratios, recover_positions, select_tokens
 from radixkv.format import encode_chunk, encoded_size
 from radixkv.hashing import Namespace, as_token_bytes, chunk_keys
-from radixkv.integrations.paged import Chunk, PagedEngine, PagedLlama, segment_kv
+from radixkv.integrations.paged import Chunk, PagedEngine, PagedLlama, blend_prefill, segment_kv
 from radixkv.integrations.transformers import layout_for, namespace_for, random_model
 from radixkv.pool import KVLayout
 from radixkv.segments import SegmentCache, check_spans, segment_refs

@@ -87,15 +87,16 @@ import numpy as np
 import torch
 
 from radixkv._checks import check_int
-from radixkv.blend import Blend, BlendInfo, blend_prefill, check_blendable, recover_positions
+from radixkv.blend import Blend, BlendInfo, layer_ratios, next_rows, recover_positions
 from radixkv.cache import PoolExhausted, PrefixCache
 from radixkv.hashing import as_token_bytes
-from radixkv.integrations.transformers import check_layout
+from radixkv.integrations.transformers import check_blendable, check_layout
 from radixkv.pool import KVPool
 from radixkv.request import LOAD_MODES, Request
+from radixkv.rope import rotate_half
 from radixkv.segments import SegmentCache, Span, check_spans
 
-__all__ = ["MODEL_TYPES", "Chunk", "EngineRequest", "PagedEngine", "PagedLlama", "attend", "rotate_half"]
+__all__ = ["MODEL_TYPES", "Chunk", "EngineRequest", "PagedEngine", "PagedLlama", "attend", "blend_prefill", "rotate_half"]
 
 #: ``model_type`` values whose decoder layers ``PagedLlama`` runs (all in the Llama layout).
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -114,12 +115,6 @@ class Chunk(NamedTuple):
     tokens: torch.Tensor
     start: int
     table: torch.Tensor
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """RoPE's ``rotate_half``: ``[-x2, x1]`` of the two halves of the last axis."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class PagedLlama:
@@ -277,6 +272,70 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions:
         visible &= key_pos[None, :] > query_pos - window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return torch.einsum("hgnl,lhd->nhgd", probs, values).reshape(n, heads, dim)
+
+
+@torch.no_grad()
+def blend_prefill(model: PagedLlama, tokens: torch.Tensor, start: int, table: torch.Tensor,
+                  cached: torch.Tensor, reused: torch.Tensor, ratio: float) -> tuple[torch.Tensor, BlendInfo]:
+    """Prefill ``tokens`` (int64, ``[T]``, at positions ``start ..``) into the pool pages of
+    ``table`` (page ids of positions ``0 .. start + T - 1``; the first ``start`` tokens' KV is in
+    its pages already, the rest are the caller's own pages), reusing ``cached``
+    (``[layers, 2, T, kv_heads, head_dim]``, positionally recovered) where ``reused`` (bool,
+    ``[T]``; never the last token) is set and recomputing ``ratio`` of those per layer (see the
+    ``radixkv.blend`` docstring).  Returns the last token's logits (``[vocab]``) and a
+    ``BlendInfo``.
+
+    The pages end up holding the blended KV: recomputed rows' fresh KV, the others' cached KV.
+    ``model`` is a ``PagedLlama`` over a full-attention pool.  Cost: ``radixkv.blend``'s docstring's.
+    """
+    layout_shape = (len(model.inner.layers), 2, len(tokens), model.num_kv_heads, model.head_dim)
+    if tokens.dim() != 1 or not len(tokens) or tokens.is_floating_point():
+        raise ValueError(f"tokens must be a non-empty 1-D tensor of token ids, got {tuple(tokens.shape)}")
+    if tuple(cached.shape) != layout_shape:
+        raise ValueError(f"cached must be {layout_shape} (the KV of the {len(tokens)} tokens), got {tuple(cached.shape)}")
+    if reused.dtype != torch.bool or tuple(reused.shape) != (len(tokens),):
+        raise ValueError(f"reused must be a bool tensor of shape ({len(tokens)},)")
+    if bool(reused[-1]):
+        raise ValueError("reused: the last token is always computed (its logits are the answer)")
+    if model.groups is not None:
+        raise ValueError("model: blending needs a full-attention pool (no KV groups)")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be in [0, 1], got {ratio!r}")
+    ps, device = model.page_size, model.device
+    total, end = len(tokens), start + len(tokens)
+    positions = torch.arange(start, end)
+    table = table.to(torch.long).cpu()
+    if len(table) < -(-end // ps):
+        raise ValueError(f"table: {len(table)} pages for {end} tokens")
+    slots = table[positions // ps] * ps + positions % ps
+    pages = table[:-(-end // ps)]
+    reused = reused.cpu()
+    num_reused = int(reused.sum())
+    shares = layer_ratios(ratio, len(model.inner.layers))
+    fresh = torch.nonzero(~reused).flatten()
+    rows = torch.arange(total) if shares[0] > 0 else fresh          # the rows computed in this layer
+    hidden, cos, sin = model.embed(tokens.to(device), positions.to(device))
+    computed = []
+    for i, layer in enumerate(model.inner.layers):
+        pool = model.pool.layer(i)                                  # [2, pages, page_size, kvh, dim]
+        flat = pool.view(2, -1, model.num_kv_heads, model.head_dim)
+        flat[:, slots[reused].to(flat.device)] = cached[i][:, reused].to(flat.device, flat.dtype)
+        q, k, v = model.qkv(layer, hidden[:, rows.to(device)], cos[rows], sin[rows])
+        where = slots[rows].to(flat.device)
+        flat[0, where] = k.to(flat.device, flat.dtype)
+        flat[1, where] = v.to(flat.device, flat.dtype)
+        keys = pool[0, pages.to(pool.device)].reshape(-1, model.num_kv_heads, model.head_dim)[:end]
+        values = pool[1, pages.to(pool.device)].reshape(-1, model.num_kv_heads, model.head_dim)[:end]
+        out = attend(q, keys.to(device, q.dtype), values.to(device, q.dtype), positions[rows],
+                     layer.self_attn.scaling)
+        new = model.residual(layer, hidden[:, rows.to(device)], out)
+        hidden = hidden.clone()
+        hidden[:, rows.to(device)] = new
+        computed.append(len(rows))
+        if i + 1 < len(shares):
+            rows = next_rows(rows, reused, shares[i + 1], num_reused, k, v, cached[i].to(device))
+    logits = model.logits(hidden[0, -1:])[0]
+    return logits, BlendInfo(num_reused, tuple(computed), float(ratio))
 
 
 class _BlendPlan(NamedTuple):

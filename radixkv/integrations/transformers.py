@@ -67,13 +67,17 @@ from radixkv.hashing import Namespace, as_token_bytes
 from radixkv.pool import KVLayout
 from radixkv.request import Request
 
-__all__ = ["FAMILIES", "PrefixCachedLM", "Result", "check_full_attention", "check_layout", "layer_kv",
-           "layer_windows", "layout_for", "namespace_for", "random_model", "weights_fingerprint"]
+__all__ = ["FAMILIES", "PrefixCachedLM", "Result", "check_blendable", "check_full_attention", "check_layout",
+           "layer_kv", "layer_windows", "layout_for", "namespace_for", "random_model", "weights_fingerprint"]
 
 #: Architectures ``random_model`` builds: full attention (Llama, Qwen2, GPT-NeoX), sliding-window
 #: and hybrid (Gemma-2, Gemma-3, Mistral, Cohere2; Qwen2 with ``sliding_window``), and MLA (DeepSeek-V3).
 FAMILIES = ("llama", "qwen2", "gpt_neox", "gemma2", "gemma3", "mistral", "cohere2", "deepseek_v3")
 _WINDOWED = ("gemma2", "gemma3", "mistral", "cohere2")
+
+
+#: RoPE variants whose frequencies change with the sequence length (positional recovery would not be exact).
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def _transformers() -> Any:
@@ -293,6 +297,24 @@ def check_full_attention(model: Any) -> None:
     if sliding or kinds != {"full_attention"}:
         raise ValueError("model: sliding-window or hybrid attention layers drop tokens from their cache; "
                          "only full-attention models can be served from a prefix cache")
+
+
+def check_blendable(model: Any) -> None:
+    """Raise ``ValueError`` unless blending can serve ``model`` (a Hugging Face causal LM): RoPE
+    full attention without MLA or length-dependent RoPE (see ``radixkv.blend``).  O(layers)."""
+    config = model.config
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError("model: MLA (a compressed latent KV) cannot be blended: its cached latent is not a "
+                         "rotated key, so positional recovery does not apply")
+    if any(layer_windows(model)):
+        raise ValueError("model: sliding-window layers cannot be blended: a window drops the reused KV that "
+                         "selective recomputation builds on")
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise ValueError("model: blending needs rotary position embeddings (model.model.rotary_emb)")
+    if getattr(rotary, "rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
+        raise ValueError(f"model: {rotary.rope_type!r} RoPE changes its frequencies with the sequence length; "
+                         "positional recovery would not be exact")
 
 
 def _new_dynamic_cache(config: Any) -> Any:
