@@ -12,21 +12,26 @@ computed on its own (``radixkv.segments``) is reused in two steps:
    position.  What recovery cannot restore is the attention to what precedes the document in the
    prompt: the cached KV is that of the document alone.
 2. **Selective recomputation** (an engine's blended forward, e.g. the reference engine's
-   ``radixkv.integrations.paged.blend_prefill``; ``next_rows`` picks the rows): layer by layer,
-   only a share of the reused tokens is recomputed — those whose KV deviates most from what a full prefill would give — and
-   every other reused token keeps its cached KV.  On the first layer every token is recomputed
-   and its KV deviation (squared difference of K and V from the cached) measured; on each next
-   layer the tokens kept are the highest-deviation ones among those recomputed on the layer
-   before (the paper's *gradual filtering*), their share going down linearly from
-   ``ratio * (1 + g)`` to ``ratio * (1 - g)`` (``g = min(1/2, (1 - ratio) / ratio)``) so that the
-   layers after the first recompute ``ratio`` of the reused tokens on average.  Tokens not
-   reused (the question, separators, a document not cached) are computed in every layer.
+   ``radixkv.integrations.paged.blend_prefill``; ``keep_rows`` picks the rows): layer by layer,
+   only a share of the reused tokens is recomputed (those whose KV deviates most from what a full
+   prefill would give) and every other reused token keeps its cached KV.  A layer's K and V
+   depend on the context only through the layers below it, so the first layer's cached KV is
+   already exact (after recovery) and its deviation is zero: the first layer recomputes every
+   token, which gives every token's fresh KV of the second layer.  From the second layer on,
+   each layer computes the fresh K and V of its candidates (the tokens the layer before
+   recomputed), measures their KV deviation (squared difference from the cached K and V) and
+   recomputes, attention and MLP, only the highest-deviation ones (the paper's *gradual
+   filtering*): a share going down linearly from ``ratio * (1 + g)`` to ``ratio * (1 - g)``
+   (``g = min(1/2, (1 - ratio) / ratio)``), so that the layers after the first recompute
+   ``ratio`` of the reused tokens on average.  Tokens not reused (the question, separators, a
+   document not cached) are computed in every layer.
 
 ``ratio = 1`` recomputes every token in every layer: a full prefill.  ``ratio = 0`` recomputes
 none: naive reuse (the positionally recovered KV as it is, with no cross-attention between
 documents).  Cost per prompt of ``T`` tokens of which ``R`` reused, over ``L`` layers: the first
-layer over all ``T``, then ``T - R + ratio * R`` rows per layer — against ``T`` per layer for a
-full prefill — plus one read of every layer's keys per recomputed query.
+layer over all ``T``, then ``T - R + ratio * R`` rows per layer on average (against ``T`` per
+layer for a full prefill) plus each layer's Q/K/V projections of its candidates, and one read of
+every layer's keys per recomputed query.
 
 This module is the engine-independent part (recovery, the per-layer shares, deviation and
 selection): it depends on torch and ``radixkv.rope`` only.
@@ -51,7 +56,7 @@ import torch
 
 from radixkv.rope import rotate_half
 
-__all__ = ["Blend", "BlendInfo", "kv_deviation", "layer_ratios", "next_rows", "recover_positions", "select_tokens"]
+__all__ = ["Blend", "BlendInfo", "kv_deviation", "layer_ratios", "keep_rows", "recover_positions", "select_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,25 +161,26 @@ def select_tokens(deviation: torch.Tensor, count: int) -> torch.Tensor:
     return order.sort().values
 
 
-def next_rows(rows: torch.Tensor, reused: torch.Tensor, share: float, num_reused: int, k: torch.Tensor,
-               v: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-    """The rows (ascending token indices) the next layer recomputes: every row not ``reused``
-    (bool, ``[T]``), and of the reused rows computed in this layer (``rows``; their fresh ``k``/``v``,
-    ``[len(rows), kv_heads, dim]``), the ``ceil(share * num_reused)`` of highest KV deviation
-    from ``cached`` (``[2, T, kv_heads, dim]``, this layer's cached K and V).  The paper's gradual
-    filtering step.  O(len(rows) x kv_heads x dim + len(rows) log len(rows)).
+def keep_rows(rows: torch.Tensor, reused: torch.Tensor, share: float, num_reused: int, k: torch.Tensor,
+              v: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """Which of a layer's candidate ``rows`` (ascending token indices) it recomputes, as indices
+    into ``rows`` (ascending, int64): every row not ``reused`` (bool, ``[T]``), and of the reused
+    ones the ``ceil(share * num_reused)`` whose fresh ``k``/``v`` (this layer's, one per row of
+    ``rows``: ``[len(rows), kv_heads, dim]``) deviate most from ``cached`` (``[2, T, kv_heads,
+    dim]``, this layer's cached K and V).  The candidates are the rows the layer before
+    recomputed: the paper's gradual filtering.  O(len(rows) x kv_heads x dim + len(rows) log
+    len(rows)).
 
     >>> cached = torch.zeros(2, 4, 1, 2)
     >>> k = torch.tensor([[[0., 0.]], [[3., 0.]], [[1., 0.]], [[9., 9.]]])
-    >>> next_rows(torch.arange(4), torch.tensor([True, True, True, False]), 1 / 3, 3, k, k, cached).tolist()
+    >>> keep_rows(torch.arange(4), torch.tensor([True, True, True, False]), 1 / 3, 3, k, k, cached).tolist()
     [1, 3]
     """
     mine = reused[rows]
-    candidates = rows[mine]
-    count = min(len(candidates), math.ceil(round(share * num_reused, 9)))
-    if count < len(candidates):
-        local = torch.nonzero(mine).flatten().to(k.device)
-        deviation = kv_deviation(k[local], v[local], cached[0, candidates.to(k.device)],
-                                 cached[1, candidates.to(k.device)])
-        candidates = candidates[select_tokens(deviation.cpu(), count)]
-    return torch.cat([rows[~mine], candidates]).sort().values
+    local = torch.nonzero(mine).flatten()
+    count = min(len(local), math.ceil(round(share * num_reused, 9)))
+    if count < len(local):
+        where = rows[local].to(k.device)
+        deviation = kv_deviation(k[local.to(k.device)], v[local.to(k.device)], cached[0, where], cached[1, where])
+        local = local[select_tokens(deviation.cpu(), count)]
+    return torch.cat([torch.nonzero(~mine).flatten(), local]).sort().values

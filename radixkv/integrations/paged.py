@@ -87,7 +87,7 @@ import numpy as np
 import torch
 
 from radixkv._checks import check_int
-from radixkv.blend import Blend, BlendInfo, layer_ratios, next_rows, recover_positions
+from radixkv.blend import Blend, BlendInfo, keep_rows, layer_ratios, recover_positions
 from radixkv.cache import PoolExhausted, PrefixCache
 from radixkv.hashing import as_token_bytes
 from radixkv.integrations.transformers import check_blendable, check_layout
@@ -313,7 +313,7 @@ def blend_prefill(model: PagedLlama, tokens: torch.Tensor, start: int, table: to
     num_reused = int(reused.sum())
     shares = layer_ratios(ratio, len(model.inner.layers))
     fresh = torch.nonzero(~reused).flatten()
-    rows = torch.arange(total) if shares[0] > 0 else fresh          # the rows computed in this layer
+    rows = torch.arange(total) if shares[0] > 0 else fresh          # the candidates of the first layer
     hidden, cos, sin = model.embed(tokens.to(device), positions.to(device))
     computed = []
     for i, layer in enumerate(model.inner.layers):
@@ -321,6 +321,13 @@ def blend_prefill(model: PagedLlama, tokens: torch.Tensor, start: int, table: to
         flat = pool.view(2, -1, model.num_kv_heads, model.head_dim)
         flat[:, slots[reused].to(flat.device)] = cached[i][:, reused].to(flat.device, flat.dtype)
         q, k, v = model.qkv(layer, hidden[:, rows.to(device)], cos[rows], sin[rows])
+        # Of the candidates (the rows the layer before recomputed), this layer recomputes those
+        # whose fresh KV here deviates most from the cached: a layer's KV reflects the context
+        # only through the layers below it, so the first layer's never deviates and the choice
+        # is made on each layer's own deviation, before its attention.
+        keep = keep_rows(rows, reused, shares[i], num_reused, k, v, cached[i].to(device))
+        if len(keep) < len(rows):
+            rows, q, k, v = rows[keep], q[keep.to(device)], k[keep.to(device)], v[keep.to(device)]
         where = slots[rows].to(flat.device)
         flat[0, where] = k.to(flat.device, flat.dtype)
         flat[1, where] = v.to(flat.device, flat.dtype)
@@ -332,8 +339,6 @@ def blend_prefill(model: PagedLlama, tokens: torch.Tensor, start: int, table: to
         hidden = hidden.clone()
         hidden[:, rows.to(device)] = new
         computed.append(len(rows))
-        if i + 1 < len(shares):
-            rows = next_rows(rows, reused, shares[i + 1], num_reused, k, v, cached[i].to(device))
     logits = model.logits(hidden[0, -1:])[0]
     return logits, BlendInfo(num_reused, tuple(computed), float(ratio))
 
