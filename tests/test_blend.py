@@ -435,3 +435,26 @@ def test_blending_refuses_what_it_cannot_do() -> None:
         engine.add([1, 2, 3, 4], 1, segments=[(2, 9)])
     with pytest.raises(TypeError, match="delta"):
         recover_positions(torch.zeros(1, 2, 1, 1, 4), 1.5, torch.ones(2))  # type: ignore[arg-type]
+
+
+@given(st.integers(0, 10**6), st.integers(2, 6), st.booleans())
+def test_the_trained_task_asks_what_it_says(seed: int, k: int, conflicting: bool) -> None:
+    """The benchmark's task: the answer is the value of the first document that states the key; a
+    conflicting question's key is stated with two values, a single one's with one; spans are the
+    documents."""
+    import random
+
+    from radixkv.bench import blend_task as task
+
+    prompt = task.Corpus(24, seed).question(random.Random(seed), k, conflicting)
+    assert prompt.conflicting == conflicting and len(prompt.spans) == k
+    assert prompt.tokens[-2] == task.Q and prompt.tokens[:len(task.SYSTEM)] == task.SYSTEM
+    key = prompt.tokens[-1] - task.KEY0
+    stated = []
+    for s, e in prompt.spans:
+        assert prompt.tokens[s] == task.DOC and e - s == task.FACTS + 1
+        facts = [divmod(t - task.FACT0, task.NUM_VALUES) for t in prompt.tokens[s + 1:e]]
+        assert len({f[0] for f in facts}) == task.FACTS
+        stated += [value for fact_key, value in facts if fact_key == key]
+    assert stated and prompt.answer == task.VALUE0 + stated[0]
+    assert (len(set(stated)) > 1) == conflicting

@@ -17,8 +17,10 @@ Part 1, a random-weight Llama (8 layers, hidden 256, GQA): TTFT (median over the
 admission's tier loads and the prefill, up to the first token), and against full prefill the
 last-token logits (max |difference|, KL(full || blended)) and the greedy continuation (first
 token equal; share of the continuation equal up to the first difference).  Part 2, the model of
-``radixkv.bench.blend_task`` trained here (its answer needs facts from two documents): answer
-accuracy (both answer tokens, greedy) with full prefill, prefix caching and each ``r``.
+``radixkv.bench.blend_task`` trained here (4 layers; ranked documents that disagree: a
+conflicting question's answer depends on two documents at once): answer accuracy (greedy) on
+conflicting and on single questions, agreement with full prefill's answer and KL(full || method)
+of the answer's logits, with full prefill, prefix caching and each ``r``.
 """
 
 from __future__ import annotations
@@ -147,47 +149,57 @@ def random_weights(report: Report, prompts_per_k: int, n_docs: int, new: int, se
     shared.close()
 
 
-def trained(report: Report, steps: int, questions: int, seed: int) -> None:
-    """Part 2: answer accuracy of the model trained on ``radixkv.bench.blend_task``."""
+def trained(report: Report, steps: int, questions: int, seed: int, layers: int = 4) -> None:
+    """Part 2: answer accuracy of the model trained on ``radixkv.bench.blend_task``, on
+    conflicting questions (two documents state the key: the first one's value is the answer)
+    and single ones, half each."""
     from radixkv.bench import blend_task as task
     from radixkv.integrations.paged import segment_kv
     from radixkv.segments import SegmentCache
 
     t0 = time.perf_counter()
-    model = task.train(steps, seed=seed, log=report)
-    report(f"## trained model ({steps} steps, {time.perf_counter() - t0:.0f} s): Llama {task.model_config().num_hidden_layers} "
-           f"layers, hidden {task.model_config().hidden_size}; a corpus of 24 documents of {task.FACTS} facts; "
-           f"{questions} questions, k = 2..6 documents in random order; answer = two facts of two documents")
+    model = task.train(steps, seed=seed, log=report, layers=layers)
+    config = task.model_config(layers)
+    report(f"## trained model ({steps} steps, {time.perf_counter() - t0:.0f} s): Llama {config.num_hidden_layers} "
+           f"layers, hidden {config.hidden_size}, 4 heads / 2 KV heads; a corpus of 24 documents of {task.FACTS} "
+           f"facts over {task.NUM_KEYS} keys; {questions} questions (half conflicting), k = 2..6 documents in "
+           f"random order")
     corpus = task.Corpus(24, seed + 1)
     shared = _engine_cache(model, task.SYSTEM, tiers=True)
     segments = SegmentCache(shared.stack)
-    for doc, _ in corpus.docs:
-        segments.store(doc, segment_kv(model, doc, torch.float32))
+    for doc in corpus.docs:
+        tokens = task.doc_tokens(doc)
+        segments.store(tokens, segment_kv(model, tokens, torch.float32))
     shared.flush()
     rng = random.Random(seed + 2)
-    right = {name: 0 for name, _ in _methods()}
-    agree = {name: 0 for name, _ in _methods()}
-    for _ in range(questions):
-        prompt, spans, answer = corpus.question(rng, rng.randint(2, 6))
-        full_out: list[int] | None = None
+    names = [name for name, _ in _methods()]
+    right = {(name, c): 0 for name in names for c in (True, False)}
+    agree = dict.fromkeys(names, 0)
+    kls: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(questions):
+        prompt = corpus.question(rng, rng.randint(2, 6), conflicting=i % 2 == 0)
+        full_answer, full_req = None, None
         for name, ratio in _methods():
-            out: list[int] = []
-            for ask in (prompt[:-1], prompt[:-1] + [-1, prompt[-1]]):   # Q key1; then value1 key2
-                if out:
-                    ask[-2] = out[0]
-                cache = _engine_cache(model, task.SYSTEM if name != "full" else [], tiers=False) \
-                    if ratio is None else shared
-                req, _ = _serve(model, cache, ask, spans, 1, ratio, segments if ratio is not None else None)
-                if cache is not shared:
-                    cache.close()
-                out += req.output
-            full_out = out if name == "full" else full_out
-            right[name] += out == answer
-            agree[name] += out == full_out
-    report("| method | answer accuracy | answer = full prefill's |")
-    report("| --- | ---: | ---: |")
-    for name, _ in _methods():
-        report(f"| {name} | {right[name] / questions:.1%} | {agree[name] / questions:.1%} |")
+            cache = _engine_cache(model, task.SYSTEM if name != "full" else [], tiers=False) \
+                if ratio is None else shared
+            req, _ = _serve(model, cache, prompt.tokens, prompt.spans, 1, ratio,
+                            segments if ratio is not None else None)
+            if cache is not shared:
+                cache.close()
+            answer = req.output[0]
+            if name == "full":
+                full_answer, full_req = answer, req
+            kls[name].append(_compare(req, full_req)[1])
+            right[(name, prompt.conflicting)] += answer == prompt.answer
+            agree[name] += answer == full_answer
+    half = {True: (questions + 1) // 2, False: questions // 2}
+    report("| method | conflicting questions right | single questions right | answer = full prefill's "
+           "| KL(full ‖ method) median | KL p90 |")
+    report("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name in names:
+        kl = sorted(kls[name])
+        report(f"| {name} | {right[(name, True)] / half[True]:.1%} | {right[(name, False)] / half[False]:.1%} "
+               f"| {agree[name] / questions:.1%} | {statistics.median(kl):.2e} | {kl[int(0.9 * (len(kl) - 1))]:.2e} |")
     shared.close()
 
 
@@ -198,16 +210,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-k", type=int, default=4)
     parser.add_argument("--docs", type=int, default=16, help="documents in the corpus (n)")
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--train-steps", type=int, default=1500)
-    parser.add_argument("--questions", type=int, default=200)
+    parser.add_argument("--train-steps", type=int, default=2000)
+    parser.add_argument("--questions", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-trained", action="store_true")
+    parser.add_argument("--layers", type=int, default=4, help="of the trained model")
+    parser.add_argument("--skip-random", action="store_true", help="only part 2")
+    parser.add_argument("--skip-trained", action="store_true", help="only part 1")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     report = Report("blend", argv)
-    random_weights(report, args.prompts_per_k, args.docs, args.new_tokens, args.seed)
-    report()
+    if not args.skip_random:
+        random_weights(report, args.prompts_per_k, args.docs, args.new_tokens, args.seed)
+        report()
     if not args.skip_trained:
-        trained(report, args.train_steps, args.questions, args.seed)
+        trained(report, args.train_steps, args.questions, args.seed, args.layers)
     report.save(args.out)
     return 0
