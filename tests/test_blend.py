@@ -364,6 +364,40 @@ def test_selection_picks_the_highest_deviation_tokens() -> None:
     assert select_tokens(torch.tensor([1.0, 5.0, 5.0, 0.0]), 1).tolist() == [1]
 
 
+@given(st.integers(0, 10**6), st.integers(1, 30), st.integers(0, 8), st.floats(0.0, 1.0),
+       st.sampled_from(["llama", "qwen2"]))
+def test_exact_cached_kv_blends_to_a_full_prefill_at_every_ratio(seed: int, count: int, start: int, ratio: float,
+                                                                  family: str) -> None:
+    """When the cached KV is what a full prefill computes, which rows a layer recomputes cannot
+    matter: any ratio and any reused rows give the full prefill's logits and KV; and each layer
+    computes the rows the ratio says (every fresh row, the share of the reused, within the
+    candidates)."""
+    import math
+    import random
+
+    model = model_of(family)
+    rng = random.Random(seed)
+    prompt = tokens_of(start + count, seed)
+    cache = make_cache(model)
+    paged = PagedLlama(model, cache)
+    pages = cache.alloc(-(-len(prompt) // 4))
+    exact = paged.forward([Chunk(torch.tensor(prompt), 0, pages)])[0]
+    kv = cache.pool.kv[:, :, pages.long()].reshape(2, 2, -1, 2, 8)[:, :, :len(prompt)].clone()
+    reused = torch.tensor([rng.random() < 0.7 for _ in range(count - 1)] + [False])
+    cached = kv[:, :, start:].clone()
+    cached[:, :, ~reused] = float("nan")         # never read: the rows not reused are computed
+    logits, info = blend_prefill(paged, torch.tensor(prompt[start:]), start, pages, cached, reused, ratio)
+    assert rel_diff(logits, exact) <= TOL
+    after = cache.pool.kv[:, :, pages.long()].reshape(2, 2, -1, 2, 8)[:, :, :len(prompt)]
+    assert torch.allclose(after, kv, atol=1e-5)
+    num_reused, fresh = int(reused.sum()), count - int(reused.sum())
+    candidates = count if ratio > 0 else fresh
+    for share, rows in zip(layer_ratios(ratio, 2), info.computed):
+        kept = min(candidates - fresh, math.ceil(round(share * num_reused, 9)))
+        assert rows == fresh + kept
+        candidates = rows
+
+
 def test_layer_ratios_average_the_ratio() -> None:
     for ratio in (0.05, 0.15, 0.3, 0.6, 1.0):
         shares = layer_ratios(ratio, 9)
