@@ -67,6 +67,34 @@ def test_prefix_policy_picks_what_its_rules_say(loads: list[int], held: list[Any
     router.check()
 
 
+@settings(max_examples=300, deadline=None)
+@given(queued=st.lists(st.integers(0, 4000), min_size=3, max_size=3),
+       loads=st.lists(st.integers(0, 6), min_size=3, max_size=3),
+       held=st.lists(st.one_of(st.none(), st.tuples(st.integers(1, 200), st.sampled_from(MEDIA))), min_size=3, max_size=3),
+          healthy=st.lists(st.booleans(), min_size=3, max_size=3), length=st.integers(0, 2000))
+def test_cost_policy_picks_the_instance_with_the_fewest_tokens_to_wait_for(
+        queued: list[int], loads: list[int], held: list[Any], healthy: list[bool], length: int) -> None:
+    matches = {u: Match(*h) for u, h in zip(URLS, held) if h is not None}
+    router = Router(URLS, follower=FakeFollower(matches), policy="cost")
+    for b, q, n, ok in zip(router.backends, queued, loads, healthy):
+        b.queued_tokens, b.in_flight, b.healthy = q, n + (q > 0), ok     # queued tokens are in flight
+    tokens = list(range(length))
+    order, why, promised = router.choose(tokens)
+    up = [b for b in router.backends if b.healthy] or router.backends
+    assert why == "cost" and sorted(b.url for b in order) == sorted(b.url for b in up)
+
+    def prefix(b: Any) -> int:                   # what the index promises, never past the prompt
+        return min(matches[b.url].blocks * router.block_size, length) if b.url in matches and tokens else 0
+
+    waits = [length - prefix(b) + b.queued_tokens for b in order]
+    assert waits == sorted(waits), "in the order of the tokens each would wait for"
+    assert promised == prefix(order[0])
+    ties = [b for b in up if length - prefix(b) + b.queued_tokens == waits[0]]
+    assert prefix(order[0]) == max(prefix(b) for b in ties)
+    assert order[0].in_flight == min(b.in_flight for b in ties if prefix(b) == prefix(order[0]))
+    router.check()
+
+
 def test_round_robin_and_random_cover_every_instance() -> None:
     rr = Router(URLS, policy="round_robin")
     assert [rr.choose([1])[0][0].url for _ in range(6)] == URLS * 2
@@ -91,13 +119,15 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def fake_backend(name: str, *, cut: bool = False, drop: bool = False) -> web.Application:
-    """An OpenAI-like instance: answers with its name; a stream of three events (``cut``: the
-    connection drops after the first; ``drop``: it drops before answering, health checks pass)."""
+def fake_backend(name: str, *, cut: bool = False, drop: bool = False, delay_s: float = 0.0) -> web.Application:
+    """An OpenAI-like instance: answers with its name (after ``delay_s``); a stream of three events
+    (``cut``: the connection drops after the first; ``drop``: it drops before answering, health
+    checks pass)."""
     app = web.Application()
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        await asyncio.sleep(delay_s)
         if drop:
             request.transport.close()          # type: ignore[union-attr]
             raise ConnectionResetError
@@ -133,11 +163,15 @@ async def _with_router(backends: dict[str, web.Application | None], body: Any, *
             servers[name] = TestServer(app, host="127.0.0.1")
             await servers[name].start_server()
     urls = [str(servers[n].make_url("")) if n in servers else dead_url() for n in backends]
-    router = Router(urls, policy="round_robin", health_interval_s=60, **kw)
+    kw.setdefault("policy", "round_robin")
+    router = Router(urls, health_interval_s=60, **kw)
     client = TestClient(TestServer(router.app(), host="127.0.0.1"))
     await client.start_server()
     try:
-        return await body(client, router, urls)
+        out = await body(client, router, urls)
+        assert all(b.in_flight == 0 and b.queued_tokens == 0 for b in router.backends), "every request ended"
+        router.check()
+        return out
     finally:
         await client.close()
         for s in servers.values():
@@ -163,6 +197,25 @@ def test_plain_and_streaming_requests_are_proxied_and_counted() -> None:
         assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
 
     asyncio.run(_with_router({"a": fake_backend("a"), "b": fake_backend("b")}, body))
+
+
+def test_the_cost_policy_counts_the_queued_tokens_of_requests_in_flight() -> None:
+    """A long prompt in flight on one instance: its tokens are queued there, so a short prompt
+    goes to the other; every count is back to 0 when both ended."""
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        long = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": list(range(100))}))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if router.backends[0].in_flight:
+                break
+        assert [(b.in_flight, b.queued_tokens) for b in router.backends] == [(1, 100), (0, 0)]
+        router.check()
+        short = await client.post("/v1/completions", json={"prompt": list(range(10))})
+        assert (await short.json())["backend"] == "b"
+        assert (await (await long).json())["backend"] == "a"
+
+    asyncio.run(_with_router({"a": fake_backend("a", delay_s=0.5), "b": fake_backend("b", delay_s=0.5)}, body,
+                             policy="cost"))
 
 
 def test_an_unreachable_instance_is_retried_elsewhere_and_none_left_is_a_503() -> None:

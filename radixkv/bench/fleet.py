@@ -13,7 +13,7 @@ question, ``--requests`` requests arriving as a Poisson process of ``--rate`` pe
 streamed with ``max_tokens=--max-tokens``.  The pools are too small for every tenant's prefix,
 so where a tenant's requests go decides what stays cached.
 
-Per policy (``prefix``, ``round_robin``, ``random``; each on prompts of its own, so no run
+Per policy (``prefix``, ``cost``, ``round_robin``, ``random``; each on prompts of its own, so no run
 inherits another's cache): the **prefix hit rate** from vLLM's own counters summed over the
 instances (``vllm:prefix_cache_hits`` / ``queries``: the GPU pool; ``+ tiers`` adds the
 connector's, ``vllm:external_prefix_cache_hits``), TTFT p50/p95 at the client (first streamed
@@ -40,7 +40,7 @@ from typing import Any
 
 from radixkv.bench import Report
 
-POLICIES = ("prefix", "round_robin", "random")
+POLICIES = ("prefix", "cost", "round_robin", "random")
 BLOCK = 128
 
 
@@ -234,8 +234,11 @@ def _table(report: Report, rows: list[dict[str, Any]]) -> None:
         report(f"{r['name']:<28} {r['gpu_hit']:>8.1%} {r['all_hit']:>8.1%} {r['p50'] * 1e3:>7.0f}ms "
                f"{r['p95'] * 1e3:>7.0f}ms {r['rps']:>6.2f}  {o['served']}/{o['error']}/{o['lost']}  {reasons}{note}")
     base = {r["name"]: r for r in rows}
-    if "prefix" in base and "round_robin" in base:
-        p, rr = base["prefix"], base["round_robin"]
+    if "round_robin" in base:
+        rr = base["round_robin"]
         report()
-        report(f"prefix vs round_robin: GPU hit rate {p['gpu_hit']:.1%} vs {rr['gpu_hit']:.1%}, TTFT p50 "
-               f"{rr['p50'] / p['p50']:.2f}x lower, p95 {rr['p95'] / p['p95']:.2f}x lower")
+        for name in ("prefix", "cost"):
+            if name in base:
+                p = base[name]
+                report(f"{name} vs round_robin: GPU hit rate {p['gpu_hit']:.1%} vs {rr['gpu_hit']:.1%}, TTFT p50 "
+                       f"{rr['p50'] / p['p50']:.2f}x lower, p95 {rr['p95'] / p['p95']:.2f}x lower")

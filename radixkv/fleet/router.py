@@ -20,7 +20,12 @@ Contract:
   when it is imbalanced, as in sglang-router's ``cache_aware`` policy: when the busiest instance
   has more than ``balance_abs`` requests in flight over the idlest and more than
   ``balance_rel`` times as many, the idlest wins; a prompt no instance holds goes to the idlest
-  (round-robin among equals).  ``round_robin`` and ``random`` are there for comparison.
+  (round-robin among equals).  ``cost``: the instance where the request would finish its
+  prefill first by a token count, ``prompt tokens - prefix tokens it holds + queued tokens``
+  (the uncached prompt tokens of the requests the router sent it that have not ended); ties go
+  to the longer prefix, then fewer requests in flight.  A prefix is worth exactly its tokens, so
+  a busy owner loses a request to an idle instance once its queue is longer than the prefix.
+  ``round_robin`` and ``random`` are there for comparison.
 * **Failures.**  Instances that fail a health check (``GET /health`` every
   ``health_interval_s``, ``health_timeout_s``) or a connection are left out until a check
   passes.  A request whose instance cannot be reached, or fails before the router sent the client
@@ -54,17 +59,20 @@ __all__ = ["Backend", "Router", "add_arguments", "main"]
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("prefix", "round_robin", "random")
+POLICIES = ("prefix", "cost", "round_robin", "random")
 
 
 @dataclass
 class Backend:
-    """One instance behind the router: its base URL, its name in the fleet index, its state."""
+    """One instance behind the router: its base URL, its name in the fleet index, its state
+    (``queued_tokens``: the uncached prompt tokens of its requests in flight, as the router
+    estimated them when it sent each)."""
 
     url: str
     name: str
     healthy: bool = True
     in_flight: int = 0
+    queued_tokens: int = 0
 
 
 class Router:
@@ -116,8 +124,8 @@ class Router:
 
     def choose(self, tokens: list[int] | None, salt: str | None = None) -> tuple[list[Backend], str, int]:
         """The healthy instances in the order to try them, why the first was chosen
-        (``"prefix"``, ``"balance"``, ``"no_match"``, ``"round_robin"``, ``"random"``) and the prefix
-        tokens the index says the first holds.  O(instances) plus the lookup."""
+        (``"prefix"``, ``"balance"``, ``"no_match"``, ``"cost"``, ``"round_robin"``, ``"random"``)
+        and the prefix tokens the index says the first holds.  O(instances) plus the lookup."""
         up = [b for b in self.backends if b.healthy] or list(self.backends)   # all down: try anyway
         if self.policy == "round_robin":
             i = next(self._rr) % len(up)
@@ -128,12 +136,20 @@ class Router:
             return order, "random", 0
         by_load = sorted(up, key=lambda b: b.in_flight)
         lo, hi = by_load[0].in_flight, by_load[-1].in_flight
-        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+        if self.policy == "prefix" and hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             return by_load, "balance", 0
         matches = {}
         if self.follower is not None and tokens:
             matches = self.follower.lookup(self.names(tokens, salt))
+        if self.policy == "cost":
+            held = {b.name: min(matches[b.name].blocks * self.block_size, len(tokens or ()))
+                    if b.name in matches else 0 for b in up}
 
+            def cost(b: Backend) -> tuple[int, int, int]:    # fewer tokens to wait for, a longer prefix, less load
+                return (len(tokens or ()) - held[b.name] + b.queued_tokens, -held[b.name], b.in_flight)
+
+            order = sorted(up, key=cost)
+            return order, "cost", held[order[0].name]
 
         def score(b: Backend) -> tuple[int, int, int]:       # more blocks, a faster medium, less load
             m = matches.get(b.name)
@@ -151,6 +167,8 @@ class Router:
         a known policy; and the follower's, when there is one.  O(instances) plus the index's."""
         assert len({b.name for b in self.backends}) == len(self.backends), "an instance named twice"
         assert all(b.in_flight >= 0 for b in self.backends), "a negative in-flight count"
+        assert all(b.queued_tokens >= 0 for b in self.backends), "a negative queued-token count"
+        assert all(b.queued_tokens == 0 for b in self.backends if b.in_flight == 0), "tokens queued with nothing in flight"
         assert self.policy in POLICIES, f"unknown policy {self.policy!r}"
         if self.follower is not None and hasattr(self.follower, "check"):
             self.follower.check()
@@ -247,12 +265,15 @@ class Router:
         for attempt, backend in enumerate(order):
             if attempt:
                 self._metrics.retry()
+            charge = len(tokens or ()) - (promised if attempt == 0 else 0)   # its uncached tokens, as estimated
             backend.in_flight += 1
+            backend.queued_tokens += charge
             self._metrics.in_flight(backend.name, backend.in_flight)
             try:
                 result = await self._forward(request, backend, path, body, stream)
             finally:
                 backend.in_flight -= 1
+                backend.queued_tokens -= charge
                 self._metrics.in_flight(backend.name, backend.in_flight)
             if result is not None:
                 return result
