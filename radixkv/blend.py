@@ -41,9 +41,9 @@ What it is not: exact.  A blended request's KV differs from a full prefill's (by
 caches its KV as a prefix (``radixkv.integrations.paged`` does both).  Supported: the RoPE models
 of the reference paged engine (Llama, Qwen2, Mistral without a window) with grouped-query
 attention; refused with ``ValueError`` (``radixkv.integrations.transformers.check_blendable``):
-sliding windows (a window would drop the reused KV it is
-built on), MLA (its cached latent is not a rotated key), and RoPE variants whose rotation depends
-on the sequence length (``dynamic``, ``longrope``).
+sliding windows (a window would drop the reused KV it is built on), MLA (its cached latent is
+not a rotated key), and RoPE variants whose rotation depends on the sequence length
+(``dynamic``, ``longrope``).
 """
 
 from __future__ import annotations
