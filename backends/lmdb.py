@@ -26,7 +26,7 @@ Storage contract:
   the tier.  A pin is a mark, not a count: one ``unpin`` undoes any number of ``pin``.  It goes
   with its entry: ``delete``, ``drop_namespace``, a refused put, expiry and a map reset remove it.
 * **Admission** (``admission="second_hit"``): a put of a key the tier does not hold is stored
-  only the second time the key is seen by this tier object (as ``radixkv.policy.SecondHit``: the
+  only the second time the key is seen by this tier object (as ``radixkv.core.policy.SecondHit``: the
   last ``admission_memory`` distinct keys seen once are remembered in memory, per object, not
   shared between processes; about 100 bytes a key).  Seen means offered to ``put`` or asked for
   by a read that missed (``get``/``get_many``/``read``: a reader wanted it, so the put that
@@ -55,7 +55,7 @@ Storage contract:
   transaction: never a torn chunk.  ``writemap`` stays off, so a stray write through a pointer
   cannot corrupt the map.  ``sync=False`` (a scratch cache that may lose its last seconds of
   writes on a power cut, not on a process crash) writes several times faster; see
-  ``benchmarks/results/tiers_cpu.txt``.  The chunk checksum (``radixkv.format``) is the second
+  ``benchmarks/results/tiers_cpu.txt``.  The chunk checksum (``radixkv.core.format``) is the second
   line of defence: whatever the disk returns is verified before it is served.
 * **Buffers are valid only inside their transaction**: ``read`` hands ``consume`` a view of the
   mapped page and must not keep it; ``get`` returns a copy.
@@ -77,7 +77,7 @@ from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-from radixkv._checks import check_int
+from radixkv.core._checks import check_int
 from radixkv.backends import Blob, Entry, EvictionLog, Tier, blob_view, check_key, check_namespace_id
 
 __all__ = ["LmdbTier"]
@@ -330,7 +330,7 @@ class _Writer:
 
 
 class _SecondHit:
-    """The keys seen once, the last ``memory`` of them: ``radixkv.policy.SecondHit``'s filter
+    """The keys seen once, the last ``memory`` of them: ``radixkv.core.policy.SecondHit``'s filter
     without its ordering (the databases keep the order), plus a sighting that admits nothing (a
     read miss).  Not thread-safe.  O(1) per call."""
 

@@ -7,7 +7,7 @@ Storage contract:
 
 * **Layout.** A chunk is one string value, key ``<prefix>:<namespace id hex>:<chunk key hex>``
   (``prefix`` defaults to ``radixkv``), holding exactly the blob the stack put (the chunk format,
-  ``radixkv.format``).  The tier does not decode it; ``TierStack`` verifies every blob it reads
+  ``radixkv.core.format``).  The tier does not decode it; ``TierStack`` verifies every blob it reads
   (and, with a secret, its MAC), so a value overwritten by anyone is a miss, never KV.
 * **Shared, bounded by the server.**  Any instance may write any key; the server's ``maxmemory``
   and its eviction policy (``allkeys-lru`` is the one to use) bound the memory, so the tier keeps
@@ -56,7 +56,7 @@ from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from radixkv._checks import check_int
+from radixkv.core._checks import check_int
 from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, Entry, Tier, blob_view, bounded, check_key,
                               check_namespace_id, current_max_blob_bytes, redact, report_oversize)
 from radixkv.backends.remote import (PROBE_BOUND_S, SKIPPING, CircuitBreaker, Skipped, call_deadline, skip_all,

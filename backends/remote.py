@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
-from radixkv._checks import check_int
+from radixkv.core._checks import check_int
 from radixkv.backends import current_deadline
 
 __all__ = ["PROBE_BOUND_S", "PROBE_CALLS", "SKIPPING", "CircuitBreaker", "Skipped", "call_deadline", "skip_all",

@@ -8,7 +8,7 @@ Storage contract:
 
 * **Layout.** A chunk is one object, ``<prefix>/<namespace id hex>/<chunk key hex>`` (16 + 32 hex
   digits), holding exactly the blob the stack put: the chunk format of every tier
-  (``radixkv.format``).  The tier does not decode it; ``TierStack`` verifies every blob it reads
+  (``radixkv.core.format``).  The tier does not decode it; ``TierStack`` verifies every blob it reads
   and deletes one that does not verify, so an object overwritten with garbage or truncated is a
   miss, counted and removed, never KV.  ``drop_namespace`` lists ``<prefix>/<ns>/`` and deletes
   it in batches of 1000.
@@ -102,7 +102,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from radixkv._checks import check_int
+from radixkv.core._checks import check_int
 from radixkv.backends import (Blob, BoundedPool, DeadlineExceeded, Entry, OversizeBlob, Tier, blob_view, bounded, check_key,
                               check_namespace_id, current_deadline, current_max_blob_bytes, redact, report_oversize)
 from radixkv.backends.remote import (PROBE_BOUND_S, CircuitBreaker, Skipped, SKIPPING, call_deadline, skip_all,

@@ -1,5 +1,5 @@
 // Token ids from a Python list or tuple to little-endian int32 bytes, in one C loop: the fast path
-// of radixkv.hashing.as_token_bytes, which engines call once per request (they hold token ids as
+// of radixkv.core.hashing.as_token_bytes, which engines call once per request (they hold token ids as
 // Python lists).  About 1-2 ns a token against about 8 for array.array plus numpy's checks.
 //
 //   token_bytes(seq) -> bytes | None

@@ -2,7 +2,7 @@
 
 A radix tree indexes the KV pages resident in the engine's paged pool (level 0); below it, a stack
 of hash-keyed tiers (pinned CPU memory, LMDB, S3) keeps chunks the pool evicted or other processes
-wrote.  See README.md for a tour and DESIGN notes.
+wrote.  The core (the algorithm) is ``radixkv.core``; see docs/architecture.md for the map.
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import importlib
 from typing import Any
 
 from radixkv._version import __version__
-from radixkv.cache import Match, PoolExhausted, PrefixCache
-from radixkv.request import Request
-from radixkv.hashing import Namespace, chunk_keys
-from radixkv.pool import KVLayout, KVPool
-from radixkv.tree import RadixTree
+from radixkv.core.cache import Match, PoolExhausted, PrefixCache
+from radixkv.core.request import Request
+from radixkv.core.hashing import Namespace, chunk_keys
+from radixkv.core.pool import KVLayout, KVPool
+from radixkv.core.tree import RadixTree
 
 # Submodules and names that pull optional dependencies (hypothesis, a C++ build) load on first use.
 _LAZY = {
     "backends": "radixkv.backends",
     "fleet": "radixkv.fleet",
-    "ops": "radixkv.ops",
+    "ops": "radixkv.core.ops",
     "testing": "radixkv.testing",
 }
 
@@ -38,6 +38,7 @@ __all__ = sorted([
     "__version__",
     "backends",
     "chunk_keys",
+    "from_config",
     "fleet",
     "ops",
     "testing",
@@ -46,10 +47,15 @@ __all__ = sorted([
 
 def __getattr__(name: str) -> Any:
     if name == "TierStack":
-        from radixkv.tiers import TierStack
+        from radixkv.core.stack import TierStack
 
         globals()[name] = TierStack
         return TierStack
+    if name == "from_config":           # the factory lives above the cache: radixkv.config
+        from radixkv.config import from_config
+
+        globals()[name] = from_config
+        return from_config
     if name in _LAZY:
         module = importlib.import_module(_LAZY[name])
         globals()[name] = module

@@ -24,7 +24,7 @@ that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's wh
     secret: ...                  # deployment secret: every chunk carries a MAC (prefer RADIXKV_SECRET)
     previous_secret: ...         # the secret before a rotation, still accepted on read
     encrypt: false               # AES-GCM for the remote tier's chunks (needs secret)
-    p2p_enabled: false           # true: read other instances' CPU tiers, and serve ours (radixkv.p2p) ...
+    p2p_enabled: false           # true: read other instances' CPU tiers, and serve ours (radixkv.p2p.node) ...
     p2p_controller: tcp://10.0.0.2:5600   # ... the controller (python -m radixkv controller); needs secret
     p2p_address: tcp://10.0.0.5:5601      # this instance's request channel (bound; port 0: any); none: serve nothing
     p2p_instance: engine-a       # this instance's id (default: host name and process id)
@@ -58,14 +58,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from radixkv._checks import check_int
-from radixkv.hashing import Namespace
-from radixkv.pool import KVLayout
+from radixkv.core._checks import check_int
+from radixkv.core.hashing import Namespace
+from radixkv.core.pool import KVLayout
 
 if TYPE_CHECKING:
-    from radixkv.backends import Tier
-    from radixkv.cache import PrefixCache
-    from radixkv.tiers import TierStack
+    from radixkv.core.tier import Tier
+    from radixkv.core.cache import PrefixCache
+    from radixkv.core.stack import TierStack
 
 __all__ = ["CacheConfig", "load_config", "read_mapping"]
 
@@ -123,7 +123,7 @@ class CacheConfig:
                 _positive_int(name, getattr(self, name))
         if self.pool_tokens is not None and self.pool_tokens < self.page_size:
             raise ValueError(f"pool_tokens: {self.pool_tokens} is less than one page")
-        from radixkv.policy import POLICY_NAMES
+        from radixkv.core.policy import POLICY_NAMES
 
         if self.cache_policy not in POLICY_NAMES:
             raise ValueError(f"cache_policy must be one of {sorted(POLICY_NAMES)}, got {self.cache_policy!r}")
@@ -188,7 +188,7 @@ class CacheConfig:
             if named or self.p2p_transport != "nixl":
                 raise ValueError(f"{(named or ['p2p_transport'])[0]}: set, but p2p_enabled is not true")
             return
-        from radixkv.fleet.wire import check_endpoint
+        from radixkv.p2p.wire import check_endpoint
 
         if self.p2p_controller is None:
             raise ValueError("p2p_controller: required when p2p_enabled is true (tcp://HOST:PORT)")
@@ -250,7 +250,7 @@ class CacheConfig:
         """The tiers this config describes for chunks of ``layout`` KV, fastest first (none when no
         tier key is set).  Used by ``build`` and by integrations whose engine owns the pool."""
         from radixkv.backends import CpuTier, LmdbTier
-        from radixkv.format import encoded_size
+        from radixkv.core.format import encoded_size
 
         tiers: list[Tier] = []
         if self.local_cpu:
@@ -290,15 +290,18 @@ class CacheConfig:
         bound to ``layout``; ``exclusive`` defaults to the config's (an integration whose engine owns
         the pool, and tells radixkv nothing of its evictions, passes ``False``).  Used by ``build``
         and by such integrations."""
-        from radixkv.tiers import TierStack
+        from radixkv.core.stack import TierStack
 
         tiers = self.make_tiers(layout)
         ns = namespace if namespace is not None else self.make_namespace().bind(layout)
         node = None
         if self.p2p_enabled:             # the peer tier, and this instance's node serving its CPU tier
-            from radixkv.p2p import join
+            from radixkv.p2p.node import join
 
-            tiers, node = join(self, tiers, ns)
+            assert self.p2p_controller is not None     # __post_init__ requires it with p2p_enabled
+            tiers, node = join(tiers, ns, controller=self.p2p_controller, secret=self.secret,
+                               instance=self.p2p_instance, address=self.p2p_address,
+                               transport=self.p2p_transport, timeout_s=self.remote_timeout)
         if not tiers:
             return None
         stack = TierStack(tiers, namespace=ns, layout=layout, chunk_size=self.chunk_size, promote=self.promote,
@@ -312,7 +315,7 @@ class CacheConfig:
 
     def build(self, layout: KVLayout | None = None) -> PrefixCache:
         """The ``PrefixCache`` this config describes, tiers included (fastest first)."""
-        from radixkv.cache import PrefixCache
+        from radixkv.core.cache import PrefixCache
 
         layout = self.make_layout(layout)
         num_pages = self.num_pages if self.num_pages is not None else self.pool_tokens // self.page_size  # type: ignore[operator]
@@ -334,6 +337,15 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | None = None
     if isinstance(source, Mapping):
         return CacheConfig.from_mapping(source)
     return CacheConfig.from_mapping(read_mapping(source))
+
+
+def from_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                layout: KVLayout | None = None) -> PrefixCache:
+    """Build a cache and its tiers from a dict, a YAML/JSON file, or (``None``) the file named by
+    ``RADIXKV_CONFIG``; see ``CacheConfig`` for the keys.  ``layout`` comes from the model (or a
+    ``layout`` mapping in the configuration).  A bad or unknown key raises ``ValueError`` naming
+    it.  Cost: reading the file, plus opening each configured tier (``CacheConfig.build``)."""
+    return load_config(config).build(layout)
 
 
 def read_mapping(source: str | os.PathLike[str], name: str = "config") -> dict[str, Any]:

@@ -24,9 +24,9 @@ from typing import Any, Callable, NamedTuple
 import pytest
 
 from radixkv import ops
-from radixkv.cache import PrefixCache
-from radixkv.tiers import TierStack
-from radixkv.tree import RadixTree
+from radixkv.core.cache import PrefixCache
+from radixkv.core.stack import TierStack
+from radixkv.core.tree import RadixTree
 
 Patch = Callable[[pytest.MonkeyPatch], Any]
 
@@ -207,8 +207,8 @@ def machines() -> dict[str, type]:
 
 def _checks_off(mp: pytest.MonkeyPatch) -> None:
     """No ``check()``: the cache's, the tree's and the pool's pass, and so do the rules that test them."""
-    import radixkv.testing.index as index
-    from radixkv.pool import KVPool
+    import radixkv.testing.machines as index
+    from radixkv.core.pool import KVPool
 
     for cls in (PrefixCache, RadixTree, KVPool):
         mp.setattr(cls, "check", lambda self, *a, **kw: None)

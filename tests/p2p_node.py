@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from radixkv.config import CacheConfig
-from radixkv.pool import KVLayout
+from radixkv.core.pool import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, page_size=4)
 CHUNK = 8
@@ -53,7 +53,7 @@ def chunk_kv(seed: int, i: int) -> torch.Tensor:
 def main(spec_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
-    from radixkv.p2p import PeerServer
+    from radixkv.p2p.node import PeerServer
 
     if spec["mode"] == "die_on_request":
         answer = PeerServer.handle

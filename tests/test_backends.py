@@ -23,7 +23,7 @@ from radixkv.backends import MemoryTier, Tier
 from radixkv.backends.cpu import CpuTier
 from radixkv.backends.lmdb import LmdbTier
 from radixkv.testing.backends import CpuTierContract, LmdbTierContract, LmdbTtlTierContract, MemoryTierContract
-from radixkv.testing.tiers import TierContract
+from radixkv.testing.contract import TierContract
 
 pytest.importorskip("lmdb")
 

@@ -1,6 +1,6 @@
 """CacheBlend: segments keyed by their tokens in every tier, exact positional recovery, selective
 recomputation between naive reuse (ratio 0) and a full prefill (ratio 1), and the engine's
-opt-in, approximate-marked blending (``radixkv.segments``, ``radixkv.blend``, ``radixkv.integrations.paged``)."""
+opt-in, approximate-marked blending (``radixkv.reuse.segments``, ``radixkv.reuse.blend``, ``radixkv.integrations.paged``)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from hypothesis import given, settings, strategies as st
 import radixkv as rk
 from radixkv.backends import CpuTier, MemoryTier
 from radixkv.backends.lmdb import LmdbTier
-from radixkv.blend import Blend, kv_deviation, layer_ratios, recover_positions, select_tokens
-from radixkv.format import encode_chunk, encoded_size
-from radixkv.hashing import Namespace, as_token_bytes, chunk_keys
+from radixkv.reuse.blend import Blend, kv_deviation, layer_ratios, recover_positions, select_tokens
+from radixkv.core.format import encode_chunk, encoded_size
+from radixkv.core.hashing import Namespace, as_token_bytes, chunk_keys
 from radixkv.integrations.paged import Chunk, PagedEngine, PagedLlama, blend_prefill, segment_kv
 from radixkv.integrations.transformers import layout_for, namespace_for, random_model
-from radixkv.pool import KVLayout
-from radixkv.segments import SegmentCache, check_spans, segment_refs
-from radixkv.tiers import TierStack
+from radixkv.core.pool import KVLayout
+from radixkv.reuse.segments import SegmentCache, check_spans, segment_refs
+from radixkv.core.stack import TierStack
 
 from hf_cases import TOL, rel_diff
 
@@ -88,7 +88,7 @@ def test_a_segment_is_not_a_prefix_and_a_prefix_is_not_a_segment() -> None:
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str | None]:
     try:
-        from radixkv.testing.s3server import moto_with_bucket
+        from radixkv.tools.s3server import moto_with_bucket
     except ImportError:
         yield None
         return
@@ -98,7 +98,7 @@ def s3_endpoint() -> Iterator[str | None]:
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str | None]:
-    from radixkv.testing.redisserver import RedisServer, redis_server_binary
+    from radixkv.tools.redisserver import RedisServer, redis_server_binary
 
     if redis_server_binary() is None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):

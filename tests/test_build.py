@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv import _ext
+from radixkv.core import _ext
 
 RUN_TIMEOUT = 120  # seconds for one fresh process: importing torch is most of it
 
@@ -56,7 +56,7 @@ with warnings.catch_warnings(record=True) as caught:
     cache.release(cache.match(tokens))
     cache.close()
     seconds = time.monotonic() - t0
-ours = [str(w.message) for w in caught if "radixkv.ops" in str(w.message)]
+ours = [str(w.message) for w in caught if "radixkv.core.ops" in str(w.message)]
 print(ops.backend(), f"{seconds:.2f}", len(ours))
 for message in ours:
     print(message)
@@ -90,7 +90,7 @@ def test_a_missing_build_means_the_torch_kernels_and_one_warning_or_under_requir
     assert "not built" in messages[0] and "python -m radixkv build-ext" in messages[0]
     assert not (tmp_path / "ext").exists()  # nothing was built, not even a directory made
     error = out.stdout.strip().splitlines()[-1]
-    assert error.startswith("require: radixkv.ops: RADIXKV_EXT=require, but the block-copy extension is not built")
+    assert error.startswith("require: radixkv.core.ops: RADIXKV_EXT=require, but the block-copy extension is not built")
     assert "python -m radixkv build-ext" in error
 
 

@@ -9,7 +9,7 @@ import torch
 
 import radixkv as rk
 from radixkv.backends import CpuTier, LmdbTier, MemoryTier
-from radixkv.format import encoded_size
+from radixkv.core.format import encoded_size
 from radixkv.testing import TieredPrefixCacheMachine
 
 LAYOUT = rk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, page_size=4)
@@ -376,7 +376,7 @@ def test_touch_without_a_local_tier_queues_nothing():
 def test_with_a_secret_a_forged_chunk_is_never_served_and_counted_per_level(monkeypatch):
     """A cache that has the deployment secret (here from RADIXKV_SECRET) serves nothing written
     without it: a chunk an attacker wrote with a valid unkeyed checksum is a miss, counted as forged."""
-    from radixkv.format import encode_chunk
+    from radixkv.core.format import encode_chunk
 
     monkeypatch.setenv("RADIXKV_SECRET", "cache-tiers-test-secret-01")
     tier = MemoryTier()

@@ -20,10 +20,10 @@ def test_replay_reports_hits_and_savings():
 
 
 def test_bench_index_smoke(tmp_path):
-    out = run("radixkv.bench", "index", "--requests", "300", "--page-sizes", "16,1", "--repeat", "1",
+    out = run("radixkv.bench", "tree", "--requests", "300", "--page-sizes", "16,1", "--repeat", "1",
               "--pool-tokens", "200000", "--evict-sizes", "200,2000", "--out", str(tmp_path / "r.txt"))
     assert "req/s" in out and "evict cost per node" in out
-    assert (tmp_path / "r.txt").read_text().startswith("# python -m radixkv.bench index")
+    assert (tmp_path / "r.txt").read_text().startswith("# python -m radixkv.bench tree")
 
 
 def test_bench_hash_smoke():
@@ -52,6 +52,6 @@ def test_demo_end_to_end_with_restart_and_cross_instance():
 
 def test_build_ext_reports_the_backend_and_its_directory():
     out = run("radixkv", "build-ext").splitlines()
-    assert out[0].startswith("radixkv.ops backend: ") and out[0].split(": ")[1] in ("cpp", "cuda+cpp")
+    assert out[0].startswith("radixkv.core.ops backend: ") and out[0].split(": ")[1] in ("cpp", "cuda+cpp")
     where = Path(out[1].removeprefix("built in: "))
     assert (where / "manifest.json").is_file()

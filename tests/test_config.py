@@ -1,4 +1,4 @@
-"""PrefixCache.from_config: dicts, YAML and JSON files, RADIXKV_CONFIG, and clear errors."""
+"""radixkv.from_config: dicts, YAML and JSON files, RADIXKV_CONFIG, and clear errors."""
 
 import json
 
@@ -19,7 +19,7 @@ def test_dict_with_local_tiers(tmp_path):
     cfg = base(local_cpu=True, max_local_cpu_size=0.001, local_disk=f"file://{tmp_path}/db",
                max_local_disk_size=0.01, local_disk_ttl=3600, write_policy="write_back",
                namespace={"model": "m", "revision": "r2", "salt": "tenant"})
-    with rk.PrefixCache.from_config(cfg, LAYOUT) as cache:
+    with rk.from_config(cfg, LAYOUT) as cache:
         assert [type(t) for t in cache.stack.tiers] == [CpuTier, LmdbTier]
         assert cache.chunk_size == 8 and cache.pool.num_pages == 32 and cache.write_policy == "write_back"
         assert cache.namespace.revision == "r2" and cache.namespace.salt == b"tenant"
@@ -32,7 +32,7 @@ def test_yaml_file_via_environment(tmp_path, monkeypatch):
     path.write_text("chunk_size: 8\npage_size: 4\npool_tokens: 64\nlocal_cpu: true\nmax_local_cpu_size: 0.001\n"
                     "namespace:\n  model: m\nlayout: {num_layers: 2, num_kv_heads: 1, head_dim: 4, dtype: float32}\n")
     monkeypatch.setenv("RADIXKV_CONFIG", str(path))
-    with rk.PrefixCache.from_config() as cache:
+    with rk.from_config() as cache:
         assert cache.pool.num_pages == 16 and cache.layout == LAYOUT
         assert len(cache.stack.tiers) == 1
 
@@ -40,7 +40,7 @@ def test_yaml_file_via_environment(tmp_path, monkeypatch):
 def test_json_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(base()))
-    cache = rk.PrefixCache.from_config(path, LAYOUT)
+    cache = rk.from_config(path, LAYOUT)
     assert cache.stack is None
 
 
@@ -67,19 +67,19 @@ def test_json_file(tmp_path):
 ])
 def test_bad_configs_name_the_key(cfg, words):
     with pytest.raises(ValueError, match=words):
-        rk.PrefixCache.from_config(cfg, LAYOUT)
+        rk.from_config(cfg, LAYOUT)
 
 
 def test_missing_layout_and_mismatched_page_size(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="layout"):
-        rk.PrefixCache.from_config(base())
+        rk.from_config(base())
     with pytest.raises(ValueError, match="page_size"):
-        rk.PrefixCache.from_config(base(page_size=2), LAYOUT)
+        rk.from_config(base(page_size=2), LAYOUT)
     monkeypatch.delenv("RADIXKV_CONFIG", raising=False)
     with pytest.raises(ValueError, match="RADIXKV_CONFIG"):
-        rk.PrefixCache.from_config()
+        rk.from_config()
     with pytest.raises(ValueError, match="no such file"):
-        rk.PrefixCache.from_config(tmp_path / "absent.yaml", LAYOUT)
+        rk.from_config(tmp_path / "absent.yaml", LAYOUT)
 
 
 def test_secrets_reach_the_stack_and_never_the_repr(monkeypatch):
@@ -105,31 +105,31 @@ def test_cache_policy_and_exclusive_reach_the_cpu_tier_and_the_stack():
     layout = rk.KVLayout(1, 1, 2, torch.float32, page_size=4)
     base = {"num_pages": 8, "chunk_size": 8, "page_size": 4, "local_cpu": True, "max_local_cpu_size": 0.001,
             "namespace": {"model": "m"}}
-    with rk.PrefixCache.from_config({**base, "cache_policy": "s3fifo"}, layout) as cache:
+    with rk.from_config({**base, "cache_policy": "s3fifo"}, layout) as cache:
         assert cache.stack.victims == {0} and cache.stack.tiers[0].stats()["pins"] == 0
         assert type(cache.stack.tiers[0]._policy).__name__ == "S3FIFO"
-    with rk.PrefixCache.from_config({**base, "exclusive": False}, layout) as cache:
+    with rk.from_config({**base, "exclusive": False}, layout) as cache:
         assert cache.stack.victims == frozenset()
     with pytest.raises(ValueError, match="cache_policy"):
-        rk.PrefixCache.from_config({**base, "cache_policy": "lfu"}, layout)
+        rk.from_config({**base, "cache_policy": "lfu"}, layout)
     with pytest.raises(ValueError, match="exclusive"):
-        rk.PrefixCache.from_config({**base, "exclusive": "yes"}, layout)
+        rk.from_config({**base, "exclusive": "yes"}, layout)
 
 
 def test_local_disk_admission_builds_a_second_hit_lmdb_tier(tmp_path):
     disk = {"local_disk": str(tmp_path / "db"), "max_local_disk_size": 0.01}
-    cache = rk.PrefixCache.from_config(base(**disk, local_disk_admission="second_hit"), layout=LAYOUT)
+    cache = rk.from_config(base(**disk, local_disk_admission="second_hit"), layout=LAYOUT)
     assert cache.stack.tiers[0]._admission is not None      # a new chunk is remembered, not stored
     cache.close()
     with pytest.raises(ValueError, match="local_disk_admission"):
-        rk.PrefixCache.from_config(base(**disk, local_disk_admission="lfu"), layout=LAYOUT)
+        rk.from_config(base(**disk, local_disk_admission="lfu"), layout=LAYOUT)
     with pytest.raises(ValueError, match="local_disk_admission"):
-        rk.PrefixCache.from_config(base(local_disk_admission="second_hit"), layout=LAYOUT)
+        rk.from_config(base(local_disk_admission="second_hit"), layout=LAYOUT)
 
 
 def test_a_layout_with_sliding_windows_from_a_mapping():
     cfg = base(layout={"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "windows": [8, 0]})
-    cache = rk.PrefixCache.from_config(cfg)
+    cache = rk.from_config(cfg)
     assert cache.layout.windows == (8, 0) and cache.groups is not None
     cache.check()
 
@@ -162,14 +162,14 @@ def test_a_disk_path_that_cannot_be_opened_starts_without_the_disk_tier(tmp_path
     blocker.write_text("not a directory")
     cfg = base(local_cpu=True, max_local_cpu_size=0.001, local_disk=str(blocker / "db"), max_local_disk_size=0.01)
     with caplog.at_level("WARNING", logger="radixkv.config"):
-        with rk.PrefixCache.from_config(cfg, LAYOUT) as cache:
+        with rk.from_config(cfg, LAYOUT) as cache:
             assert [type(t) for t in cache.stack.tiers] == [CpuTier]          # started, disk left out
             cache.check()
     assert sum("cannot be opened" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(OSError):
-        rk.PrefixCache.from_config(cfg | {"local_disk_required": True}, LAYOUT)
+        rk.from_config(cfg | {"local_disk_required": True}, LAYOUT)
     with pytest.raises(ValueError, match="local_disk_required"):
-        rk.PrefixCache.from_config(cfg | {"local_disk_required": "yes"}, LAYOUT)
+        rk.from_config(cfg | {"local_disk_required": "yes"}, LAYOUT)
 
 
 @pytest.mark.parametrize("kind", ["s3", "redis"])
@@ -177,10 +177,10 @@ def test_a_remote_tier_down_at_start_up_is_misses_then_used_once_it_answers(kind
     """A cache built while its S3 or Redis endpoint does not answer starts (one warning), serves
     misses, and loads from the tier once a server answers on that port, without a restart;
     ``remote_required: true`` refuses to start instead."""
-    from radixkv.testing.s3server import CREDENTIALS, MotoServer, free_port
+    from radixkv.tools.s3server import CREDENTIALS, MotoServer, free_port
 
     if kind == "redis":
-        from radixkv.testing.redisserver import RedisServer, redis_server_binary
+        from radixkv.tools.redisserver import RedisServer, redis_server_binary
 
         if redis_server_binary() is None and __import__("os").environ.get("CI") != "true":
             pytest.skip("redis-server is not installed")
@@ -192,9 +192,9 @@ def test_a_remote_tier_down_at_start_up_is_misses_then_used_once_it_answers(kind
         for name, value in CREDENTIALS.items():
             env.setenv(name, value)
         with pytest.raises(ConnectionError):
-            rk.PrefixCache.from_config(cfg | {"remote_required": True}, LAYOUT)
+            rk.from_config(cfg | {"remote_required": True}, LAYOUT)
         with caplog.at_level("WARNING"):
-            cache = rk.PrefixCache.from_config(cfg, LAYOUT)
+            cache = rk.from_config(cfg, LAYOUT)
         try:
             tokens = list(range(1, 33))
             assert _serve_until_hit(cache, tokens, timeout_s=1.0) == 0     # misses, never an error

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from radixkv import _ext
+from radixkv.core import _ext
 
 CUDA_SOURCES = sorted(_ext.sources_dir().glob("*.cu"))
 

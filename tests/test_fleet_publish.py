@@ -22,8 +22,8 @@ from radixkv.fleet.events import EventBatch, Subscriber
 from radixkv.fleet.hashing import external_hash, vllm_block_hashes
 from radixkv.fleet.index import Index
 from radixkv.fleet.publish import KVEvents, publish
-from radixkv.hashing import keys_from_token_bytes
-from radixkv.workloads import replay
+from radixkv.core.hashing import keys_from_token_bytes
+from radixkv.tools.workloads import replay
 
 LAYOUT = rk.KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
 CHUNK = 4

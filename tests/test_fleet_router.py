@@ -305,8 +305,8 @@ def test_the_follower_follows_two_caches_publishing_over_zmq() -> None:
     import radixkv as rk
     from radixkv.fleet.hashing import external_hash
     from radixkv.fleet.publish import publish
-    from radixkv.hashing import keys_from_token_bytes
-    from radixkv.workloads import replay
+    from radixkv.core.hashing import keys_from_token_bytes
+    from radixkv.tools.workloads import replay
 
     layout = rk.KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
     caches = [rk.PrefixCache(layout, num_pages=64, chunk_size=4) for _ in range(2)]

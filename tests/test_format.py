@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.format import ChunkFormatError, decode_chunk, encode_chunk, encoded_size
-from radixkv.hashing import as_token_bytes
+from radixkv.core.format import ChunkFormatError, decode_chunk, encode_chunk, encoded_size
+from radixkv.core.hashing import as_token_bytes
 
 NS, KEY, PARENT = b"n" * 8, b"k" * 16, b"p" * 16
 TOKENS = as_token_bytes([3, 1, 4])
@@ -178,7 +178,7 @@ def test_no_unsafe_deserialisation_on_any_read_path() -> None:
 
 # -- seals: keyed MAC and AEAD ----------------------------------------------------------------
 
-from radixkv.format import ChunkAuthError, Seal  # noqa: E402
+from radixkv.core.format import ChunkAuthError, Seal  # noqa: E402
 
 SECRET = b"format-test-secret-0123456789"
 SEALS = {"mac": Seal(SECRET, namespace_id=NS), "aead": Seal(SECRET, namespace_id=NS, encrypt=True)}

@@ -19,7 +19,7 @@ from radixkv.testing import (Clock, FaultyPrefixCacheMachine, PersistentTierCont
                              TieredPrefixCacheMachine)
 from radixkv.testing.backends import CpuTierContract, LmdbTierContract, LmdbTtlTierContract, MemoryTierContract
 from radixkv.testing.settings import MUTATION
-from radixkv.testing.tiers import key_universe, make_blob, namespace_ids
+from radixkv.testing.contract import key_universe, make_blob, namespace_ids
 
 pytest.importorskip("lmdb")
 

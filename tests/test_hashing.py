@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import radixkv as rk
-from radixkv import _ext, hashing
-from radixkv.hashing import as_token_bytes
+from radixkv.core import _ext, hashing
+from radixkv.core.hashing import as_token_bytes
 
 NS = rk.Namespace(model="golden/model", revision="r1")
 

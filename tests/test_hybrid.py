@@ -1,7 +1,7 @@
 """Sliding-window and hybrid models through the cache: exact logits, and the window rule's memory.
 
 A sliding layer's KV is kept only for the last ``w - 1`` tokens before each reuse point (a leaf, a
-branch point, a live request's end; ``radixkv.groups``).  Checked here:
+branch point, a live request's end; ``radixkv.core.groups``).  Checked here:
 
 * exactness: ``PrefixCachedLM.prefill`` with reused KV gives the logits of one plain forward at every
   computed position (fp32, max abs difference <= 1e-4) for every hybrid family (Gemma-2, Gemma-3,
@@ -36,8 +36,8 @@ from radixkv.integrations.transformers import (  # noqa: E402
     namespace_for,
     random_model,
 )
-from radixkv.groups import KVGroups  # noqa: E402
-from radixkv.pool import KVGroup, KVPool  # noqa: E402
+from radixkv.core.groups import KVGroups  # noqa: E402
+from radixkv.core.pool import KVGroup, KVPool  # noqa: E402
 
 WINDOW, PAGE, CHUNK, LAYERS = 8, 4, 8, 4
 NEED = -(-(WINDOW - 1) // PAGE)          # sliding pages a match needs: the last w - 1 tokens

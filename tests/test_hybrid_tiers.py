@@ -184,7 +184,7 @@ def test_from_s3_in_a_second_cache() -> None:
     pytest.importorskip("boto3")
     pytest.importorskip("moto")
     from radixkv.backends.s3 import S3Tier
-    from radixkv.testing.s3server import CREDENTIALS, MotoServer
+    from radixkv.tools.s3server import CREDENTIALS, MotoServer
 
     model = build("gemma3")
     prompt = tokens(45, seed=10)

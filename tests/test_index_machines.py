@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from radixkv.testing import PrefixCacheMachine, RadixTreeMachine
-from radixkv.testing.index import EvictionModel
-from radixkv.tree import RadixTree
+from radixkv.testing.machines import EvictionModel
+from radixkv.core.tree import RadixTree
 
 from mutants_engine import lru_pop_newest
 

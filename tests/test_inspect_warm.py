@@ -15,10 +15,10 @@ import torch
 import radixkv as rk
 from radixkv.__main__ import main
 from radixkv.backends import CpuTier, LmdbTier, MemoryTier
-from radixkv.inspect import holdings, verify
-from radixkv.testing.redisserver import RedisServer, redis_server_binary
-from radixkv.warm import warm
-from radixkv.workloads import replay
+from radixkv.tools.inspection import holdings, verify
+from radixkv.tools.redisserver import RedisServer, redis_server_binary
+from radixkv.tools.warm import warm
+from radixkv.tools.workloads import replay
 
 LAYOUT = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32"}
 SECRET = "a deployment secret of 32 bytes!"
@@ -51,7 +51,7 @@ def redis() -> Iterator[RedisServer]:
 def test_inspect_lists_verifies_planted_corrupt_and_forged_chunks_and_drops(tmp_path: Any, capsys: Any) -> None:
     cfg = config(tmp_path, secret=SECRET)
     path = write(tmp_path, cfg)
-    with rk.PrefixCache.from_config(cfg) as cache:
+    with rk.from_config(cfg) as cache:
         replay(cache, prompts(3))                          # 3 x 5 chunks, sealed with the secret
         cache.flush()
         ns = cache.namespace.id
@@ -102,22 +102,22 @@ def test_inspect_lists_verifies_planted_corrupt_and_forged_chunks_and_drops(tmp_
 def test_warm_up_then_the_first_request_hits_the_cpu_tier(tmp_path: Any) -> None:
     cfg = config(tmp_path, local_cpu=True, max_local_cpu_size=0.001)
     system, other = prompts(2, length=57)
-    with rk.PrefixCache.from_config(cfg) as cache:          # an earlier run left chunks on disk
+    with rk.from_config(cfg) as cache:          # an earlier run left chunks on disk
         replay(cache, [system, other])
         cache.flush()
-    with rk.PrefixCache.from_config(cfg) as cache:
+    with rk.from_config(cfg) as cache:
         assert cache.stack.tiers[0].stats()["entries"] == 0
-        report, = cache.warm(prompts=[system], show_progress=True)
+        report, = warm(cache, prompts=[system], show_progress=True)
         assert (report.tier, report.warmed, report.stopped) == ("cpu", 7, "done")
         assert cache.stack.tiers[0].stats()["entries"] == 7
         m = cache.match(system + [1, 2, 3])
         stats = cache.stats()
         assert m.num_tokens == 56 and stats["tier_hit_tokens_by_tier"] == [56, 0]   # from the CPU tier
         cache.release(m)
-        report, = cache.warm(max_bytes=cache.layout.token_bytes * CHUNK * 3)   # the rest, within a budget
+        report, = warm(cache, max_bytes=cache.layout.token_bytes * CHUNK * 3)   # the rest, within a budget
         assert report.stopped == "budget" and report.warmed == 3 and report.left > 0
         cache.check()
-    with rk.PrefixCache.from_config(cfg) as cache:
+    with rk.from_config(cfg) as cache:
         report, = warm(cache, deadline_s=30.0)             # the whole namespace, newest first
         assert report.warmed == 14 and report.stopped == "done" and report.bad == 0
         with pytest.raises(ValueError, match="into"):
@@ -132,7 +132,7 @@ def test_the_warm_command_pulls_a_remote_tier_onto_the_local_disk(tmp_path: Any,
                                                                     capsys: Any) -> None:
     remote = f"{redis.url}?prefix=warm{tmp_path.name[-8:]}"
     writer_cfg = config(tmp_path, local_disk=str(tmp_path / "writer"), remote_url=remote)
-    with rk.PrefixCache.from_config(writer_cfg) as cache:   # another machine filled the shared tier
+    with rk.from_config(writer_cfg) as cache:   # another machine filled the shared tier
         replay(cache, prompts(2))
         cache.flush()
         ns = cache.namespace.id
@@ -179,7 +179,7 @@ def test_precompute_makes_a_system_prompt_hit_in_the_paged_engine() -> None:
     pytest.importorskip("transformers")
     from radixkv.integrations.paged import PagedEngine
     from radixkv.integrations.transformers import layout_for, namespace_for, random_model
-    from radixkv.warm import precompute
+    from radixkv.tools.warm import precompute
 
     model = random_model("llama", seed=0, num_kv_heads=2, vocab_size=128)
     cache = rk.PrefixCache(layout_for(model, page_size=4), num_pages=64, chunk_size=CHUNK,

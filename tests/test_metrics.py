@@ -1,4 +1,4 @@
-"""radixkv.metrics: scraped over HTTP while a workload runs, the series say what ``stats()`` says;
+"""radixkv.fleet.metrics: scraped over HTTP while a workload runs, the series say what ``stats()`` says;
 faults, gauges and bad arguments; the exposition text the fleet router renders."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 import radixkv as rk
 from radixkv.backends import CpuTier, LmdbTier
-from radixkv.metrics import SERIES, Exporter, exposition, serve, snapshot
-from radixkv.workloads import ChatWorkload, replay
+from radixkv.fleet.metrics import SERIES, Exporter, exposition, serve, snapshot
+from radixkv.tools.workloads import ChatWorkload, replay
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -28,18 +28,18 @@ from radixkv import ops
 from radixkv.backends import MemoryTier, blob_view, check_key, count_leading
 from radixkv.backends.cpu import CpuTier
 from radixkv.backends.lmdb import LmdbTier, _Writer
-from radixkv.cache import PrefixCache
-from radixkv.groups import KVGroups
-from radixkv.pool import KVPool, as_page_ids
+from radixkv.core.cache import PrefixCache
+from radixkv.core.groups import KVGroups
+from radixkv.core.pool import KVPool, as_page_ids
 from radixkv.testing import (FaultyPrefixCacheMachine, PrefixCacheMachine, RadixTreeMachine,
                              TieredPrefixCacheMachine)
 from radixkv.testing.backends import CpuTierContract, LmdbTierContract, LmdbTtlTierContract, MemoryTierContract
 from radixkv.testing.requests import RequestMachine, SlidingRequestMachine
 from radixkv.testing.settings import MUTATION
-from radixkv.loads import Loads
-from radixkv.stores import Stores
-from radixkv.tiers import TierStack
-from radixkv.tree import RadixTree
+from radixkv.core.loads import Loads
+from radixkv.core.stores import Stores
+from radixkv.core.stack import TierStack
+from radixkv.core.tree import RadixTree
 from mutants_engine import ROWS as ENGINE_ROWS, lru_pop_newest
 from sqlite_tier import SqliteTier
 
@@ -890,8 +890,8 @@ def _wait_does_not_wait(mp: pytest.MonkeyPatch) -> None:
 
 
 def _grow_repeats_a_token(mp: pytest.MonkeyPatch) -> None:
-    from radixkv.hashing import as_token_bytes
-    from radixkv.request import Request
+    from radixkv.core.hashing import as_token_bytes
+    from radixkv.core.request import Request
 
     def grow(self: Request, tokens: Any) -> bytes:
         known = len(self._data) // 4

@@ -12,8 +12,8 @@ import torch
 
 import radixkv as rk
 from radixkv.backends import CpuTier
-from radixkv.observe import Counts, Listener, Observers
-from radixkv.workloads import replay
+from radixkv.core.observe import Counts, Listener, Observers
+from radixkv.tools.workloads import replay
 
 LAYOUT = rk.KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
 
@@ -61,7 +61,7 @@ def test_a_failing_listener_is_logged_and_detached_and_the_others_still_hear(cap
 
     cache = rk.PrefixCache(LAYOUT, num_pages=24, chunk_size=4)
     broken, counts = cache.observers.add(Broken()), cache.observers.add(Counts())
-    with caplog.at_level(logging.ERROR, logger="radixkv.observe"):
+    with caplog.at_level(logging.ERROR, logger="radixkv.core.observe"):
         scripted(cache)                                     # no exception reaches the engine
     assert Broken.calls == 1 and broken not in list(cache.observers) and len(cache.observers) == 1
     assert sum("detached" in r.getMessage() for r in caplog.records) == 1

@@ -1,4 +1,4 @@
-"""Block copies (radixkv.ops): the C++ kernel against the torch reference, bit for bit, and the
+"""Block copies (radixkv.core.ops): the C++ kernel against the torch reference, bit for bit, and the
 reference against the plain per-page definition; argument checks; backend selection."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixkv import ops
-from radixkv.pool import _POOL_DTYPES, KVLayout, KVPool
+from radixkv.core.pool import _POOL_DTYPES, KVLayout, KVPool
 
 DTYPES = sorted(_POOL_DTYPES, key=str)
 HAVE_CXX = any(shutil.which(c) for c in ("c++", "g++", "clang++"))

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixkv import ops
-from radixkv.pool import _POOL_DTYPES
+from radixkv.core.pool import _POOL_DTYPES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the CUDA kernel is not run here")
 

@@ -20,9 +20,9 @@ from hypothesis import example, given, settings, strategies as st
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from radixkv.fleet.controller import Controller, ControllerClient, snapshot_batch  # noqa: E402
+from radixkv.p2p.controller import Controller, ControllerClient, snapshot_batch  # noqa: E402
 from radixkv.fleet.events import BlockRemoved, BlockStored, EventBatch  # noqa: E402
-from radixkv.fleet.wire import (Ack, Channel, Deregister, Fetch, Heartbeat, PeerLookup, Pin, Refused,  # noqa: E402
+from radixkv.p2p.wire import (Ack, Channel, Deregister, Fetch, Heartbeat, PeerLookup, Pin, Refused,  # noqa: E402
                                 Register, Report, Signer)
 
 HERE = Path(__file__).resolve().parent
@@ -34,7 +34,7 @@ CHUNKS = 6
 
 
 def _have_nixl() -> bool:
-    from radixkv._nixl import available
+    from radixkv.p2p.transport import available
 
     return available()
 
@@ -283,7 +283,7 @@ def test_a_peer_killed_mid_transfer_or_restarted_or_stale_is_a_miss(fleet: Fleet
 def test_nixl_a_peer_killed_between_pin_and_read_is_a_miss(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
     if not _have_nixl():
         pytest.skip("NIXL does not load here")
-    from radixkv import _nixl
+    from radixkv.p2p import transport as _nixl
 
     fleet.start("a", seed=1, transport="nixl")
     b = fleet.reader("b", "nixl", timeout=1.5)
@@ -349,7 +349,7 @@ def test_p2p_config_keys_are_checked_and_need_the_secret(monkeypatch: pytest.Mon
 
 
 def test_python_m_radixkv_controller_serves_signed_requests(tmp_path: Path) -> None:
-    from radixkv.testing.s3server import free_port
+    from radixkv.tools.s3server import free_port
 
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"secret": SECRET}))
@@ -382,8 +382,8 @@ def test_a_pinned_blob_stays_put_whatever_the_tier_does_until_released_or_expire
     through puts, evictions and overwrites of its key, until released or expired; fetches answer the
     leading keys held, exactly; the lease budget holds."""
     from radixkv.backends.cpu import CpuTier
-    from radixkv.fleet.wire import Blobs, Pinned, Release
-    from radixkv.p2p import PeerServer
+    from radixkv.p2p.wire import Blobs, Pinned, Release
+    from radixkv.p2p.node import PeerServer
 
     now = [0.0]
     tier = CpuTier(6 * 64, slot_bytes=64)                    # 6 slots: puts evict all the time
@@ -453,8 +453,8 @@ def test_a_departed_readers_pins_end_when_the_controller_says_it_left() -> None:
     since its last message (deregistered, timed out, restarted); the serving side then ends those
     readers' pins at once, not at their time limit, and keeps the others'."""
     from radixkv.backends.cpu import CpuTier
-    from radixkv.fleet.wire import Pin, Pinned
-    from radixkv.p2p import PeerServer
+    from radixkv.p2p.wire import Pin, Pinned
+    from radixkv.p2p.node import PeerServer
 
     now = [0.0]
     c = Controller("tcp://127.0.0.1:0", SECRET, heartbeat_timeout_s=5.0, clock=lambda: now[0])

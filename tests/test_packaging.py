@@ -10,21 +10,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 BUILD = """
-import radixkv, radixkv.ops as ops
+import radixkv, radixkv.core.ops as ops
 assert radixkv.__file__.startswith(sys.argv[1]), radixkv.__file__
 print(ops.build())
 """
 
 # Under RADIXKV_EXT=require, with no compiler on PATH: the C++ kernel runs only if it was loaded.
 USE = """
-import torch, radixkv, radixkv.ops as ops
+import torch, radixkv, radixkv.core.ops as ops
 assert radixkv.__file__.startswith(sys.argv[1]), radixkv.__file__
 kv = torch.arange(2 * 2 * 4 * 2 * 1 * 3, dtype=torch.float16).reshape(2, 2, 4, 2, 1, 3)
 out = ops.gather_pages(kv, [3, 1])
 assert torch.equal(out, torch.cat([kv[:, :, 3], kv[:, :, 1]], dim=2))
 blocks = ops.gather_blocks([kv[l].transpose(2, 3) for l in range(2)], [2], torch.empty(2, 2, 1, 2, 3, dtype=kv.dtype))
 assert torch.equal(blocks[:, :, 0], kv[:, :, 2, :, 0])  # heads and block_size swapped
-from radixkv import _ext
+from radixkv.core import _ext
 assert _ext.native_tokens()([1, 2**30]) == bytes([1, 0, 0, 0, 0, 0, 0, 64])  # the token converter, too
 print(ops.backend(), ops.extension_dir())
 """

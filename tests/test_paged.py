@@ -389,7 +389,7 @@ def test_a_load_that_fails_to_land_leaves_every_page_where_it_was(llama: Any) ->
 
 
 def test_a_failing_extend_is_retried_at_the_next_step(llama: Any) -> None:
-    from radixkv.request import Request
+    from radixkv.core.request import Request
 
     engine, rs = in_flight(llama)
     filled = 0

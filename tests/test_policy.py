@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixkv.backends import CpuTier, Tier
-from radixkv.policy import LRU, S3FIFO, SecondHit, make_policy
+from radixkv.core.policy import LRU, S3FIFO, SecondHit, make_policy
 from radixkv.testing.backends import CpuTierContract
 
 POLICIES = [None, "s3fifo", "second_hit"]

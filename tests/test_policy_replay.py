@@ -15,8 +15,8 @@ import pytest
 import radixkv as rk
 from radixkv.backends import CpuTier
 from radixkv.bench.policy import CHUNK, CPU_TOKENS, LAYOUT, hit_rate, workloads
-from radixkv.format import encoded_size
-from radixkv.workloads import pool_copies, replay
+from radixkv.core.format import encoded_size
+from radixkv.tools.workloads import pool_copies, replay
 
 POOLS = (2048, 4096, 8192, 16384, 32768)
 WORKLOADS = workloads(150)

@@ -23,12 +23,12 @@ from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from radixkv import PrefixCache  # noqa: E402
 from radixkv.backends import Tier  # noqa: E402
 from radixkv.backends.redis import RedisTier, parse_redis_url  # noqa: E402
-from radixkv.hashing import Namespace  # noqa: E402
-from radixkv.pool import KVLayout  # noqa: E402
+from radixkv.core.hashing import Namespace  # noqa: E402
+from radixkv.core.pool import KVLayout  # noqa: E402
 from radixkv.testing.proxy import FaultyProxy, timed_requests  # noqa: E402
-from radixkv.testing.redisserver import RedisServer, redis_server_binary  # noqa: E402
-from radixkv.testing.tiers import TierContract  # noqa: E402
-from radixkv.tiers import TierStack  # noqa: E402
+from radixkv.tools.redisserver import RedisServer, redis_server_binary  # noqa: E402
+from radixkv.testing.contract import TierContract  # noqa: E402
+from radixkv.core.stack import TierStack  # noqa: E402
 
 if redis_server_binary() is None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -167,9 +167,9 @@ def test_maxmemory_eviction_by_the_server_is_a_miss_never_wrong_data() -> None:
 _WRITER = """
 import sys, torch
 from radixkv.backends.redis import RedisTier
-from radixkv.hashing import Namespace
-from radixkv.pool import KVLayout
-from radixkv.tiers import TierStack
+from radixkv.core.hashing import Namespace
+from radixkv.core.pool import KVLayout
+from radixkv.core.stack import TierStack
 layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float16, page_size=4)
 stack = TierStack([RedisTier(sys.argv[1])], namespace=Namespace(model="shared").bind(layout), layout=layout,
                   chunk_size=4, secret=sys.argv[2])

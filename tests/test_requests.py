@@ -13,7 +13,7 @@ import torch
 
 import radixkv as rk
 from radixkv.backends import MemoryTier
-from radixkv.request import Request
+from radixkv.core.request import Request
 from radixkv.testing.requests import GatedTier, RequestMachine, SlidingRequestMachine
 
 LAYOUT = rk.KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
@@ -31,7 +31,7 @@ def test_the_machine_loads_into_a_chunk_and_reloads_a_stores_first_chunk(monkeyp
 
     from radixkv import ops
     from radixkv.testing.settings import MUTATION
-    from radixkv.tiers import TierStack
+    from radixkv.core.stack import TierStack
 
     skips, firsts, reloaded = [], set(), []
     scatter, store, load = ops.scatter_pages, TierStack.store, TierStack.load

@@ -29,11 +29,11 @@ from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from radixkv import PrefixCache, backends  # noqa: E402
 from radixkv.backends import Tier  # noqa: E402
 from radixkv.backends.s3 import CircuitBreaker, S3Tier, parse_remote_url  # noqa: E402
-from radixkv.testing.s3server import CREDENTIALS, MotoServer, moto_with_bucket  # noqa: E402
-from radixkv.hashing import Namespace  # noqa: E402
-from radixkv.pool import KVLayout  # noqa: E402
-from radixkv.testing.tiers import TierContract  # noqa: E402
-from radixkv.tiers import TierStack  # noqa: E402
+from radixkv.tools.s3server import CREDENTIALS, MotoServer, moto_with_bucket  # noqa: E402
+from radixkv.core.hashing import Namespace  # noqa: E402
+from radixkv.core.pool import KVLayout  # noqa: E402
+from radixkv.testing.contract import TierContract  # noqa: E402
+from radixkv.core.stack import TierStack  # noqa: E402
 
 BUCKET = "radixkv-test"
 TIMEOUT_S = 1.0  # connect and read timeout of the fault tests: large beside a loaded machine's jitter
@@ -118,7 +118,7 @@ def test_a_missing_bucket_is_a_clear_error_at_construction(s3_server: MotoServer
 
 
 def test_an_unreachable_endpoint_is_a_clear_error_unless_lazy(s3_server: MotoServer) -> None:
-    from radixkv.testing.s3server import free_port
+    from radixkv.tools.s3server import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ConnectionError, match="unreachable.*lazy=True"):

@@ -12,11 +12,11 @@ import torch
 
 from radixkv.backends import Blob, MemoryTier, Tier, current_max_blob_bytes, report_oversize
 from radixkv.backends.cpu import CpuTier
-from radixkv.format import encode_chunk
-from radixkv.hashing import Namespace
-from radixkv.pool import KVLayout
-from radixkv.testing.tiers import FaultyTier
-from radixkv.tiers import ChunkRef, TierStack
+from radixkv.core.format import encode_chunk
+from radixkv.core.hashing import Namespace
+from radixkv.core.pool import KVLayout
+from radixkv.testing.contract import FaultyTier
+from radixkv.core.stack import ChunkRef, TierStack
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16, page_size=2)
 CHUNK = 4
@@ -196,7 +196,7 @@ def test_a_failing_tier_is_a_miss_counted_and_logged_once(refs: list[ChunkRef],
     put(broken.inner, refs, [0, 1])
     put(healthy, refs, [0, 1])
     stack = make_stack([broken, healthy])
-    with caplog.at_level(logging.WARNING, logger="radixkv.tiers"):
+    with caplog.at_level(logging.WARNING, logger="radixkv.core.stack"):
         for _ in range(10):
             assert stack.lookup([r.key for r in refs]) == [1, 1]
             assert len(stack.load(refs[:2])) == 2  # tier 0 raises on read too: falls through
@@ -344,7 +344,7 @@ def test_lookup_costs_one_round_trip_per_tier(refs: list[ChunkRef]) -> None:
 
 
 def test_a_tail_is_stored_found_and_loaded_like_a_chunk(refs: list[ChunkRef]) -> None:
-    from radixkv.hashing import as_token_bytes
+    from radixkv.core.hashing import as_token_bytes
 
     data = as_token_bytes(TOKENS)
     tier = MemoryTier()

@@ -152,7 +152,7 @@ def s3_endpoint() -> Iterator[tuple[str, str]]:
     """(endpoint URL, bucket) of moto's S3 server on loopback, shared by this module's S3 tests."""
     pytest.importorskip("boto3")
     pytest.importorskip("moto")
-    from radixkv.testing.s3server import CREDENTIALS, MotoServer
+    from radixkv.tools.s3server import CREDENTIALS, MotoServer
 
     bucket = "radixkv-hf-test"
     with pytest.MonkeyPatch.context() as mp:

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from radixkv.backends import MemoryTier, Tier
-from radixkv.format import ChunkAuthError, Seal, decode_chunk, encode_chunk, hkdf_sha256
-from radixkv.hashing import Namespace, as_token_bytes
-from radixkv.pool import KVLayout
-from radixkv.tiers import TierStack
+from radixkv.core.format import ChunkAuthError, Seal, decode_chunk, encode_chunk, hkdf_sha256
+from radixkv.core.hashing import Namespace, as_token_bytes
+from radixkv.core.pool import KVLayout
+from radixkv.core.stack import TierStack
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16, page_size=4)
 NS = Namespace(model="trust").bind(LAYOUT)
@@ -188,7 +188,7 @@ pytest.importorskip("moto")
 
 from radixkv.backends.s3 import S3Tier  # noqa: E402
 from radixkv.testing.proxy import FaultyProxy, timed_requests  # noqa: E402
-from radixkv.testing.s3server import CREDENTIALS, MotoServer, moto_with_bucket  # noqa: E402
+from radixkv.tools.s3server import CREDENTIALS, MotoServer, moto_with_bucket  # noqa: E402
 
 BUCKET = "radixkv-trust"
 
@@ -270,7 +270,7 @@ def test_a_slow_or_trickling_s3_endpoint_costs_at_most_the_deadline_and_opens_th
 
 
 def test_credentials_in_the_endpoint_url_never_reach_a_log_when_it_is_dead(caplog: pytest.LogCaptureFixture) -> None:
-    from radixkv.testing.s3server import free_port
+    from radixkv.tools.s3server import free_port
 
     caplog.set_level(logging.DEBUG)
     secret_key = "dead-endpoint-secret-456"
@@ -302,7 +302,7 @@ def _redis_available() -> bool:
         import redis  # noqa: F401
     except ImportError:
         return False
-    from radixkv.testing.redisserver import redis_server_binary
+    from radixkv.tools.redisserver import redis_server_binary
 
     return redis_server_binary() is not None
 
@@ -320,7 +320,7 @@ class _Endpoint:
         else:
             if not _redis_available():
                 pytest.skip("redis-py or redis-server is not installed")
-            from radixkv.testing.redisserver import RedisServer
+            from radixkv.tools.redisserver import RedisServer
 
             self.server = stack.enter_context(RedisServer())
         self.proxy = stack.enter_context(FaultyProxy(("127.0.0.1", self.server.port), delay_s=3.0,
@@ -410,7 +410,7 @@ def test_once_the_breaker_opens_a_failing_endpoint_costs_matches_nothing_and_is_
 @pytest.mark.parametrize("kind", ["s3", "redis"])
 def test_a_tier_built_lazily_while_its_endpoint_is_down_starts_as_misses_and_is_used_once_it_answers(
         s3: MotoServer, kind: str, caplog: pytest.LogCaptureFixture) -> None:
-    from radixkv.testing.s3server import free_port
+    from radixkv.tools.s3server import free_port
 
     if kind == "redis" and not _redis_available():
         pytest.skip("redis-py or redis-server is not installed")
@@ -440,7 +440,7 @@ def test_a_tier_built_lazily_while_its_endpoint_is_down_starts_as_misses_and_is_
             _match(stack, refs)  # up, but the bucket does not exist yet: still misses
             server.client().create_bucket(Bucket=BUCKET)
         else:
-            from radixkv.testing.redisserver import RedisServer
+            from radixkv.tools.redisserver import RedisServer
 
             resources.enter_context(RedisServer(port=port))
 

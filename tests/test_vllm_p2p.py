@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.fleet.controller import Controller
+from radixkv.p2p.controller import Controller
 
 HERE = Path(__file__).resolve().parent
 SECRET = "vllm p2p test secret, 32 bytes."
@@ -36,7 +36,7 @@ def test_b_serves_a_prefix_a_computed_from_as_cpu_tier(tmp_path: Path) -> None:
     from test_vllm import _launch, _wait
     from vllm_cases import make_model
 
-    from radixkv._nixl import available
+    from radixkv.p2p.transport import available
 
     model = make_model(str(tmp_path / "model"), seed=0)
     rng = random.Random(11)

@@ -100,7 +100,7 @@ def s3_action(action: str, s3: dict[str, Any]) -> None:
     elif action == "resume_s3":
         os.kill(int(s3["pid"]), signal.SIGCONT)
     elif action == "start_s3":
-        from radixkv.testing.s3server import MotoServer
+        from radixkv.tools.s3server import MotoServer
 
         server = MotoServer(port=int(s3["port"])).start()
         _LATE_S3.append(server)
@@ -110,7 +110,7 @@ def s3_action(action: str, s3: dict[str, Any]) -> None:
 
 
 def wrong_kv_scatter(scatter: Callable[..., Any], block_tokens: int) -> Callable[..., Any]:
-    """``radixkv.ops.scatter_blocks`` made to write wrong KV while ``_WRONG_KV`` names a mode (see
+    """``radixkv.core.ops.scatter_blocks`` made to write wrong KV while ``_WRONG_KV`` names a mode (see
     the module docstring); a chunk buffer is ``[layers, 2, chunk tokens, kv heads, head dim]``."""
     first: list[Any] = []
 

@@ -53,7 +53,7 @@ def _engine_cache(model: Any, pinned: list[int], tiers: bool) -> Any:
 def _serve(model: Any, cache: Any, prompt: list[int], spans: list[tuple[int, int]], new: int,
            ratio: float | None, segments: Any = None) -> tuple[Any, float]:
     """Serve one prompt; the request and its TTFT (seconds: admission, loads and prefill)."""
-    from radixkv.blend import Blend
+    from radixkv.reuse.blend import Blend
     from radixkv.integrations.paged import PagedEngine
 
     blend = None if ratio is None else Blend(ratio=ratio, store_missing=False)
@@ -89,7 +89,7 @@ def random_weights(report: Report, prompts_per_k: int, n_docs: int, new: int, se
     """Part 1: TTFT and deviation from full prefill on a random-weight model."""
     from radixkv.integrations.paged import segment_kv
     from radixkv.integrations.transformers import random_model
-    from radixkv.segments import SegmentCache
+    from radixkv.reuse.segments import SegmentCache
 
     model = random_model("llama", seed=seed, num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=2,
                          vocab_size=1024, max_positions=4096)
@@ -155,7 +155,7 @@ def trained(report: Report, steps: int, questions: int, seed: int, layers: int =
     and single ones, half each."""
     from radixkv.bench import blend_task as task
     from radixkv.integrations.paged import segment_kv
-    from radixkv.segments import SegmentCache
+    from radixkv.reuse.segments import SegmentCache
 
     t0 = time.perf_counter()
     model = task.train(steps, seed=seed, log=report, layers=layers)

@@ -17,7 +17,7 @@ The default configuration (exclusive LRU, either write policy) must pass every c
 documented modes are reported with their failures and the mechanism behind them:
 
 * an *inclusive* CPU tier holds copies of what the pool holds, so a growing pool takes room the
-  tier had for what the pool let go (``radixkv.workloads.pool_copies`` counts the copies);
+  tier had for what the pool let go (``radixkv.tools.workloads.pool_copies`` counts the copies);
 * an *exclusive S3-FIFO* (or second-hit) CPU tier is scan-resistant while the pool is plain LRU:
   moving capacity from the tier to the pool moves it to the worse policy, and the hit rate can fall.
 
@@ -39,7 +39,7 @@ from typing import Any
 
 from radixkv.bench import Report
 from radixkv.bench.policy import hit_rate
-from radixkv.workloads import ChatWorkload, few_shot_workload, rag_workload
+from radixkv.tools.workloads import ChatWorkload, few_shot_workload, rag_workload
 
 POOLS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 TOLERANCE = 0.01            # one point of hit rate

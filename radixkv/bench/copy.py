@@ -50,7 +50,7 @@ from typing import Callable, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from radixkv import ops
+from radixkv.core import ops
 from radixkv.bench import Report
 
 TARGET_OF_LIMIT = 0.80
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     say = Report("copy", sys.argv[1:] if argv is None else argv)
-    say(f"radixkv.ops backend: {ops.backend()}")
+    say(f"radixkv.core.ops backend: {ops.backend()}")
     load_before = os.getloadavg()[0]
     for line in _run_cuda(args) if args.device == "cuda" else _run_cpu(args):
         say(line)

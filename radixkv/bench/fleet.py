@@ -150,7 +150,7 @@ def _start_router(args: argparse.Namespace, urls: list[str], events: list[str], 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from radixkv.testing.s3server import free_port, stop_process
+    from radixkv.tools.s3server import free_port, stop_process
     from radixkv.testing.vllm_server import VllmServer
 
     from radixkv.integrations.transformers import random_model

@@ -15,7 +15,7 @@ import numpy as np
 import xxhash
 
 from radixkv.bench import Report, median_seconds
-from radixkv.hashing import Namespace, chunk_keys
+from radixkv.core.hashing import Namespace, chunk_keys
 
 TARGET = 500.0  # M tokens/s, chunk 256, from an array
 

@@ -5,7 +5,7 @@
 No model runs: this measures pages, not compute.  Two workloads, both with conversations that grow
 to about 8K tokens under 8 system prompts of 1,024 tokens:
 
-* ``chat``: ``radixkv.workloads.ChatWorkload`` as it generates requests: a request is its system
+* ``chat``: ``radixkv.tools.workloads.ChatWorkload`` as it generates requests: a request is its system
   prompt, the first 1-13 turns (256-768 tokens each) of one of the prompt's 4 conversations (the
   turn pool's starting turn), then a fresh query of 32-256 tokens that no later request repeats.
   Requests of one conversation take a random number of turns, so they diverge at every turn
@@ -59,9 +59,9 @@ import torch
 
 from radixkv.backends import MemoryTier
 from radixkv.bench import Report
-from radixkv.cache import PrefixCache
-from radixkv.pool import KVLayout
-from radixkv.workloads import ChatWorkload
+from radixkv.core.cache import PrefixCache
+from radixkv.core.pool import KVLayout
+from radixkv.tools.workloads import ChatWorkload
 
 PAGE = 16
 WINDOW = 1024

@@ -15,7 +15,7 @@ asks), median MB/s of ``--repeat`` rounds:
   (what any ``get_many`` returns: the floor of every row);
 * **CpuTier get_many**: the local CPU tier (a copy out of its arena);
 * **peer nixl / peer zmq**: ``PeerTier.get_many`` from instance A in another process on this
-  machine (its ``CpuTier`` served by ``radixkv.p2p``): a signed pin, one NIXL READ of the window
+  machine (its ``CpuTier`` served by ``radixkv.p2p.node``): a signed pin, one NIXL READ of the window
   (UCX over shared memory / cross-memory attach here) and a release; or a signed fetch whose answer
   carries the bytes (pyzmq over TCP loopback).  The peer lookup (a controller round trip) is timed
   apart;
@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from radixkv.bench import Report, median_seconds
-from radixkv.pool import KVLayout
+from radixkv.core.pool import KVLayout
 
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_size=16)
 CHUNK = 256
@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(spec_path: str) -> int:
     """Instance A for the fetch rows: a CPU tier of ``chunks`` random blobs, served to peers."""
     from radixkv.backends.cpu import CpuTier
-    from radixkv.p2p import Node
+    from radixkv.p2p.node import Node
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -112,11 +112,11 @@ def _windows(tier: Any, keys: list[bytes], size: int) -> Callable[[], None]:
 
 
 def _fetch_rows(args: argparse.Namespace, say: Report, workdir: str) -> None:
-    from radixkv._nixl import available
+    from radixkv.p2p.transport import available
     from radixkv.backends.cpu import CpuTier
-    from radixkv.backends.peer import PeerTier
-    from radixkv.fleet.controller import Controller
-    from radixkv.format import encoded_size
+    from radixkv.p2p.tier import PeerTier
+    from radixkv.p2p.controller import Controller
+    from radixkv.core.format import encoded_size
 
     size = encoded_size(LAYOUT.chunk_shape(CHUNK), LAYOUT.dtype)
     keys = [bytes(8) + i.to_bytes(16, "big") for i in range(args.chunks)]
@@ -190,7 +190,7 @@ def _remote_rows(args: argparse.Namespace, say: Report, row: Callable[[str, floa
                  blobs: list[bytes], size: int, total: int) -> None:
     try:
         from radixkv.backends.s3 import S3Tier
-        from radixkv.testing.s3server import CREDENTIALS, MotoServer
+        from radixkv.tools.s3server import CREDENTIALS, MotoServer
     except ImportError:
         say("s3: not measured (pip install radixkv[s3,test])")
     else:
@@ -203,7 +203,7 @@ def _remote_rows(args: argparse.Namespace, say: Report, row: Callable[[str, floa
             tier.close()
     try:
         from radixkv.backends.redis import RedisTier
-        from radixkv.testing.redisserver import RedisServer, redis_server_binary
+        from radixkv.tools.redisserver import RedisServer, redis_server_binary
     except ImportError:
         say("redis: not measured (pip install radixkv[redis])")
         return
@@ -248,11 +248,11 @@ def _finish(workdir: str, name: str, proc: subprocess.Popen[bytes], out: str, ti
 
 
 def _ttft_rows(args: argparse.Namespace, say: Report, workdir: str) -> None:
-    from radixkv._nixl import available
-    from radixkv.fleet.controller import Controller
+    from radixkv.p2p.transport import available
+    from radixkv.p2p.controller import Controller
     from radixkv.integrations.transformers import random_model
-    from radixkv.testing.redisserver import RedisServer
-    from radixkv.testing.s3server import CREDENTIALS, MotoServer
+    from radixkv.tools.redisserver import RedisServer
+    from radixkv.tools.s3server import CREDENTIALS, MotoServer
 
     sizes = [int(x) for x in args.prefixes.split(",") if x]
     question, vocab, block = 256, 32000, 128

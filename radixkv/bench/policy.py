@@ -2,14 +2,14 @@
 
     python -m radixkv.bench policy --out benchmarks/results/policy_cpu.txt
 
-Workloads (``radixkv.workloads``, as in notebook 02): multi-turn chat (16 system prompts of 1,024
+Workloads (``radixkv.tools.workloads``, as in notebook 02): multi-turn chat (16 system prompts of 1,024
 tokens, 40 turns each), few-shot (8 tasks) and RAG (200 documents, 4 per request).  Pools of
 1K–128K tokens; below them a CPU tier of 16K tokens, alone or above an LMDB tier of 1M tokens
 (LRU); ``write_through`` and ``write_back``; the CPU tier inclusive (a copy of what the pool holds,
 LRU — what radixkv did before exclusive tiering) or exclusive (it holds only what the pool evicted)
 with the LRU, S3-FIFO or second-hit policy.  Beside them: the pool alone, and the bound — one
 pool-only LRU cache with the combined capacity (pool + CPU, + LMDB).  No model runs
-(``radixkv.workloads.replay``: hit rates do not depend on the KV).
+(``radixkv.tools.workloads.replay``: hit rates do not depend on the KV).
 
 The checks printed at the end are the ones the tiering must meet, per workload and write policy:
 with tiers at least the pool-only hit rate at the same pool size; never more than one point lower
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from radixkv.bench import Report
-from radixkv.cache import PrefixCache
-from radixkv.format import encoded_size
-from radixkv.pool import KVLayout
-from radixkv.workloads import ChatWorkload, few_shot_workload, rag_workload, replay
+from radixkv.core.cache import PrefixCache
+from radixkv.core.format import encoded_size
+from radixkv.core.pool import KVLayout
+from radixkv.tools.workloads import ChatWorkload, few_shot_workload, rag_workload, replay
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16, page_size=16)
 CHUNK = 64

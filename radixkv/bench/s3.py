@@ -21,7 +21,7 @@ fetch costs), on the server directly and behind ``radixkv.testing.proxy.FaultyPr
 ``--rtt-ms`` to every piece of an answer (64 KiB at most: a slow link); and one lookup+load with a 0.5 s deadline
 behind a proxy that trickles 16 bytes every 0.7 s (the deadline holds; the breaker opens).
 
-The server is ``radixkv.testing.s3server.MotoServer``, which the tests use too.
+The server is ``radixkv.tools.s3server.MotoServer``, which the tests use too.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from radixkv.bench import Report, median_seconds
-from radixkv.testing.s3server import CREDENTIALS, MotoServer
+from radixkv.tools.s3server import CREDENTIALS, MotoServer
 
 __all__ = ["main", "run"]
 
@@ -155,10 +155,10 @@ def _multi_chunk(say: Callable[[str], None], server: MotoServer, tier_cls: Any, 
     a proxy adding ``rtt_ms``; then a lookup+load behind a trickling proxy, with a deadline."""
     import torch
 
-    from radixkv.hashing import Namespace
-    from radixkv.pool import KVLayout
+    from radixkv.core.hashing import Namespace
+    from radixkv.core.pool import KVLayout
     from radixkv.testing.proxy import FaultyProxy, timed_requests
-    from radixkv.tiers import TierStack
+    from radixkv.core.stack import TierStack
 
     layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16, page_size=16)
     ns = Namespace(model="bench-s3").bind(layout)

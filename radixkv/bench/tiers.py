@@ -30,10 +30,10 @@ import torch
 from radixkv.backends import Tier
 from radixkv.backends.cpu import CpuTier
 from radixkv.bench import Report, median_seconds
-from radixkv.format import decode_chunk, encode_chunk, encoded_size
-from radixkv.hashing import Namespace
-from radixkv.pool import KVLayout
-from radixkv.tiers import TierStack
+from radixkv.core.format import decode_chunk, encode_chunk, encoded_size
+from radixkv.core.hashing import Namespace
+from radixkv.core.pool import KVLayout
+from radixkv.core.stack import TierStack
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16, page_size=16)
 CHUNK = 256
@@ -219,7 +219,7 @@ def _file_rates(blobs: list[bytes], total: int, repeat: int) -> tuple[float, flo
 def _seal_rows(row: Callable[..., None], ns: Namespace, refs: list[Any], kvs: list[torch.Tensor],
                blobs: list[bytes], total: int, repeat: int, dst: torch.Tensor) -> None:
     """Encode and decode under the MAC and the AEAD seals beside the checksum seal."""
-    from radixkv.format import Seal
+    from radixkv.core.format import Seal
 
     shape = LAYOUT.chunk_shape(CHUNK)
 
@@ -254,7 +254,7 @@ def _redis_rows(row: Callable[..., None], say: Callable[[str], None], keys: list
         import redis
 
         from radixkv.backends.redis import RedisTier
-        from radixkv.testing.redisserver import RedisServer
+        from radixkv.tools.redisserver import RedisServer
     except ImportError:
         say("RedisTier: skipped (pip install radixkv[redis])")
         return []

@@ -21,7 +21,7 @@ the prefill and the first token.  Each configuration is its own process (one eng
   cache is not dropped: that needs root).  Also, the warm-up prompt repeated whole ("same
   prompt"), to compare with the next row.
 * **radixkv s3 (second process)**: a new process on that S3 bucket only (moto's server on
-  127.0.0.1, ``radixkv.testing.s3server``).
+  127.0.0.1, ``radixkv.tools.s3server``).
 * **ExampleConnector**: vLLM's in-tree reference connector (safetensors files per layer) on the
   same disk.  It only reuses a prompt seen whole, so its rounds repeat one prompt: stored, then
   ``reset_prefix_cache()`` and loaded.  It then computes under one block of the prompt, where
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         return _child(argv[1], argv[2])
     args = _parser().parse_args(argv)
     from radixkv.integrations.transformers import random_model
-    from radixkv.testing.s3server import CREDENTIALS, MotoServer
+    from radixkv.tools.s3server import CREDENTIALS, MotoServer
 
     say = Report("vllm", argv)
     say(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

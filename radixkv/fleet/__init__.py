@@ -9,9 +9,9 @@
   events (the observer seam's listener);
 * ``radixkv.fleet.follow``: ``Follower``, every instance's stream into one ``Index``;
 * ``radixkv.fleet.router``: ``Router``, the prefix-aware proxy of ``python -m radixkv route``;
-* ``radixkv.fleet.controller``: ``Controller`` and ``ControllerClient``, the cache controller of
-  peer-to-peer sharing (``python -m radixkv controller``; ``radixkv.p2p``), over the signed
-  messages of ``radixkv.fleet.wire`` (``'radixkv[p2p]'``).
+* ``radixkv.p2p.controller``: ``Controller`` and ``ControllerClient``, the cache controller of
+  peer-to-peer sharing (``python -m radixkv controller``; ``radixkv.p2p.node``), over the signed
+  messages of ``radixkv.p2p.wire`` (``'radixkv[p2p]'``).
 
 The names load on first use: ``hashing`` and ``index`` need nothing beyond radixkv's own
 dependencies; ``events`` (and what uses it) needs msgspec, and its sockets pyzmq

@@ -1,7 +1,7 @@
 """What a cache holds, told as KV events: the observer-seam listener behind every event stream.
 
 ``KVEvents`` listens to a ``PrefixCache`` (or the vLLM connector's tier stack) through the
-observer seam (``radixkv.observe``) and turns what each level now holds or dropped into vLLM's
+observer seam (``radixkv.core.observe``) and turns what each level now holds or dropped into vLLM's
 events (``radixkv.fleet.events``): ``BlockStored`` / ``BlockRemoved`` with the level's *medium*,
 ``AllBlocksCleared``.  ``publish(cache, endpoint)`` attaches one that sends them on a ZMQ
 ``Publisher`` (sequence numbers, replay), the stream a ``radixkv.fleet.Index`` or any consumer of
@@ -21,7 +21,7 @@ Contract:
 * **Names** (the ``block_hashes`` of the events), chosen by the engine:
 
   - ``names="chunk"`` (the default): one block per chunk, named by the low 64 bits of its chunk
-    key (``radixkv.hashing``), ``block_size = chunk_size``.  A router computes the same names with
+    key (``radixkv.core.hashing``), ``block_size = chunk_size``.  A router computes the same names with
     ``chunk_keys(tokens, chunk_size, namespace)``;
   - ``names="vllm"``: ``chunk_size // block_size`` blocks per chunk, named as vLLM names its own
     (``radixkv.fleet.hashing.vllm_block_hashes``, ``algo``/``seed`` as the engine's), for fleets
@@ -56,11 +56,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from radixkv.fleet.hashing import external_hash, vllm_block_hashes
-from radixkv.hashing import keys_from_token_bytes
-from radixkv.observe import Listener
+from radixkv.core.hashing import keys_from_token_bytes
+from radixkv.core.observe import Listener
 
 if TYPE_CHECKING:
-    from radixkv.cache import PrefixCache
+    from radixkv.core.cache import PrefixCache
     from radixkv.fleet.events import Publisher
 
 __all__ = ["DEFAULT_MEDIA", "KVEvents", "Names", "publish"]

@@ -1,4 +1,4 @@
-"""vLLM's per-layer KV tensors as the 5-D block views that ``radixkv.ops.gather_blocks`` and
+"""vLLM's per-layer KV tensors as the 5-D block views that ``radixkv.core.ops.gather_blocks`` and
 ``scatter_blocks`` copy: ``[sides=2, num_blocks, block_size, heads, head_dim]``, any strides.
 
 What a registered tensor holds is read from its shape and strides, with one fact about the

@@ -6,7 +6,7 @@ its labels (``model_name``, ``engine``), and calls ``observe`` with what the wor
 scheduler's ``get_kv_connector_stats`` sent since the last step.  So the series cross processes as
 numbers:
 
-* in each worker, a ``Tally`` (``radixkv.metrics``: the series as plain numbers) watches the
+* in each worker, a ``Tally`` (``radixkv.fleet.metrics``: the series as plain numbers) watches the
   worker's ``TierStack``; the connector's ``stats()`` carries its samples (``worker_series``) under
   ``"metrics"``, and ``get_kv_connector_stats`` sends their change since the last step (vLLM sums
   the workers' changes: tensor-parallel ranks add up);
@@ -15,7 +15,7 @@ numbers:
   buckets where the class is prometheus-client's; else one observation at each bucket's upper
   bound, so counts and buckets are exact and only the sum is rounded up).
 
-The series are those of ``radixkv.metrics.SERIES`` that a stack has (not the pool's: the pool is
+The series are those of ``radixkv.fleet.metrics.SERIES`` that a stack has (not the pool's: the pool is
 vLLM's, and its own ``vllm:prefix_cache_*`` series cover it), with vLLM's labels in place of
 ``namespace``/``instance`` and the series' own (``tier``, ``kind``) after them.  **Multiprocess
 mode** (``PROMETHEUS_MULTIPROC_DIR``, which vLLM sets with several API servers): only metric
@@ -30,10 +30,10 @@ import importlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from radixkv.metrics import SERIES, Series, Tally
+from radixkv.fleet.metrics import SERIES, Series, Tally
 
 if TYPE_CHECKING:
-    from radixkv.tiers import TierStack
+    from radixkv.core.stack import TierStack
 
 __all__ = ["RadixKVPromMetrics", "build_prom_metrics", "worker_series"]
 
@@ -99,7 +99,7 @@ class RadixKVPromMetrics(_base):  # type: ignore[misc,valid-type]
         _unregister_ours()
         self._metrics: dict[str, Any] = {}
         self._buckets: dict[str, tuple[float, ...]] = {}
-        from radixkv.metrics import LATENCY_BUCKETS
+        from radixkv.fleet.metrics import LATENCY_BUCKETS
 
         for s in _CONNECTOR_SERIES:
             labels = [*labelnames, *s.labels]

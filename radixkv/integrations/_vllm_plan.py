@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from radixkv._checks import check_int
+from radixkv.core._checks import check_int
 
 __all__ = ["Load", "Lookup", "Plan", "Report", "SchedulerSide", "Store"]
 

@@ -15,10 +15,10 @@ One ``WorkerSide`` per worker process (tensor-parallel rank).  It carries out th
   loads them then and there (memory copies) and holds them as a finished lookup would.  The
   request is scheduled in the same step, with no round trip through the step's metadata and no
   background thread; the remote tiers (S3) are not asked for what lies past the local tiers' chunks.
-* a ``Load`` scatters held buffers into vLLM's blocks with ``radixkv.ops.scatter_blocks``, before
+* a ``Load`` scatters held buffers into vLLM's blocks with ``radixkv.core.ops.scatter_blocks``, before
   the forward that reads them;
 * a ``Store`` gathers a request's completed chunks from vLLM's blocks with
-  ``radixkv.ops.gather_blocks`` after the forward, and queues them to the stack (encoding and
+  ``radixkv.core.ops.gather_blocks`` after the forward, and queues them to the stack (encoding and
   writes happen on the stack's writer thread; a full queue drops, never waits).
 
 Chunk keys are the stack's chained keys, seeded by the request's namespace: the engine's
@@ -40,10 +40,10 @@ from typing import Any, Sequence
 
 import torch
 
-from radixkv import ops
-from radixkv.hashing import Namespace, keys_from_token_bytes
+from radixkv.core import ops
+from radixkv.core.hashing import Namespace, keys_from_token_bytes
 from radixkv.integrations._vllm_plan import Load, Lookup, Plan, Report, Store
-from radixkv.tiers import ChunkRef, TierStack
+from radixkv.core.stack import ChunkRef, TierStack
 
 __all__ = ["WorkerSide", "request_namespace"]
 

@@ -50,9 +50,9 @@ its KV group's pages (``cache.groups``), whose pages outside the window the cach
 request moves on, and its queries see only the last ``window`` positions.  The pool may hold
 another dtype than the model (K/V are converted on the way in and out).
 
-**Blending** (opt-in, ``PagedEngine(..., blend=Blend(ratio=0.15))``; see ``radixkv.blend``): a prompt
+**Blending** (opt-in, ``PagedEngine(..., blend=Blend(ratio=0.15))``; see ``radixkv.reuse.blend``): a prompt
 added with ``segments=[(start, end), ...]`` (its documents) reuses each document's KV from the
-segment cache (``radixkv.segments``, in the cache's tiers) wherever it sits in the prompt: at
+segment cache (``radixkv.reuse.segments``, in the cache's tiers) wherever it sits in the prompt: at
 admission, after the prefix match, each document past the matched prefix is loaded (bounded by
 ``Blend.deadline_s``; one not held is computed on its own and stored when ``store_missing``),
 its keys moved to their positions, and the request's prefill runs alone through
@@ -86,15 +86,15 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from radixkv._checks import check_int
-from radixkv.blend import Blend, BlendInfo, keep_rows, layer_ratios, recover_positions
-from radixkv.cache import PoolExhausted, PrefixCache
-from radixkv.hashing import as_token_bytes
-from radixkv.integrations.transformers import check_blendable, check_layout
-from radixkv.pool import KVPool
-from radixkv.request import LOAD_MODES, Request
-from radixkv.rope import rotate_half
-from radixkv.segments import SegmentCache, Span, check_spans
+from radixkv.core._checks import check_int
+from radixkv.reuse.blend import Blend, BlendInfo, keep_rows, layer_ratios, recover_positions
+from radixkv.core.cache import PoolExhausted, PrefixCache
+from radixkv.core.hashing import as_token_bytes
+from radixkv.integrations.hf_model import check_blendable, check_layout
+from radixkv.core.pool import KVPool
+from radixkv.core.request import LOAD_MODES, Request
+from radixkv.reuse.rope import rotate_half
+from radixkv.reuse.segments import SegmentCache, Span, check_spans
 
 __all__ = ["MODEL_TYPES", "Chunk", "EngineRequest", "PagedEngine", "PagedLlama", "attend", "blend_prefill", "rotate_half"]
 
@@ -222,7 +222,7 @@ class PagedLlama:
         last = torch.tensor([hi - 1 for hi in offsets[1:]], device=self.device)
         return self.logits(hidden[0, last])
 
-    # The pieces of a decoder layer, shared with selective recomputation (``radixkv.blend``).
+    # The pieces of a decoder layer, shared with selective recomputation (``radixkv.reuse.blend``).
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The embeddings of token ``ids`` (``[1, n, hidden]``) and the rotary ``cos``/``sin`` of
@@ -282,11 +282,11 @@ def blend_prefill(model: PagedLlama, tokens: torch.Tensor, start: int, table: to
     its pages already, the rest are the caller's own pages), reusing ``cached``
     (``[layers, 2, T, kv_heads, head_dim]``, positionally recovered) where ``reused`` (bool,
     ``[T]``; never the last token) is set and recomputing ``ratio`` of those per layer (see the
-    ``radixkv.blend`` docstring).  Returns the last token's logits (``[vocab]``) and a
+    ``radixkv.reuse.blend`` docstring).  Returns the last token's logits (``[vocab]``) and a
     ``BlendInfo``.
 
     The pages end up holding the blended KV: recomputed rows' fresh KV, the others' cached KV.
-    ``model`` is a ``PagedLlama`` over a full-attention pool.  Cost: ``radixkv.blend``'s docstring's.
+    ``model`` is a ``PagedLlama`` over a full-attention pool.  Cost: ``radixkv.reuse.blend``'s docstring's.
     """
     layout_shape = (len(model.inner.layers), 2, len(tokens), model.num_kv_heads, model.head_dim)
     if tokens.dim() != 1 or not len(tokens) or tokens.is_floating_point():
@@ -356,7 +356,7 @@ def segment_kv(model: Any, tokens: Sequence[int], dtype: torch.dtype) -> torch.T
     """The KV of ``tokens`` computed on their own (positions ``0 ..``), as a segment is stored:
     ``[layers, 2, n, kv_heads, head_dim]`` of ``dtype`` on the CPU.  One forward of ``model`` (a
     Hugging Face causal LM) over the tokens."""
-    from radixkv.integrations.transformers import layer_kv
+    from radixkv.integrations.hf_model import layer_kv
 
     out = model(input_ids=torch.as_tensor(list(tokens), device=next(model.parameters()).device)[None],
                 use_cache=True)
@@ -445,7 +445,7 @@ class PagedEngine:
         if load not in LOAD_MODES:
             raise ValueError(f"load must be one of {LOAD_MODES}, got {load!r}")
         if blend is not None and not isinstance(blend, Blend):
-            raise TypeError(f"blend must be a radixkv.blend.Blend or None, got {type(blend).__name__}")
+            raise TypeError(f"blend must be a radixkv.reuse.blend.Blend or None, got {type(blend).__name__}")
         if segments is not None and not isinstance(segments, SegmentCache):
             raise TypeError(f"segments must be a SegmentCache or None, got {type(segments).__name__}")
         if blend is not None:

@@ -33,7 +33,7 @@ How it works (``radixkv.integrations._vllm_plan`` and ``_vllm_worker`` hold the 
   ones are forgotten on both sides.
 * **Worker side.**  Copies between vLLM's own per-layer KV tensors (read from their shapes and
   strides, whatever the attention backend registers: ``radixkv.integrations._vllm_layout``) and
-  chunk buffers, with ``radixkv.ops.scatter_blocks`` / ``gather_blocks``; no staging pool.
+  chunk buffers, with ``radixkv.core.ops.scatter_blocks`` / ``gather_blocks``; no staging pool.
 * **Namespace** from vLLM's config: model, revision (and quantization), KV dtype (and
   ``kv_cache_dtype``), block size, layers, KV heads and head size per rank, TP rank and size; and
   per request its ``cache_salt`` and LoRA adapter.  Pipeline parallelism is refused.
@@ -49,7 +49,7 @@ How it works (``radixkv.integrations._vllm_plan`` and ``_vllm_worker`` hold the 
   then sees a prefix vLLM evicted but radixkv still holds.
 * **Peers.**  With ``p2p_enabled`` (and the other ``p2p_*`` keys, ``radixkv.config``) each
   worker's stack also reads the CPU tiers of the other instances, after its local tiers and before
-  S3 or Redis, and serves its own CPU tier to them (``radixkv.p2p``); under tensor parallelism each
+  S3 or Redis, and serves its own CPU tier to them (``radixkv.p2p.node``); under tensor parallelism each
   rank is an instance of its own (``<p2p_instance>/tp<rank>``), reading the same rank of its peers.
 * **Stats** go through vLLM's connector stats hook (``KV Transfer metrics`` in its log, with
   ``disable_log_stats=False``) and ``RadixKVConnector.stats()``.
@@ -68,11 +68,11 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from radixkv.config import ENV_VAR, CacheConfig, read_mapping
-from radixkv.hashing import Namespace
+from radixkv.core.hashing import Namespace
 from radixkv.integrations._vllm_events import block_hash_converter, events_enabled, take_from_output
 from radixkv.integrations._vllm_layout import block_views, split_of
 from radixkv.integrations._vllm_plan import Plan, Report, SchedulerSide
-from radixkv.pool import KVLayout
+from radixkv.core.pool import KVLayout
 
 __all__ = ["RadixKVConnector", "RadixKVMetadata", "RadixKVStats", "RadixKVWorkerMetadata", "connector_config"]
 
@@ -351,7 +351,7 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
         stack = self.config.make_stack(layout, namespace, queue_size=max(64, (1 << 30) // chunk_bytes),
                                        exclusive=False)
         if stack is None:                        # no tier configured: every lookup is a miss
-            from radixkv.tiers import TierStack
+            from radixkv.core.stack import TierStack
 
             stack = TierStack([], namespace=namespace, layout=layout, chunk_size=self.config.chunk_size)
         events = None

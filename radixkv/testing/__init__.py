@@ -8,7 +8,7 @@
         TierContract.check(lambda path: MyTier(path, max_bytes=1200), tmp_path=tmp_path, lru=True)
 
 The machines need ``hypothesis`` (the ``test`` extra) and load on first use, so that
-``radixkv.testing.s3server`` (a local S3 server for tests and benchmarks) does not need it.
+the modules that need no hypothesis (``vllm_server``, ``proxy``) do not need it.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import importlib
 from typing import Any
 
 _NAMES = {
-    "FaultyPrefixCacheMachine": "index", "PrefixCacheMachine": "index", "RadixTreeMachine": "index",
-    "TieredPrefixCacheMachine": "index", "token_lists": "index", "token_sequences": "index",
-    "Clock": "tiers", "FaultyTier": "wrappers", "PersistentTierContract": "tiers", "RecordingTier": "wrappers",
-    "TierContract": "tiers", "TierFault": "wrappers", "blobs": "tiers", "key_universe": "tiers",
-    "make_blob": "tiers", "namespace_ids": "tiers", "tier_keys": "tiers",
+    "FaultyPrefixCacheMachine": "machines", "PrefixCacheMachine": "machines", "RadixTreeMachine": "machines",
+    "TieredPrefixCacheMachine": "machines", "token_lists": "machines", "token_sequences": "machines",
+    "Clock": "contract", "FaultyTier": "wrappers", "PersistentTierContract": "contract", "RecordingTier": "wrappers",
+    "TierContract": "contract", "TierFault": "wrappers", "blobs": "contract", "key_universe": "contract",
+    "make_blob": "contract", "namespace_ids": "contract", "tier_keys": "contract",
     "GatedTier": "requests", "RequestMachine": "requests",
 }
 _MODULES = {"backends", "settings"}

@@ -16,7 +16,7 @@ promises (override ``make_tier``, keep the knobs)::
 from __future__ import annotations
 
 from radixkv.backends import MemoryTier, Tier
-from radixkv.testing.tiers import PersistentTierContract, TierContract
+from radixkv.testing.contract import PersistentTierContract, TierContract
 
 __all__ = ["CpuTierContract", "LmdbTierContract", "LmdbTtlTierContract", "MemoryTierContract"]
 

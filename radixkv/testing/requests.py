@@ -8,7 +8,7 @@ steps.  The "engine" writes each token's id and position into its KV slot, so af
 the machine checks that every page a live request holds still holds that request's tokens: a held
 page that was freed, reused or overwritten fails the run, as does a wrong ``check()``.
 
-Whether or not ``check()`` runs, an ``EvictionModel`` (``radixkv.testing.index``) follows every call
+Whether or not ``check()`` runs, an ``EvictionModel`` (``radixkv.testing.machines``) follows every call
 and checks what it evicts: least recently used unheld leaves first, and (where no sliding pool
 smaller than the main one is short) exactly as many pages as ``alloc`` or a load was short;
 ``evictable_size`` and ``protected_size`` agree with what live requests and pins hold; ``open``
@@ -49,10 +49,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv.backends import Blob, MemoryTier, Tier
-from radixkv.cache import Match, PoolExhausted, PrefixCache
-from radixkv.pool import KVGroup, KVLayout
-from radixkv.request import Request
-from radixkv.testing.index import EvictionModel, Held, resident_tokens
+from radixkv.core.cache import Match, PoolExhausted, PrefixCache
+from radixkv.core.pool import KVGroup, KVLayout
+from radixkv.core.request import Request
+from radixkv.testing.machines import EvictionModel, Held, resident_tokens
 from radixkv.testing.wrappers import RecordingTier
 
 __all__ = ["GatedTier", "RequestMachine", "SlidingRequestMachine", "layer_windows"]

@@ -27,7 +27,7 @@ import time
 import urllib.request
 from typing import Any
 
-from radixkv.testing.s3server import free_port, stop_process
+from radixkv.tools.s3server import free_port, stop_process
 
 __all__ = ["VllmServer"]
 
