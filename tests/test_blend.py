@@ -19,7 +19,9 @@ from radixkv.backends.lmdb import LmdbTier
 from radixkv.reuse.blend import Blend, kv_deviation, layer_ratios, recover_positions, select_tokens
 from radixkv.core.format import encode_chunk, encoded_size
 from radixkv.core.hashing import Namespace, as_token_bytes, chunk_keys
-from radixkv.integrations.paged import Chunk, PagedEngine, PagedLlama, blend_prefill, segment_kv
+from radixkv.integrations.paged import PagedEngine
+from radixkv.integrations.paged_blend import blend_prefill, segment_kv
+from radixkv.integrations.paged_model import Chunk, PagedLlama
 from radixkv.integrations.transformers import layout_for, namespace_for, random_model
 from radixkv.core.pool import KVLayout
 from radixkv.reuse.segments import SegmentCache, check_spans, segment_refs

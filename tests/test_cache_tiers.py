@@ -360,7 +360,7 @@ def test_touch_refreshes_lru_order_in_local_tiers_only():
 def test_touch_is_dropped_and_counted_when_the_queue_is_full():
     with make([MemoryTier()], write_queue=1) as cache:
         keys = [ref.key for ref in cache.stack.refs(TOKENS)]
-        with cache.stack._cv:                                          # hold the writer off the queue
+        with cache.stack.writer.hold():                                # hold the writer off the queue
             queued = cache.stack.touch(keys)
         assert queued <= 1 and cache.stack.stats()["dropped_writes"] == len(keys) - queued
 

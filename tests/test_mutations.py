@@ -703,7 +703,7 @@ def _release_keeps_lock(mp: pytest.MonkeyPatch) -> None:
         if req is None:
             raise ValueError("match: already released")
         req.released = True                        # forgets tree.unlock(req.node)
-    mp.setattr(PrefixCache, "release", release)
+    mp.setattr(PrefixCache, "_release", release)     # what cache.release and req.release() run
 
 
 def _load_ignores_skip(mp: pytest.MonkeyPatch) -> None:
@@ -868,7 +868,7 @@ def _extend_keeps_old_hold(mp: pytest.MonkeyPatch) -> None:
                 self.tree.lock(old)                # the hold on the shorter prefix is never dropped
             return table
         return bad
-    wrap(mp, PrefixCache, "extend", make)
+    wrap(mp, PrefixCache, "_extend", make)           # what req.extend() runs
 
 
 def _extend_drops_its_hold(mp: pytest.MonkeyPatch) -> None:
@@ -882,11 +882,11 @@ def _extend_drops_its_hold(mp: pytest.MonkeyPatch) -> None:
                 req.node = old
             return table
         return bad
-    wrap(mp, PrefixCache, "extend", make)
+    wrap(mp, PrefixCache, "_extend", make)           # what req.extend() runs
 
 
 def _wait_does_not_wait(mp: pytest.MonkeyPatch) -> None:
-    mp.setattr(PrefixCache, "wait", lambda self, req, timeout=None: self.poll(req))
+    mp.setattr(PrefixCache, "_wait", lambda self, req, timeout=None: self._poll(req))   # req.wait()
 
 
 def _grow_repeats_a_token(mp: pytest.MonkeyPatch) -> None:
@@ -929,7 +929,7 @@ def _release_keeps_window(mp: pytest.MonkeyPatch) -> None:
         req.released = True
         self.tree.unlock(req.node)
         self._trim(req.node)                       # forgets groups.hold(req.node, -1)
-    mp.setattr(PrefixCache, "release", release)
+    mp.setattr(PrefixCache, "_release", release)     # what cache.release and req.release() run
 
 
 def _detach_keeps_pages(self: KVGroups, ids: Any) -> None:

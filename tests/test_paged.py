@@ -23,7 +23,8 @@ import torch
 pytest.importorskip("transformers")
 
 from radixkv import PoolExhausted, PrefixCache  # noqa: E402
-from radixkv.integrations.paged import Chunk, EngineRequest, PagedEngine, PagedLlama  # noqa: E402
+from radixkv.integrations.paged import EngineRequest, PagedEngine  # noqa: E402
+from radixkv.integrations.paged_model import Chunk, PagedLlama  # noqa: E402
 from radixkv.integrations.transformers import layout_for, namespace_for, random_model  # noqa: E402
 
 TOL = 1e-4

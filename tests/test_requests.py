@@ -271,7 +271,8 @@ def bad_calls():
         ("extend after release", lambda c: (lambda r: (r.release(), r.extend([1, 2, 3, 4, 5], [])))(opened(c)),
          ValueError, "released"),
         ("release twice", lambda c: (lambda r: (r.release(), r.release()))(opened(c)), ValueError, "released"),
-        ("release of a stranger", lambda c: c.release(make().open([1, 2])), ValueError, "not made by this cache"),
+        ("release of a stranger", lambda c: c.release(make().match([1, 2])), ValueError, "not made by this cache"),
+        ("release of a Request through the cache", lambda c: c.release(opened(c)), TypeError, "req.release()"),
         ("release of a non-request", lambda c: c.release(3), TypeError, "Match"),
     ]
 

@@ -87,7 +87,7 @@ def _methods() -> list[tuple[str, float | None]]:
 
 def random_weights(report: Report, prompts_per_k: int, n_docs: int, new: int, seed: int) -> None:
     """Part 1: TTFT and deviation from full prefill on a random-weight model."""
-    from radixkv.integrations.paged import segment_kv
+    from radixkv.integrations.paged_blend import segment_kv
     from radixkv.integrations.transformers import random_model
     from radixkv.reuse.segments import SegmentCache
 
@@ -154,7 +154,7 @@ def trained(report: Report, steps: int, questions: int, seed: int, layers: int =
     conflicting questions (two documents state the key: the first one's value is the answer)
     and single ones, half each."""
     from radixkv.bench import blend_task as task
-    from radixkv.integrations.paged import segment_kv
+    from radixkv.integrations.paged_blend import segment_kv
     from radixkv.reuse.segments import SegmentCache
 
     t0 = time.perf_counter()

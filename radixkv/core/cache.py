@@ -97,6 +97,49 @@ class Match:
         return f"Match({self.num_tokens} tokens in {len(self.pages)} pages, id={self.id})"
 
 
+class _Host:
+    """What a cache does for the objects it hands work to: the verbs an engine calls on a
+    ``Request`` (``radixkv.core.request.RequestHost``) and the pool and tree bookkeeping a tier load
+    needs (``radixkv.core.loads.LoadHost``).  Nothing else reaches into the cache."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self._cache = cache
+
+    def poll(self, req: Request) -> bool:
+        return self._cache._poll(req)
+
+    def wait(self, req: Request, timeout: float | None) -> bool:
+        return self._cache._wait(req, timeout)
+
+    def extend(self, req: Request, tokens: Any, pages: Any) -> torch.Tensor:
+        return self._cache._extend(req, tokens, pages)
+
+    def release(self, req: Request) -> None:
+        if not isinstance(req, Request):
+            raise TypeError(f"req must be a Request, got {type(req).__name__}")
+        self._cache._release(req)
+
+    def take_pages(self, num_pages: int) -> np.ndarray:
+        return self._cache._take_pages(num_pages)
+
+    def free_pages(self, ids: np.ndarray) -> None:
+        self._cache._free_pages(ids)
+
+    def cached(self, ids: np.ndarray, data: bytes, start: int) -> None:
+        self._cache._cached(ids, data, start)
+
+    def move_hold(self, req: Request, node: RadixNode) -> None:
+        self._cache._move_hold(req, node)
+
+    def usable_match(self, data: bytes, size: int) -> MatchResult:
+        return self._cache._usable_match(data, size)
+
+    def trim(self, node: RadixNode) -> None:
+        self._cache._trim(node)
+
+
 class PrefixCache:
     """Prefix cache over a paged KV pool.  See the module docstring for the protocol.
 
@@ -163,6 +206,7 @@ class PrefixCache:
         self.tree = RadixTree(layout.page_size)
         self._state = np.zeros(num_pages, dtype=np.uint8)   # _FREE / _ENGINE / _TREE per page
         self._live: dict[int, Request] = {}
+        self._host = _Host(self)             # what each Request and the loads call back
         self._pins: dict[bytes, Request] = {}       # pinned token prefixes, held like requests
         #: The most tokens ``pin`` may hold in the pool (half of it).
         self.pin_budget = num_pages * layout.page_size // 2
@@ -204,9 +248,7 @@ class PrefixCache:
         if self.stack is not None:
             self._loads = Loads(tree=self.tree, pool=self.pool, groups=self.groups, stacks=self.stacks,
                                 layout=layout, chunk_size=chunk_size, load_workers=load_workers,
-                                counters=self._counters, tier_hits=self._tier_hit_tokens,
-                                take_pages=self._take_pages, free_pages=self._free_pages, cached=self._cached,
-                                move_hold=self._move_hold, usable_match=self._usable_match, trim=self._trim)
+                                counters=self._counters, tier_hits=self._tier_hit_tokens, host=self._host)
 
     def _make_stacks(self, tiers: Any, namespace: Namespace | None, promote: bool, write_queue: int,
                      exclusive: bool) -> list[TierStack]:
@@ -292,7 +334,7 @@ class PrefixCache:
         self.tree.lock(result.node, trusted=True)
         if self.groups is not None:
             self.groups.hold(result.node, 1)
-        req = Request(self, data, usable, result.node, result.pages, result.num_tokens)
+        req = Request(self._host, data, usable, result.node, result.pages, result.num_tokens)
         self._live[req.id] = req
         if count:
             c = self._counters
@@ -304,7 +346,7 @@ class PrefixCache:
             self._loads.start(req, deadline)
             if req._pending is not None:      # the load reports the request when it resolves
                 if load == "wait":
-                    self.wait(req)
+                    self._wait(req)
                 return req
         if count and self.observers:
             self._served(req)
@@ -360,11 +402,9 @@ class PrefixCache:
             raise ValueError(f"deadline_s must be a number of seconds >= 0, got {deadline_s!r}")
         return time.monotonic() + deadline_s
 
-    def poll(self, req: Request) -> bool:
-        """Land ``req``'s pending load if it has arrived: its chunks go into new pool pages and the
-        tree, and ``req.num_cached`` / ``req.pages`` grow.  Past the deadline the load is dropped (a
-        miss).  ``True`` when nothing is pending any more.  Never blocks.  Cost: O(1) while in
-        flight; when it lands, a tree walk and one scatter per chunk."""
+    def _poll(self, req: Request) -> bool:
+        """``Request.poll``: its chunks go into new pool pages and the tree, and ``req.num_cached`` /
+        ``req.pages`` grow; past the deadline the load is dropped (a miss)."""
         self._held(req)
         pending = req._pending
         if pending is None:
@@ -382,32 +422,17 @@ class PrefixCache:
             self._served(req)
         return True
 
-    def wait(self, req: Request, timeout: float | None = None) -> bool:
-        """Block until ``req``'s pending load lands or its deadline passes, or ``timeout`` seconds;
-        ``True`` when nothing is pending any more.  The wait never outlasts the deadline.  Cost:
-        ``poll``'s plus the wait."""
+    def _wait(self, req: Request, timeout: float | None = None) -> bool:
+        """``Request.wait`` (its contract and cost)."""
         self._held(req)
         pending = req._pending
         if pending is not None:
             limit = pending.remaining() if timeout is None else min(timeout, pending.remaining())
             futures_wait([pending.future], timeout=limit)
-        return self.poll(req)
+        return self._poll(req)
 
-    def extend(self, req: Request, tokens: Any, pages: Any) -> torch.Tensor:
-        """Cache the KV the engine computed for ``req`` and keep holding it (SGLang's
-        ``cache_unfinished_req``): call it after prefill and whenever decoding fills a page.
-
-        ``tokens`` is the request's whole sequence so far (prompt and generated tokens; only those
-        past what the request already has are converted); ``pages`` has one id from ``alloc`` per
-        full page of ``tokens`` past ``req.num_cached`` (a partial tail page is not passed: it stays
-        the engine's).  Returns the canonical page table of ``tokens[:req.num_cached]``: where
-        another request cached the same tokens first, the tree's pages replace the engine's, which
-        are freed — the engine must use the returned ids from now on.  Raises ``ValueError`` /
-        ``TypeError`` and changes nothing for a wrong page count or a page not from ``alloc``.
-        A pending load is dropped first (the engine computed those tokens itself).
-        Cost: O(new tokens) to convert, O(d + L/page_size + log n) to insert, plus with
-        ``write_through`` one gather per newly completed chunk.
-        """
+    def _extend(self, req: Request, tokens: Any, pages: Any) -> torch.Tensor:
+        """``Request.extend`` (its contract and cost)."""
         self._held(req)
         data = req._grow(tokens)
         ids = as_page_ids(pages, self.pool.num_pages, "pages")
@@ -433,14 +458,20 @@ class PrefixCache:
             req.num_cached = full * self.page_size
         return req.pages
 
-    def release(self, request: Request | Match) -> None:
-        """Drop every hold of ``request`` (a ``Request`` or a ``Match``), so its pages may be evicted
-        again, and drop its pending load (SGLang's ``cache_finished_req``, after ``extend``).
-        Pages the engine still has from ``alloc`` stay the engine's (``free`` or ``insert`` them).
-        O(depth).  Raises ``ValueError`` for a request released twice or not made by this cache.
-        """
-        if not isinstance(request, (Request, Match)):
-            raise TypeError(f"match must be a Match or a Request, got {type(request).__name__}")
+    def release(self, match: Match) -> None:
+        """Drop the hold of ``match`` (from ``match``), so its pages may be evicted again.  Pages
+        the engine still has from ``alloc`` stay the engine's (``free`` or ``insert`` them).  A
+        ``Request`` (from ``open``) is released with ``req.release()``.  O(depth).  Raises
+        ``ValueError`` for a match released twice or not made by this cache, ``TypeError`` for
+        anything but a ``Match``."""
+        if isinstance(match, Request):
+            raise TypeError("match: a Request is released with its own release() (req.release())")
+        if not isinstance(match, Match):
+            raise TypeError(f"match must be a Match, got {type(match).__name__}")
+        self._release(match)
+
+    def _release(self, request: Request | Match) -> None:
+        """``Request.release`` and ``release``: drop every hold and the pending load."""
         req = self._live.pop(request.id, None)
         if req is None:
             raise ValueError("match: already released, or not made by this cache")
@@ -730,10 +761,10 @@ class PrefixCache:
             return self._pins[data].num_cached
         req = self._open(data, len(data), "wait", self._deadline(None), count=False)
         if req.pending:
-            self.wait(req)
+            self._wait(req)
         held = sum(p.num_cached for p in self._pins.values())
         if held + req.num_cached > self.pin_budget:
-            self.release(req)
+            self._release(req)
             raise ValueError(f"tokens: pinning {req.num_cached} more tokens would hold {held + req.num_cached} "
                              f"in the pool, over pin_budget={self.pin_budget}")
         self._pins[data] = req
@@ -753,7 +784,7 @@ class PrefixCache:
         req = self._pins.pop(data, None)
         if req is None:
             return False
-        self.release(req)
+        self._release(req)
         for stack in self.stacks:
             stack.unpin(keys_from_token_bytes(data, self.chunk_size, stack.namespace.root))
         return True

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 import torch
@@ -42,7 +42,38 @@ if TYPE_CHECKING:
     from radixkv.core.stack import ChunkRef, TierStack
     from radixkv.core.tree import MatchResult, RadixNode, RadixTree
 
-__all__ = ["Loads"]
+__all__ = ["LoadHost", "Loads"]
+
+
+class LoadHost(Protocol):
+    """What a load asks of the cache it lands in: pages, and the bookkeeping of the tree and the
+    pool that the cache alone does.  ``PrefixCache`` implements it privately; every call runs on
+    the engine's thread."""
+
+    def take_pages(self, num_pages: int) -> np.ndarray:
+        """Free pages for the chunks that arrived, evicting LRU prefixes if needed (``PoolExhausted``
+        when the pool cannot give them)."""
+        ...
+
+    def free_pages(self, ids: np.ndarray) -> None:
+        """Give back pages taken for chunks that were not inserted."""
+        ...
+
+    def cached(self, ids: np.ndarray, data: bytes, start: int) -> None:
+        """Mark ``ids`` as the tree's (they now hold ``data``'s tokens from ``start`` on)."""
+        ...
+
+    def move_hold(self, req: Request, node: RadixNode) -> None:
+        """Move ``req``'s hold down to ``node``, the new end of its prefix."""
+        ...
+
+    def usable_match(self, data: bytes, size: int) -> MatchResult:
+        """The tree's match of ``data`` cut to what a request may use (``size`` bytes)."""
+        ...
+
+    def trim(self, node: RadixNode) -> None:
+        """Free the sliding-window pages above ``node`` that no held prefix needs any more."""
+        ...
 
 log = logging.getLogger("radixkv.core.cache")
 _NO_PAGES = np.empty(0, dtype=np.int64)
@@ -54,17 +85,13 @@ class Loads:
 
     def __init__(self, *, tree: RadixTree, pool: KVPool, groups: KVGroups | None, stacks: list[TierStack],
                  layout: KVLayout, chunk_size: int, load_workers: int, counters: dict[str, int],
-                 tier_hits: list[int], take_pages: Callable[[int], np.ndarray],
-                 free_pages: Callable[[np.ndarray], None], cached: Callable[[np.ndarray, bytes, int], None],
-                 move_hold: Callable[[Request, RadixNode], None],
-                 usable_match: Callable[[bytes, int], MatchResult], trim: Callable[[RadixNode], None]) -> None:
+                 tier_hits: list[int], host: LoadHost) -> None:
         self.tree, self.pool, self.groups, self.stacks = tree, pool, groups, stacks
         self.layout, self.chunk_size, self.page_size = layout, chunk_size, layout.page_size
         self.load_workers = load_workers
         self.tier_hits = tier_hits
         self._counters = counters
-        self._take_pages, self._free_pages, self._cached = take_pages, free_pages, cached
-        self._move_hold, self._usable_match, self._trim = move_hold, usable_match, trim
+        self._host = host
         self._loader: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
@@ -148,8 +175,8 @@ class Loads:
         end = first * cs + sum(sizes)
         if end <= req.num_cached:
             return 0                                # a tail that ends inside what the pool holds
-        result = self._usable_match(req._data, end * 4)
-        self._move_hold(req, result.node)
+        result = self._host.usable_match(req._data, end * 4)
+        self._host.move_hold(req, result.node)
         req._pages, held = result.pages, req.num_cached
         req.num_cached = result.num_tokens
         have, done = result.num_tokens - first * cs, 0               # whole chunks the tree has, then
@@ -167,7 +194,7 @@ class Loads:
             need, keep = need + k, keep + 1
         chunks, where, sizes = chunks[:keep], where[:keep], sizes[:keep]
         if chunks:
-            new = self._take_pages(need)
+            new = self._host.take_pages(need)
             try:
                 start = 0
                 for i, chunk in enumerate(chunks):
@@ -176,14 +203,14 @@ class Loads:
                                       skip_pages=skip if i == 0 else 0)
                     start += k
             except BaseException:
-                self._free_pages(new)
+                self._host.free_pages(new)
                 raise
             stop = result.num_tokens + len(new) * ps
             pages = np.concatenate([result.pages, new])
             inserted = self.tree.insert_bytes(req._data[:stop * 4], pages)
             assert inserted.prefix_len == result.num_tokens, "the held tree match changed under a load"
-            self._cached(new, req._data, result.num_tokens)
-            self._move_hold(req, inserted.node)
+            self._host.cached(new, req._data, result.num_tokens)
+            self._host.move_hold(req, inserted.node)
             req._pages, req.num_cached = pages, stop
         # Count what the tiers served (tokens resident meanwhile count as pool hits).
         by_tier = [0] * len(self.stacks[0].tiers)
@@ -217,7 +244,7 @@ class Loads:
         finally:
             self.tree.unlock(result.node)
         self._settle(req, held, load)
-        self._trim(end)                   # after the hold moved: the window it needs stays
+        self._host.trim(end)                   # after the hold moved: the window it needs stays
 
     def _land_group_chunks(self, data: bytes, result: MatchResult, load: GroupLoad) -> RadixNode:
         """``land_groups``' copies; returns the node that ends what the tree now holds of ``data``."""
@@ -229,7 +256,7 @@ class Loads:
             if total - len(result.pages) > self.pool.num_free + self.tree.evictable_size // ps:
                 return result.node
             try:
-                new = self._take_pages(total - len(result.pages))
+                new = self._host.take_pages(total - len(result.pages))
             except PoolExhausted:
                 return result.node
         pages = np.concatenate([result.pages, new])
@@ -259,22 +286,22 @@ class Loads:
                 if junk.size:
                     self.groups.drop(self.groups.pools[s], table, junk)
         except BaseException:
-            self._free_pages(new)
+            self._host.free_pages(new)
             raise
         if not new.size:
             return result.node
         inserted = self.tree.insert_bytes(data[:total * ps * 4], pages)
         assert inserted.prefix_len == len(result.pages) * ps, "the held tree match changed under a load"
-        self._cached(new, data, len(result.pages) * ps)
+        self._host.cached(new, data, len(result.pages) * ps)
         return inserted.node
 
     def _settle(self, req: Request, held: int, load: GroupLoad) -> None:
         """Move ``req``'s hold to the longest usable prefix of what ``load`` brought (never less
         than the ``held`` tokens) and count the tokens the tiers served beyond them."""
-        usable = self._usable_match(req._data, load.end * self.chunk_size * 4)
+        usable = self._host.usable_match(req._data, load.end * self.chunk_size * 4)
         if usable.num_tokens <= held:
             return
-        self._move_hold(req, usable.node)
+        self._host.move_hold(req, usable.node)
         req._pages, req.num_cached = usable.pages, usable.num_tokens
         gained = req.num_cached - held
         if gained > 0:

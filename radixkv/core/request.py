@@ -35,7 +35,7 @@ import itertools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from radixkv.core.stack import ChunkRef, TierStack
     from radixkv.core.tree import RadixNode
 
-__all__ = ["LOAD_MODES", "PendingLoad", "Request"]
+__all__ = ["LOAD_MODES", "PendingLoad", "Request", "RequestHost"]
 
 LOAD_MODES = ("wait", "async", "none")
 _ids = itertools.count(1)        # global: a request of another cache is never mistaken for ours
@@ -97,6 +97,30 @@ def fetch_chunks(stack: TierStack, refs: Sequence[ChunkRef], limit: int, deadlin
     return where, chunks, None
 
 
+class RequestHost(Protocol):
+    """What a ``Request`` asks of the cache that made it: the four verbs of a request's life.
+
+    ``PrefixCache`` implements them (privately: an engine calls them on the ``Request``, the one
+    handle of a request) and passes itself as each request's host.  Each may change the tree, the
+    pool and the request; each raises ``ValueError`` for a request already released."""
+
+    def poll(self, req: Request) -> bool:
+        """Land ``req``'s pending load if it arrived; ``True`` when nothing is pending any more."""
+        ...
+
+    def wait(self, req: Request, timeout: float | None) -> bool:
+        """Block until ``req``'s pending load lands or its deadline passes (at most ``timeout``)."""
+        ...
+
+    def extend(self, req: Request, tokens: Any, pages: Any) -> torch.Tensor:
+        """Cache the full pages of ``tokens`` past ``req.num_cached`` and hold them for ``req``."""
+        ...
+
+    def release(self, req: Request) -> None:
+        """Drop every hold of ``req`` and its pending load."""
+        ...
+
+
 class Request:
     """One request's tokens, held pages and pending load; made by ``PrefixCache.open``.
 
@@ -106,12 +130,12 @@ class Request:
     use it from the engine thread, like the cache.
     """
 
-    __slots__ = ("_cache", "_data", "_usable", "node", "_pages", "num_cached", "pool_tokens", "tier_tokens",
+    __slots__ = ("_host", "_data", "_usable", "node", "_pages", "num_cached", "pool_tokens", "tier_tokens",
                  "tier_tokens_by_tier", "_pending", "id", "released")
 
-    def __init__(self, cache: PrefixCache, data: bytes, usable: int, node: RadixNode, pages: np.ndarray,
+    def __init__(self, host: RequestHost, data: bytes, usable: int, node: RadixNode, pages: np.ndarray,
                  num_cached: int) -> None:
-        self._cache = cache
+        self._host = host
         self._data = data                  # every token the request has given, int32 LE bytes
         self._usable = usable              # tokens a match may cover (the last one is left to compute)
         self.node = node                   # the locked node that ends the held prefix
@@ -168,26 +192,42 @@ class Request:
             raise ValueError(f"tokens: {n} tokens, fewer than the {known} the request already has")
         return self._data + as_token_bytes(tokens[known:]) if n > known else self._data
 
-    # ---------------------------------------------------------------- the protocol (see PrefixCache)
+    # ---------------------------------------------------------------- the protocol
 
     def poll(self) -> bool:
-        """Land the pending load if it has arrived; ``True`` when nothing is pending any more.
-        Never blocks.  See ``PrefixCache.poll``."""
-        return self._cache.poll(self)
+        """Land the pending load if it has arrived (new pool pages, a scatter, an insert into the
+        tree, on the caller's thread); ``True`` when nothing is pending any more.  Never blocks: a
+        load still in flight answers ``False`` until its deadline, then the request keeps what it
+        holds (a miss, counted in ``late_loads``).  Cost: O(1), or landing the load."""
+        return self._host.poll(self)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the pending load lands or the deadline passes (at most ``timeout`` seconds);
-        ``True`` when nothing is pending any more.  See ``PrefixCache.wait``."""
-        return self._cache.wait(self, timeout)
+        """Block until the pending load lands or its deadline passes, or ``timeout`` seconds;
+        ``True`` when nothing is pending any more.  The wait never outlasts the deadline.  Cost:
+        ``poll``'s plus the wait."""
+        return self._host.wait(self, timeout)
 
     def extend(self, tokens: Any, pages: Any) -> torch.Tensor:
-        """Cache the full pages of ``tokens`` past ``num_cached`` and keep holding them; return the
-        canonical page table of ``tokens[:num_cached]``.  See ``PrefixCache.extend``."""
-        return self._cache.extend(self, tokens, pages)
+        """Cache the KV the engine computed for this request and keep holding it (SGLang's
+        ``cache_unfinished_req``): call it after prefill and whenever decoding fills a page.
+
+        ``tokens`` is the request's whole sequence so far (prompt and generated tokens; only those
+        past what the request already has are converted); ``pages`` has one id from ``alloc`` per
+        full page of ``tokens`` past ``num_cached`` (a partial tail page is not passed: it stays
+        the engine's).  Returns the canonical page table of ``tokens[:num_cached]``: where another
+        request cached the same tokens first, the tree's pages replace the engine's, which are
+        freed — the engine must use the returned ids from now on.  Raises ``ValueError`` /
+        ``TypeError`` and changes nothing for a wrong page count or a page not from ``alloc``.  A
+        pending load is dropped first (the engine computed those tokens itself).  Cost: O(new
+        tokens) to convert, O(d + L/page_size + log n) to insert, plus with ``write_through`` one
+        gather per newly completed chunk."""
+        return self._host.extend(self, tokens, pages)
 
     def release(self) -> None:
-        """Drop every hold of this request.  See ``PrefixCache.release``."""
-        self._cache.release(self)
+        """Drop every hold of this request, so its pages may be evicted again, and its pending load
+        (SGLang's ``cache_finished_req``, after ``extend``).  Pages the engine still has from
+        ``alloc`` stay the engine's.  O(depth).  Raises ``ValueError`` when released twice."""
+        self._host.release(self)
 
     def __enter__(self) -> Request:
         return self

@@ -61,7 +61,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
@@ -70,6 +69,7 @@ import torch
 from radixkv.core._checks import check_int
 from radixkv.core.deadline import DeadlineExceeded, OversizeBlob, bounded
 from radixkv.core.tier import Tier, redact
+from radixkv.core.writer import WriteQueue
 from radixkv.core.observe import Observers
 from radixkv.core.format import ChunkAuthError, ChunkFormatError, Seal, decode_chunk, encode_chunk, encoded_size
 from radixkv.core.hashing import Namespace, as_token_bytes, keys_from_token_bytes, tail_key
@@ -198,16 +198,12 @@ class TierStack:
                                                "tier_bytes_loaded", "tier_bytes_stored")}
         self._counts = dict.fromkeys(("lookups", "lookup_keys", "lookup_found", "misses", "load_misses",
                                       "promoted", "dropped_writes", "bytes_loaded", "bytes_stored"), 0)
-        # The write queue: ("store", ChunkRef, kv, tier indices), ("promote", tier indices, ChunkRef,
-        # blob or None, kv or None), ("touch", tier key, tier indices), ("delete", tier index, tier key)
-        # or ("release", tier key).
-        self._queue: deque[tuple[Any, ...]] = deque()
-        self._longest_chain = 1      # an empty queue takes one waiting chain whole (store(chain=True))
-        self._cv = threading.Condition()
-        self._busy = False
-        self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="radixkv-tier-writer", daemon=True)
-        self._writer.start()
+        # The writes (radixkv.core.writer): ("store", ChunkRef, kv, tier indices), ("promote", tier
+        # indices, ChunkRef, blob or None, kv or None), ("touch", tier key, tier indices), ("delete",
+        # tier index, tier key) or ("release", tier key).
+        self.writer = WriteQueue(self._write_batch, size=queue_size, batch=write_batch,
+                                 on_drop=lambda n: self._add("dropped_writes", n))
+        self._prefetch_lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None
         #: The listeners of the tiers' events (``radixkv.core.observe``); a ``PrefixCache`` puts its own
         #: list here, so that one listener hears the pool and the tiers.
@@ -505,8 +501,8 @@ class TierStack:
         Cost on the caller's thread: one hash pass over ``tokens``.
         """
         refs = self.refs(tokens)[start:]
-        with self._cv:
-            if self._closed:
+        with self._prefetch_lock:
+            if self.writer.closed:
                 done: Future[list[torch.Tensor]] = Future()
                 done.set_result([])
                 return done
@@ -618,50 +614,10 @@ class TierStack:
         return self._enqueue_chain([("touch", self._prefix + key, mask) for key in keys])
 
     def _enqueue(self, item: tuple[Any, ...], until: float | None = None) -> bool:
-        return self._enqueue_chain([item], until) == 1
+        return self.writer.put([item], until=until) == 1
 
     def _enqueue_chain(self, items: list[tuple[Any, ...]], until: float | None = None) -> int:
-        """Queue the longest head of ``items`` that fits, in reverse order (the writer takes the
-        queue in order); the rest is dropped and counted.  With ``until`` (``time.monotonic()``),
-        first wait until then for room for all of them, where an empty queue is room for any
-        number.  The number queued."""
-        with self._cv:
-            def room() -> int:
-                if until is not None and not self._queue:
-                    return len(items)
-                return self.queue_size - len(self._queue)
-            while until is not None and not self._closed and room() < len(items):
-                left = until - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)             # the writer notifies after every batch
-            take = 0 if self._closed else max(0, min(len(items), room()))
-            if take < len(items):
-                self._add("dropped_writes", len(items) - take)
-            if take:
-                self._queue.extend(reversed(items[:take]))
-                self._longest_chain = max(self._longest_chain, take)
-                self._cv.notify_all()
-        return take
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                batch = [self._queue.popleft() for _ in range(min(self.write_batch, len(self._queue)))]
-                self._busy = True
-            try:
-                self._write_batch(batch)
-            except Exception:  # noqa: BLE001 - the writer must survive anything (e.g. encoding a bad tensor)
-                log.exception("radixkv tier writer: a batch of %d writes was lost", len(batch))
-                self._add("dropped_writes", len(batch))
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+        return self.writer.put(items, until=until, chain=True)
 
     def _write_batch(self, batch: list[tuple[Any, ...]]) -> None:
         per_tier: list[list[tuple[bytes, bytes]]] = [[] for _ in self.tiers]
@@ -765,8 +721,7 @@ class TierStack:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; ``False`` if ``timeout`` seconds passed first.
         For tests and shutdown: the engine never needs to wait."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+        return self.writer.flush(timeout)
 
     # -- the rest -----------------------------------------------------------------------------
 
@@ -804,21 +759,17 @@ class TierStack:
             result: dict[str, Any] = {"tiers": [t.name for t in self.tiers]}
             result.update({k: list(v) for k, v in self._per_tier.items()})
             result.update(self._counts)
-        result["queued"] = len(self._queue)
+        result["queued"] = len(self.writer)
         return result
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish queued writes (up to ``timeout`` seconds), stop the threads, close every tier
         (faults logged, not raised).  Idempotent; later stores are dropped and counted."""
-        with self._cv:
-            if self._closed:
-                return
-        self.flush(timeout)
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
+        if self.writer.closed:
+            return
+        self.writer.close(timeout)
+        with self._prefetch_lock:
             prefetcher, self._prefetcher = self._prefetcher, None
-        self._writer.join(timeout)
         if prefetcher is not None:
             prefetcher.shutdown(wait=True)
         for i, tier in enumerate(self.tiers):
@@ -832,9 +783,7 @@ class TierStack:
 
     def check(self) -> None:
         """Assert the stack's invariants and every tier's ``check()``.  Raises ``AssertionError``."""
-        with self._cv:
-            assert len(self._queue) <= max(self.queue_size, self._longest_chain), "write queue over its bound"
-            assert self._writer.is_alive() or self._closed, "the writer thread died"
+        self.writer.check()
         with self._stats_lock:
             assert all(len(v) == len(self.tiers) for v in self._per_tier.values()), "per-tier counters misshapen"
             assert all(x >= 0 for v in self._per_tier.values() for x in v), "negative per-tier counter"

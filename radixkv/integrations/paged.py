@@ -50,6 +50,9 @@ its KV group's pages (``cache.groups``), whose pages outside the window the cach
 request moves on, and its queries see only the last ``window`` positions.  The pool may hold
 another dtype than the model (K/V are converted on the way in and out).
 
+The model runner is ``radixkv.integrations.paged_model`` (``PagedLlama``: a Hugging Face Llama's
+weights run over the pool's pages); the blended prefill is ``radixkv.integrations.paged_blend``.
+
 **Blending** (opt-in, ``PagedEngine(..., blend=Blend(ratio=0.15))``; see ``radixkv.reuse.blend``): a prompt
 added with ``segments=[(start, end), ...]`` (its documents) reuses each document's KV from the
 segment cache (``radixkv.reuse.segments``, in the cache's tiers) wherever it sits in the prompt: at
@@ -81,288 +84,24 @@ import collections
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from radixkv.core._checks import check_int
-from radixkv.reuse.blend import Blend, BlendInfo, keep_rows, layer_ratios, recover_positions
 from radixkv.core.cache import PoolExhausted, PrefixCache
 from radixkv.core.hashing import as_token_bytes
-from radixkv.integrations.hf_model import check_blendable, check_layout
-from radixkv.core.pool import KVPool
 from radixkv.core.request import LOAD_MODES, Request
-from radixkv.reuse.rope import rotate_half
+from radixkv.integrations.hf_model import check_blendable
+from radixkv.integrations.paged_blend import BlendPlan, blend_prefill, segment_kv
+from radixkv.integrations.paged_model import Chunk, PagedLlama
+from radixkv.reuse.blend import Blend, BlendInfo, recover_positions
 from radixkv.reuse.segments import SegmentCache, Span, check_spans
 
-__all__ = ["MODEL_TYPES", "Chunk", "EngineRequest", "PagedEngine", "PagedLlama", "attend", "blend_prefill", "rotate_half"]
-
-#: ``model_type`` values whose decoder layers ``PagedLlama`` runs (all in the Llama layout).
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+__all__ = ["EngineRequest", "PagedEngine"]
 
 _NO_PAGES = np.zeros(0, dtype=np.int64)
-
-
-# ------------------------------------------------------------------------------ the model
-
-
-class Chunk(NamedTuple):
-    """One request's part of a batch: ``tokens`` (int64, 1-D) at positions ``start, start + 1,
-    ...``; ``table`` (int64) holds the page ids of positions ``0 .. start + len(tokens) - 1``
-    in order (the pages of the earlier tokens hold their KV already)."""
-
-    tokens: torch.Tensor
-    start: int
-    table: torch.Tensor
-
-
-class PagedLlama:
-    """The forward of a Llama-family model over a paged KV pool: K/V are written into and read
-    from ``pool`` pages through each chunk's block table.
-
-    Uses the model's own modules for the embedding, norms, projections, rotary embedding, MLP and
-    head, and does the attention itself.  ``pool`` is a ``KVPool`` (full attention) or the
-    ``PrefixCache`` whose pools hold the KV (required for a model with sliding-window layers: each
-    KV group's pages, ``cache.groups``).  Raises ``ValueError`` for a model of another family, or
-    a pool whose layout is not the model's (``layout_for``).
-    """
-
-    def __init__(self, model: Any, pool: KVPool | PrefixCache) -> None:
-        groups = pool.groups if isinstance(pool, PrefixCache) else None
-        layout = pool.layout
-        if isinstance(pool, PrefixCache):
-            pool = pool.pool                                        # type: ignore[assignment]
-        elif not isinstance(pool, KVPool):
-            raise TypeError(f"pool must be a KVPool or a PrefixCache, got {type(pool).__name__}")
-        model_type = getattr(model.config, "model_type", None)
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"model: PagedLlama runs {', '.join(MODEL_TYPES)} models, got {model_type!r}")
-        check_layout(model, layout, "pool")
-        self.model = model
-        self.pool = pool
-        self.groups = groups
-        self.inner = model.model
-        self.page_size = layout.page_size
-        self.num_kv_heads, self.head_dim = layout.num_kv_heads, layout.head_dim
-        self.device = next(model.parameters()).device
-        # Per layer: the pool tensor holding it, its window (0: full), the tree -> group page map.
-        self._layers: list[tuple[torch.Tensor, int, np.ndarray | None]] = []
-        for i in range(layout.num_layers):
-            if groups is None:
-                self._layers.append((pool.layer(i), 0, None))       # type: ignore[union-attr]
-                continue
-            group = next(g for g in layout.groups if i in g.layers)
-            table = groups.maps[groups.sliding.index(group)] if group.sliding else None
-            self._layers.append((groups.pool_of(group).layer(group.layers.index(i)), group.window, table))
-
-    @torch.no_grad()
-    def forward(self, batch: Sequence[Chunk]) -> torch.Tensor:
-        """Run ``batch`` (one ``Chunk`` per request) through the model; return the logits of
-        each chunk's last token, ``[len(batch), vocab]``.
-
-        Writes the K/V of every token of the batch into its page slot first, then attends: a query
-        at position ``p`` of a request sees its keys ``0 .. p``, read from its pages.  The pages of
-        the new tokens must be the caller's own (from ``alloc``): cached pages are shared by every
-        request on that prefix and are only ever read.  Cost: one pass of the weights over all the
-        batch's tokens, plus per request and layer one read of its ``start + len(tokens)`` keys and
-        values from the pool.
-        """
-        if not batch:
-            raise ValueError("batch must not be empty")
-        ps, kvh, dim = self.page_size, self.num_kv_heads, self.head_dim
-        lengths = [len(c.tokens) for c in batch]
-        if min(lengths) == 0:
-            raise ValueError("batch: every chunk needs at least one token")
-        if any(c.tokens.is_floating_point() or c.tokens.dtype == torch.bool for c in batch):
-            raise TypeError("batch: chunk tokens must be integer token ids")
-        ids = torch.cat([c.tokens for c in batch]).to(self.device, torch.long)
-        positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(batch, lengths)])
-        tables = [c.table.to(torch.long).cpu() for c in batch]
-        for c, table, n in zip(batch, tables, lengths):
-            if len(table) < -(-(c.start + n) // ps):
-                raise ValueError(f"batch: a table of {len(table)} pages for {c.start + n} tokens")
-        split = torch.split(positions, lengths)
-        slots = {}                            # per page map (None: the tree's ids): the new tokens' slots
-        for _, _, mapping in self._layers:
-            key = id(mapping)
-            if key not in slots:
-                mapped = tables if mapping is None else [torch.from_numpy(mapping[t.numpy()]) for t in tables]
-                slots[key] = torch.cat([t[p // ps] * ps + p % ps for t, p in zip(mapped, split)])
-                if mapping is not None and bool((slots[key] < 0).any()):
-                    raise ValueError("batch: a new token's page has no page in a sliding group (not from alloc)")
-        positions = positions.to(self.device)
-        offsets = list(itertools.accumulate(lengths, initial=0))
-
-        hidden, cos, sin = self.embed(ids, positions)
-        total = len(ids)
-        for i, layer in enumerate(self.inner.layers):
-            attn = layer.self_attn
-            q, k, v = self.qkv(layer, hidden, cos, sin)
-            kv, window, mapping = self._layers[i]                        # [2, pages, page_size, kvh, dim]
-            flat = kv.view(2, -1, kvh, dim)                              # [2, pages * page_size, kvh, dim]
-            where = slots[id(mapping)].to(flat.device)
-            flat[0, where] = k.to(flat.device, flat.dtype)
-            flat[1, where] = v.to(flat.device, flat.dtype)
-            out = torch.empty_like(q)
-            for c, table, lo, hi in zip(batch, tables, offsets, offsets[1:]):
-                end = c.start + hi - lo
-                pages = table[:-(-end // ps)]
-                if mapping is not None:      # a sliding group: pages outside the window may be dropped
-                    pages = torch.from_numpy(mapping[pages.numpy()])
-                dropped = (pages < 0).to(kv.device)
-                pages = pages.clamp(min=0).to(kv.device)
-                keys = kv[0, pages].masked_fill(dropped[:, None, None, None], 0)
-                values = kv[1, pages].masked_fill(dropped[:, None, None, None], 0)
-                keys = keys.reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
-                values = values.reshape(-1, kvh, dim)[:end].to(self.device, q.dtype)
-                out[lo:hi] = attend(q[lo:hi], keys, values, torch.arange(c.start, end, device=q.device),
-                                    attn.scaling, window)
-            hidden = self.residual(layer, hidden, out)
-        last = torch.tensor([hi - 1 for hi in offsets[1:]], device=self.device)
-        return self.logits(hidden[0, last])
-
-    # The pieces of a decoder layer, shared with selective recomputation (``radixkv.reuse.blend``).
-
-    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The embeddings of token ``ids`` (``[1, n, hidden]``) and the rotary ``cos``/``sin`` of
-        their ``positions`` (``[n, 1, head_dim]`` each).  O(n)."""
-        hidden = self.inner.embed_tokens(ids)[None]                      # [1, n, hidden]
-        cos, sin = self.inner.rotary_emb(hidden, positions[None])        # [1, n, head_dim]
-        return hidden, cos[0, :, None], sin[0, :, None]
-
-    def qkv(self, layer: Any, hidden: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``layer``'s queries ``[n, heads, dim]``, keys and values ``[n, kv_heads, dim]`` of
-        ``hidden`` (``[1, n, hidden]``), queries and keys rotated by ``cos``/``sin``.  One pass of
-        the layer's norm and projections over the ``n`` rows."""
-        attn = layer.self_attn
-        n, kvh, dim = hidden.shape[1], self.num_kv_heads, self.head_dim
-        x = layer.input_layernorm(hidden)[0]
-        q = attn.q_proj(x).view(n, -1, dim)
-        k = attn.k_proj(x).view(n, kvh, dim)
-        v = attn.v_proj(x).view(n, kvh, dim)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-    def residual(self, layer: Any, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``hidden`` (``[1, n, hidden]``) after ``layer``'s output projection of the attention
-        ``out`` (``[n, heads, dim]``) and its MLP.  One pass over the ``n`` rows."""
-        hidden = hidden + layer.self_attn.o_proj(out.reshape(1, hidden.shape[1], -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits of final hidden states ``[n, hidden]``: the final norm and the head."""
-        return self.model.lm_head(self.inner.norm(hidden))
-
-
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
-           window: int = 0) -> torch.Tensor:
-    """Causal grouped-query attention of queries ``q`` ``[n, heads, dim]`` at ``positions``
-    (``[n]``, int) over ``keys``/``values`` ``[max(positions) + 1, kv_heads, dim]`` (the keys of
-    positions ``0, 1, ...``); with a ``window``, a query at ``p`` sees only the keys at
-    ``p - window + 1 .. p``.  O(n x keys x heads x dim)."""
-    n, heads, dim = q.shape
-    kvh = keys.shape[1]
-    grouped = q.view(n, kvh, heads // kvh, dim)                # query head h reads KV head h // group
-    scores = torch.einsum("nhgd,lhd->hgnl", grouped, keys) * scale
-    key_pos = torch.arange(keys.shape[0], device=q.device)
-    query_pos = positions.to(q.device)[:, None]
-    visible = key_pos[None, :] <= query_pos                    # [n, keys]
-    if window:
-        visible &= key_pos[None, :] > query_pos - window
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hgnl,lhd->nhgd", probs, values).reshape(n, heads, dim)
-
-
-@torch.no_grad()
-def blend_prefill(model: PagedLlama, tokens: torch.Tensor, start: int, table: torch.Tensor,
-                  cached: torch.Tensor, reused: torch.Tensor, ratio: float) -> tuple[torch.Tensor, BlendInfo]:
-    """Prefill ``tokens`` (int64, ``[T]``, at positions ``start ..``) into the pool pages of
-    ``table`` (page ids of positions ``0 .. start + T - 1``; the first ``start`` tokens' KV is in
-    its pages already, the rest are the caller's own pages), reusing ``cached``
-    (``[layers, 2, T, kv_heads, head_dim]``, positionally recovered) where ``reused`` (bool,
-    ``[T]``; never the last token) is set and recomputing ``ratio`` of those per layer (see the
-    ``radixkv.reuse.blend`` docstring).  Returns the last token's logits (``[vocab]``) and a
-    ``BlendInfo``.
-
-    The pages end up holding the blended KV: recomputed rows' fresh KV, the others' cached KV.
-    ``model`` is a ``PagedLlama`` over a full-attention pool.  Cost: ``radixkv.reuse.blend``'s docstring's.
-    """
-    layout_shape = (len(model.inner.layers), 2, len(tokens), model.num_kv_heads, model.head_dim)
-    if tokens.dim() != 1 or not len(tokens) or tokens.is_floating_point():
-        raise ValueError(f"tokens must be a non-empty 1-D tensor of token ids, got {tuple(tokens.shape)}")
-    if tuple(cached.shape) != layout_shape:
-        raise ValueError(f"cached must be {layout_shape} (the KV of the {len(tokens)} tokens), got {tuple(cached.shape)}")
-    if reused.dtype != torch.bool or tuple(reused.shape) != (len(tokens),):
-        raise ValueError(f"reused must be a bool tensor of shape ({len(tokens)},)")
-    if bool(reused[-1]):
-        raise ValueError("reused: the last token is always computed (its logits are the answer)")
-    if model.groups is not None:
-        raise ValueError("model: blending needs a full-attention pool (no KV groups)")
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be in [0, 1], got {ratio!r}")
-    ps, device = model.page_size, model.device
-    total, end = len(tokens), start + len(tokens)
-    positions = torch.arange(start, end)
-    table = table.to(torch.long).cpu()
-    if len(table) < -(-end // ps):
-        raise ValueError(f"table: {len(table)} pages for {end} tokens")
-    slots = table[positions // ps] * ps + positions % ps
-    pages = table[:-(-end // ps)]
-    reused = reused.cpu()
-    num_reused = int(reused.sum())
-    shares = layer_ratios(ratio, len(model.inner.layers))
-    fresh = torch.nonzero(~reused).flatten()
-    rows = torch.arange(total) if shares[0] > 0 else fresh          # the candidates of the first layer
-    hidden, cos, sin = model.embed(tokens.to(device), positions.to(device))
-    computed = []
-    for i, layer in enumerate(model.inner.layers):
-        pool = model.pool.layer(i)                                  # [2, pages, page_size, kvh, dim]
-        flat = pool.view(2, -1, model.num_kv_heads, model.head_dim)
-        flat[:, slots[reused].to(flat.device)] = cached[i][:, reused].to(flat.device, flat.dtype)
-        q, k, v = model.qkv(layer, hidden[:, rows.to(device)], cos[rows], sin[rows])
-        # Of the candidates (the rows the layer before recomputed), this layer recomputes those
-        # whose fresh KV here deviates most from the cached: a layer's KV reflects the context
-        # only through the layers below it, so the first layer's never deviates and the choice
-        # is made on each layer's own deviation, before its attention.
-        keep = keep_rows(rows, reused, shares[i], num_reused, k, v, cached[i].to(device))
-        if len(keep) < len(rows):
-            rows, q, k, v = rows[keep], q[keep.to(device)], k[keep.to(device)], v[keep.to(device)]
-        where = slots[rows].to(flat.device)
-        flat[0, where] = k.to(flat.device, flat.dtype)
-        flat[1, where] = v.to(flat.device, flat.dtype)
-        keys = pool[0, pages.to(pool.device)].reshape(-1, model.num_kv_heads, model.head_dim)[:end]
-        values = pool[1, pages.to(pool.device)].reshape(-1, model.num_kv_heads, model.head_dim)[:end]
-        out = attend(q, keys.to(device, q.dtype), values.to(device, q.dtype), positions[rows],
-                     layer.self_attn.scaling)
-        new = model.residual(layer, hidden[:, rows.to(device)], out)
-        hidden = hidden.clone()
-        hidden[:, rows.to(device)] = new
-        computed.append(len(rows))
-    logits = model.logits(hidden[0, -1:])[0]
-    return logits, BlendInfo(num_reused, tuple(computed), float(ratio))
-
-
-class _BlendPlan(NamedTuple):
-    """A request's reusable KV for its prefill: ``cached`` (``[layers, 2, T, kv_heads, dim]``, at
-    the tokens' positions) where ``reused`` (bool, ``[T]``) is set."""
-
-    cached: torch.Tensor
-    reused: torch.Tensor
-
-
-@torch.no_grad()
-def segment_kv(model: Any, tokens: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """The KV of ``tokens`` computed on their own (positions ``0 ..``), as a segment is stored:
-    ``[layers, 2, n, kv_heads, head_dim]`` of ``dtype`` on the CPU.  One forward of ``model`` (a
-    Hugging Face causal LM) over the tokens."""
-    from radixkv.integrations.hf_model import layer_kv
-
-    out = model(input_ids=torch.as_tensor(list(tokens), device=next(model.parameters()).device)[None],
-                use_cache=True)
-    sides = [torch.stack([s[0].transpose(0, 1) for s in layer_kv(out.past_key_values, i)])
-             for i in range(model.config.num_hidden_layers)]
-    return torch.stack(sides).to("cpu", dtype)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -405,7 +144,7 @@ class EngineRequest:
     segments: tuple[Span, ...] = ()
     approximate: bool = False
     blend: BlendInfo | None = None
-    plan: _BlendPlan | None = field(default=None, repr=False)      # set from admission to the prefill
+    plan: BlendPlan | None = field(default=None, repr=False)      # set from admission to the prefill
 
     @property
     def output(self) -> list[int]:
@@ -604,7 +343,7 @@ class PagedEngine:
         if self.blend is not None and r.segments:
             r.plan = self._plan(r)
 
-    def _plan(self, r: EngineRequest) -> _BlendPlan | None:
+    def _plan(self, r: EngineRequest) -> BlendPlan | None:
         """The documents of ``r`` past its cached prefix, each loaded from the segment cache (or
         computed on its own and stored, with ``store_missing``) and moved to its position; ``None``
         when none can be reused.  Cost per document: a segment load (bounded by the deadline) or
@@ -635,7 +374,7 @@ class PagedEngine:
                 continue
             cached[:, :, lo:hi] = recover_positions(kv[:, :, :hi - lo], span.start, inv_freq)
             reused[lo:hi] = True
-        return _BlendPlan(cached, reused) if bool(reused.any()) else None
+        return BlendPlan(cached, reused) if bool(reused.any()) else None
 
     def _schedule(self, ready: list[EngineRequest]) -> list[tuple[EngineRequest, list[int]]]:
         """Pages for each ready request's tokens this step, oldest first, preempting the newest

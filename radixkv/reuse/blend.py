@@ -12,7 +12,7 @@ computed on its own (``radixkv.reuse.segments``) is reused in two steps:
    position.  What recovery cannot restore is the attention to what precedes the document in the
    prompt: the cached KV is that of the document alone.
 2. **Selective recomputation** (an engine's blended forward, e.g. the reference engine's
-   ``radixkv.integrations.paged.blend_prefill``; ``keep_rows`` picks the rows): layer by layer,
+   ``radixkv.integrations.paged_blend.blend_prefill``; ``keep_rows`` picks the rows): layer by layer,
    only a share of the reused tokens is recomputed (those whose KV deviates most from what a full
    prefill would give) and every other reused token keeps its cached KV.  A layer's K and V
    depend on the context only through the layers below it, so the first layer's cached KV is
