@@ -406,9 +406,17 @@ class LmdbTier(Tier):
             raise ValueError(f"admission must be None or 'second_hit', got {admission!r}")
         check_int(admission_memory, "admission_memory", 1)
         self._admission = None if admission is None else _SecondHit(admission_memory)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a directory path (str or os.PathLike), got {type(path).__name__}")
         self.path = os.fspath(path)
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ValueError(f"path: {self.path!r} is a file, not a directory (LMDB keeps data.mdb and lock.mdb "
+                             f"in a directory)")
         if not os.path.isdir(self.path):
-            os.makedirs(self.path, mode=dir_mode, exist_ok=True)
+            try:
+                os.makedirs(self.path, mode=dir_mode, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"path: cannot make the directory {self.path!r} ({exc.strerror or exc})") from None
             os.chmod(self.path, dir_mode)  # makedirs' mode is filtered by the umask
         self._file_mode = file_mode
         self._dir_mode = dir_mode

@@ -267,7 +267,7 @@ class CacheConfig:
                 raise
             except Exception as e:  # noqa: BLE001 - any fault of the disk: start without the tier
                 if self.local_disk_required:
-                    raise
+                    raise ValueError(f"local_disk: {path!r} cannot be opened ({type(e).__name__}: {e})") from e
                 log.warning("radixkv: local_disk %r cannot be opened (%s: %s); starting without the disk "
                             "tier (set local_disk_required: true to refuse to start instead)",
                             path, type(e).__name__, e)
@@ -336,6 +336,9 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | None = None
         source = named
     if isinstance(source, Mapping):
         return CacheConfig.from_mapping(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"config must be a mapping or the path of a .yaml, .yml or .json file, "
+                        f"got {type(source).__name__}")
     return CacheConfig.from_mapping(read_mapping(source))
 
 
@@ -349,25 +352,42 @@ def from_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = None
 
 
 def read_mapping(source: str | os.PathLike[str], name: str = "config") -> dict[str, Any]:
-    """The mapping in a ``.yaml``/``.yml``/``.json`` file, not yet validated (``ValueError`` naming
-    ``name`` for a missing file, another suffix or a file that holds no mapping).  YAML needs
-    ``pyyaml``.  Cost: one file read."""
+    """The mapping in a ``.yaml``/``.yml``/``.json`` file, not yet validated.  ``ValueError`` naming
+    ``name`` and the file for a missing or unreadable file, another suffix, a syntax error (with its
+    line and column) or a file that holds no mapping; YAML is read with ``safe_load``, so a tag
+    such as ``!!python/object`` is a syntax error, never code that runs.  YAML needs ``pyyaml``.
+    Cost: one file read."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"{name} must be the path of a .yaml, .yml or .json file, got {type(source).__name__}")
     path = Path(source)
     if not path.is_file():
         raise ValueError(f"{name}: no such file {str(path)!r}")
-    text = path.read_text()
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        raise ValueError(f"{name}: {str(path)!r} is neither .yaml, .yml nor .json")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{name}: cannot read {str(path)!r}: {exc}") from None
     if path.suffix == ".json":
-        data = json.loads(text)
-    elif path.suffix in (".yaml", ".yml"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}: {str(path)!r}, line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    else:
         try:
             import yaml
         except ImportError:
             raise ImportError("YAML configs need pyyaml: pip install 'radixkv[yaml]'") from None
-        data = yaml.safe_load(text) or {}
-    else:
-        raise ValueError(f"{name}: {str(path)!r} is neither .yaml, .yml nor .json")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(f"{name}: {str(path)!r}{where}: {problem}") from None
+        data = {} if data is None else data
     if not isinstance(data, dict):
-        raise ValueError(f"{name}: {str(path)!r} does not hold a mapping")
+        raise ValueError(f"{name}: {str(path)!r} holds a {type(data).__name__}, not a mapping of keys")
     return data
 
 

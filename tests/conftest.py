@@ -11,7 +11,7 @@ import torch
 from radixkv.testing import settings
 
 settings.load_profile()
-sys.path.insert(0, str(Path(__file__).parent))      # --import-mode=importlib does not add it
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))   # --import-mode=importlib does not add it
 
 
 @pytest.fixture(scope="module")

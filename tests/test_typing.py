@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow      # mypy over the package: `pytest -m "not slow"` leaves it out
+
 pytest.importorskip("mypy")
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,6 +8,8 @@ import sys
 from radixkv.bench import BENCHMARKS as _CORE
 
 BENCHMARKS = (*_CORE, "vllm", "fleet", "p2p")   # vllm, fleet: need vLLM (radixkv[vllm]); p2p: radixkv[p2p]
+#: Commands whose module has another name (no module is named like a standard-library one).
+_MODULES = {"copy": "block_copy"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         print(f"usage: python -m radixkv.bench {{{','.join(BENCHMARKS)}}} [options]  (--help on each)")
         return 2
-    module = importlib.import_module(f"radixkv.bench.{argv[0]}")
+    module = importlib.import_module(f"radixkv.bench.{_MODULES.get(argv[0], argv[0])}")
     return int(module.main(argv[1:]) or 0)
 
 

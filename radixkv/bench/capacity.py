@@ -24,7 +24,7 @@ documented modes are reported with their failures and the mechanism behind them:
 Pools smaller than the longest request are outside the claims: an engine cannot serve such a
 request, and the replay then caches only its leading pages, an admission filter for the most
 shared prefix that beats every policy (e.g. chat with 16 prompts of 1,024 tokens: 52% at a 1K
-pool over a 16K CPU tier, 38% at 2K, where whole requests first fit).  ``tests/test_capacity.py``
+pool over a 16K CPU tier, 38% at 2K, where whole requests first fit).  ``tests/core/test_capacity.py``
 checks the same property with hypothesis (a CI-sized budget; ``HYPOTHESIS_PROFILE=thorough`` for
 a longer run).
 """

@@ -8,7 +8,7 @@ function of the namespace and the token ids — never Python's ``hash()``, which
     Ki   = xxh3_128(K(i-1)   || le_int32(tokens[i*C:(i+1)*C]))
 
 A key therefore names a chunk *and everything before it*: equal keys mean equal prefixes.  The
-partial tail chunk gets no key.  The golden vectors in ``tests/test_hashing.py`` pin this format.
+partial tail chunk gets no key.  The golden vectors in ``tests/core/test_hashing.py`` pin this format.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ class Counts(Listener):
     """A listener that adds events up: pages held and dropped per level, chunks held and dropped
     per tier, io per (level, op, outcome) — count, seconds, bytes, chunks — and tokens served per
     level.  Thread-safe; each event O(1) (O(keys) for ``chunks``).  The counters of ``stats()``
-    agree with it (``tests/test_observe.py``)."""
+    agree with it (``tests/core/test_observe.py``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -26,7 +26,7 @@ Contract:
   tuples vLLM's ``generate_block_hash_extra_keys`` returns, one entry (a tuple or ``None``) per full
   block; this module hashes what it is given and does not build them.
 
-``tests/test_fleet_hashing.py`` checks every algorithm against vLLM's own ``hash_block_tokens`` on
+``tests/fleet/test_hashing.py`` checks every algorithm against vLLM's own ``hash_block_tokens`` on
 random token lists.  Cost: one serialization and one hash per full block (a few microseconds a
 block for SHA-256 over pickle).
 """

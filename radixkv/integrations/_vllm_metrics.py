@@ -20,7 +20,7 @@ vLLM's, and its own ``vllm:prefix_cache_*`` series cover it), with vLLM's labels
 ``namespace``/``instance`` and the series' own (``tier``, ``kind``) after them.  **Multiprocess
 mode** (``PROMETHEUS_MULTIPROC_DIR``, which vLLM sets with several API servers): only metric
 objects of vLLM's classes are used, no custom collector (a multiprocess registry reads only the
-metric files), and gauges are ``mostrecent`` as vLLM's own; ``tests/test_vllm_metrics.py`` renders
+metric files), and gauges are ``mostrecent`` as vLLM's own; ``tests/integrations/test_vllm_metrics.py`` renders
 them through prometheus-client's ``MultiProcessCollector``.
 """
 

@@ -452,7 +452,7 @@ def join(tiers: list[Tier], namespace: Namespace, *, controller: str, secret: by
     cpu = next((t for t in tiers if isinstance(t, CpuTier)), None)
     node = Node(controller=controller, secret=secret, instance=instance,
                 address=address, transport=transport, cpu=cpu)
-    peer = PeerTier(controller, secret, instance=instance, transport=transport, node=node,
-                    **({} if timeout_s is None else {"timeout_s": timeout_s}))
+    peer = (PeerTier(controller, secret, instance=instance, transport=transport, node=node) if timeout_s is None
+            else PeerTier(controller, secret, instance=instance, transport=transport, node=node, timeout_s=timeout_s))
     at = next((i for i, t in enumerate(tiers) if not t.local), len(tiers))
     return [*tiers[:at], peer, *tiers[at:]], node

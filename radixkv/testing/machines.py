@@ -453,6 +453,28 @@ class RadixTreeMachine(RuleBasedStateMachine):
             self.tree.check()
             if self.tree.total_size != len(self.model.entries) * self.tree.page_size:
                 _fail(f"total_size {self.tree.total_size}, the model caches {len(self.model.entries)} pages")
+            self._locks_match_the_holds()
+
+    def _locks_match_the_holds(self) -> None:
+        """Every node's lock count is the number of held paths through it, and ``protected_size``
+        the tokens on the union of those paths: what the machine holds, not what ``check()``
+        accepts (a count at least its children's would let a lock left behind pass)."""
+        through: dict[int, int] = {}
+        nodes: dict[int, RadixNode] = {}
+        for node, prefix in self.locked:
+            path: RadixNode | None = node
+            while path is not None and path is not self.tree.root:
+                through[id(path)] = through.get(id(path), 0) + 1
+                nodes[id(path)] = path
+                path = path.parent
+            if node is not self.tree.root and self.tree.prefix_tokens(node).tolist() != list(prefix):
+                _fail(f"a held node ends {self.tree.prefix_tokens(node).tolist()}, held for {list(prefix)}")
+        for node in self.tree.nodes():
+            if node.lock_ref != through.get(id(node), 0):
+                _fail(f"{node!r} has lock count {node.lock_ref}; {through.get(id(node), 0)} held paths run through it")
+        protected = sum(len(n.pages) for n in nodes.values()) * self.tree.page_size
+        if self.tree.protected_size != protected:
+            _fail(f"protected_size {self.tree.protected_size}, but the held paths cover {protected} tokens")
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):

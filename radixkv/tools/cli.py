@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 import time
+from typing import NoReturn
 
 import torch
 
@@ -93,14 +94,21 @@ _TOOLS = (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
-        from radixkv.tools.demo import main as demo
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors (an unknown command or flag, a bad value) are one line on
+    stderr and exit status 2, as every error of the command line is."""
 
-        return demo(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m radixkv", description="radixkv: prefix caching for LLM engines")
-    sub = ap.add_subparsers(dest="command", required=True)
+    def error(self, message: str) -> NoReturn:
+        raise _Refused(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+class _Refused(Exception):
+    """A command refused its input; the message is the one line the user sees."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m radixkv", description="radixkv: prefix caching for LLM engines")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("demo", help="a random-weight model served through the cache: TTFT and where hits came from")
     d = sub.add_parser("replay", help="replay a chat workload through a PrefixCache and print what it saved")
     d.add_argument("--requests", type=int, default=2000)
@@ -120,5 +128,37 @@ def main(argv: list[str] | None = None) -> int:
         t = sub.add_parser(name, help=text)
         tool.add_arguments(t)
         t.set_defaults(func=run or tool.main)
-    args = ap.parse_args(argv)
-    return int(args.func(args))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status.  Bad input of any kind (a wrong flag, a missing or
+    unreadable file, an unknown key, a tier that cannot be opened) is one line on stderr naming the
+    problem and a non-zero status, never a traceback (``RADIXKV_TRACEBACK=1`` shows it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else "radixkv"
+    try:
+        if argv[:1] == ["demo"]:
+            from radixkv.tools.demo import main as demo
+
+            return demo(argv[1:])
+        args = _parser().parse_args(argv)
+        return int(args.func(args))
+    except _Refused as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, TypeError, OSError, ImportError, KeyError, RuntimeError) as exc:
+        if os.environ.get("RADIXKV_TRACEBACK"):
+            raise
+        print(f"radixkv {command}: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error as one line: its message (its type's name where the message does not say it)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, (OSError, KeyError, ImportError, RuntimeError)) and type(exc).__name__ not in text:
+        text = f"{type(exc).__name__}: {text}"
+    return text

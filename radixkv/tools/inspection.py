@@ -192,7 +192,10 @@ def persistent_tiers(cfg: CacheConfig) -> tuple[list[Tier], dict[bytes, str]]:
         layout = cfg.make_layout(None)
         ns = cfg.make_namespace()
         names[ns.bind(layout).id] = ns.model
-    bare = replace(cfg, local_cpu=False, max_local_cpu_size=None)
+    # A tier this command cannot open is an error, not an empty listing: required, whatever the
+    # configuration says for an engine (which starts without it).
+    bare = replace(cfg, local_cpu=False, max_local_cpu_size=None, local_disk_required=bool(cfg.local_disk),
+                   remote_required=bool(cfg.remote_url))
     return bare.make_tiers(layout), names        # type: ignore[arg-type]  # no CPU tier: layout unused
 
 

@@ -273,7 +273,9 @@ def main(args: argparse.Namespace) -> int:
               "the configuration lacks one of them (an engine warms its CPU tier with radixkv.tools.warm.warm(cache))")
         return 2
     layout = cfg.make_layout(None)
-    stack = replace(cfg.without_p2p(), local_cpu=False, max_local_cpu_size=None).make_stack(layout)
+    # A tier this command cannot open is an error here (an engine would start without it).
+    stack = replace(cfg.without_p2p(), local_cpu=False, max_local_cpu_size=None, local_disk_required=True,
+                    remote_required=True).make_stack(layout)
     assert stack is not None
     try:
         prompts = read_prompts(args.prompts) if args.prompts else None

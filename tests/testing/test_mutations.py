@@ -43,6 +43,8 @@ from radixkv.core.tree import RadixTree
 from mutants_engine import ROWS as ENGINE_ROWS, lru_pop_newest
 from sqlite_tier import SqliteTier
 
+pytestmark = pytest.mark.slow      # every mutant against its harness: `pytest -m "not slow"` leaves it out
+
 
 Patch = Callable[[pytest.MonkeyPatch], Any]
 
@@ -367,7 +369,7 @@ def _set(name: str, value: Callable[[LmdbTier], Any]) -> Callable[[LmdbTier], No
     return lambda tier: setattr(tier, name, value(tier))
 
 
-# A user's tier (tests/sqlite_tier.py), checked with the LMDB contracts' knobs: LRU by bytes, exact
+# A user's tier (tests/helpers/sqlite_tier.py), checked with the LMDB contracts' knobs: LRU by bytes, exact
 # used_bytes, persistent, and a TTL of 5 seconds for LmdbTtlContract.
 
 def sqlite(**knobs: Any) -> Callable[..., SqliteTier]:
@@ -625,6 +627,17 @@ def _lock_only_the_node(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(RadixTree, "_unlock", unlock)
 
 
+def _unlock_only_the_node(mp: pytest.MonkeyPatch) -> None:
+    def unlock(self: RadixTree, node: Any) -> None:
+        node.lock_ref -= 1                     # the node is released, its ancestors stay locked
+        if node.lock_ref == 0:
+            self._protected -= node.num_tokens
+            self._evictable += node.num_tokens
+            if not node.children:
+                self._lru_add(node)
+    mp.setattr(RadixTree, "_unlock", unlock)
+
+
 def _insert_keeps_parent_in_lru(mp: pytest.MonkeyPatch) -> None:
     def make(insert: Callable[..., Any]) -> Callable[..., Any]:
         def bad(self: RadixTree, *args: Any, **kw: Any) -> Any:
@@ -794,6 +807,8 @@ ENGINE_MUTANTS = [
            "RadixTreeMachine", _unlock_forgets_lru),
     Mutant("tree-lock-only-the-node", "RadixTree.lock/unlock", "ancestors are not locked", "RadixTreeMachine",
            _lock_only_the_node),
+    Mutant("tree-unlock-leaves-ancestors-locked", "RadixTree.unlock", "unlock releases the node, not its ancestors",
+           "RadixTreeMachine", _unlock_only_the_node),
     Mutant("tree-insert-keeps-parent-in-lru", "RadixTree.insert_bytes", "a parent that gains a child stays evictable",
            "RadixTreeMachine", _insert_keeps_parent_in_lru),
     Mutant("tree-touch-ignores-recency", "RadixTree._touch", "matches do not refresh recency",
@@ -964,7 +979,7 @@ REQUEST_MUTANTS = [
 ]
 
 MUTANTS = TIER_MUTANTS + ENGINE_MUTANTS + REQUEST_MUTANTS + GROUP_MUTANTS
-MUTANTS += [Mutant(*row) for row in ENGINE_ROWS]      # tests/mutants_engine.py
+MUTANTS += [Mutant(*row) for row in ENGINE_ROWS]      # tests/helpers/mutants_engine.py
 
 
 # The sliding-window rows get three times the examples: their catches hang on a retry landing a

@@ -25,7 +25,7 @@ from radixkv.fleet.events import BlockRemoved, BlockStored, EventBatch  # noqa: 
 from radixkv.p2p.wire import (Ack, Channel, Deregister, Fetch, Heartbeat, PeerLookup, Pin, Refused,  # noqa: E402
                                 Register, Report, Signer)
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HERE))
 from p2p_node import LAYOUT, chunk_kv, config, tokens  # noqa: E402
 

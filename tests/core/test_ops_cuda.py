@@ -122,7 +122,7 @@ def test_pageable_host_buffer_is_refused(cuda_ext: None) -> None:
 
 
 def _cpu_tests() -> ModuleType:
-    """tests/test_ops.py, loaded by path for its layouts and strategies (tests are not a package)."""
+    """tests/core/test_ops.py, loaded by path for its layouts and strategies (tests are not a package)."""
     spec = importlib.util.spec_from_file_location("_radixkv_cpu_op_tests", Path(__file__).with_name("test_ops.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

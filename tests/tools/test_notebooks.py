@@ -18,12 +18,14 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow      # every notebook, executed: `pytest -m "not slow"` leaves it out
+
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 KERNEL = "radixkv-notebook-test"
 
 

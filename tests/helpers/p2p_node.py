@@ -1,4 +1,4 @@
-"""One instance of a peer-to-peer test, in a process of its own: ``python tests/p2p_node.py SPEC.json``.
+"""One instance of a peer-to-peer test, in a process of its own: ``python tests/helpers/p2p_node.py SPEC.json``.
 
 It builds its stack from a radixkv config with ``p2p_enabled`` (a CPU tier served to peers), stores
 ``chunks`` chunks of ``chunk_kv(seed, i)`` for ``tokens(seed)``, writes ``{"address": ...}`` to

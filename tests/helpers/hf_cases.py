@@ -1,5 +1,5 @@
-"""Shared checks of the Hugging Face adapter's tests (``tests/test_transformers.py``,
-``tests/test_hybrid.py``): a reused prefix must give the logits of one plain forward."""
+"""Shared checks of the Hugging Face adapter's tests (``tests/integrations/test_transformers.py``,
+``tests/integrations/test_hybrid.py``): a reused prefix must give the logits of one plain forward."""
 
 from __future__ import annotations
 

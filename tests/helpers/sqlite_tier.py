@@ -1,7 +1,7 @@
 """A tier as a user writes one from the ``Tier`` protocol's docstrings: a SQLite table (stdlib
 ``sqlite3``), with the choices the protocol leaves open as knobs, so that the tier contract can be
-shown to pass each correct variant (tests/test_contract_variants.py) and to catch bugs in it
-(the ``sqlite-*`` rows of tests/test_mutations.py).
+shown to pass each correct variant (tests/testing/test_contract_variants.py) and to catch bugs in it
+(the ``sqlite-*`` rows of tests/testing/test_mutations.py).
 
 One table, ``entries(key, blob, size, access, expires, pinned)``.  ``max_bytes`` bounds the sum of
 the blob sizes (``used_bytes``, kept as a running total that ``check`` compares with the table).

@@ -127,7 +127,7 @@ def test_a_failure_names_keys_and_blobs_readably() -> None:
 
 def test_the_contract_catches_a_tier_that_evicts_a_pinned_key() -> None:
     """A tier that says it pinned keys and evicts them anyway fails the contract (the shipped tiers,
-    which pin, pass it: tests/test_backends.py, tests/test_policy.py)."""
+    which pin, pass it: tests/backends/test_backends.py, tests/backends/test_policy.py)."""
 
     class PinsNothing(CpuTier):      # says it pinned every key, and unpinned them
         def pin(self, keys: Any) -> int:
@@ -144,7 +144,7 @@ def test_the_contract_catches_a_tier_that_evicts_a_pinned_key() -> None:
 
 def test_the_harness_states_its_failures_without_bare_asserts() -> None:
     """pytest does not rewrite asserts in an installed library, and ``python -O`` drops them."""
-    for name in ("tiers.py", "index.py", "backends.py", "settings.py"):
+    for name in ("contract.py", "machines.py", "backends.py", "settings.py"):
         tree = ast.parse((Path(rt.__file__).parent / name).read_text())
         bare = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
         assert not bare, f"radixkv/testing/{name} has assert statements at lines {bare}"

@@ -140,6 +140,6 @@ class SecondHitCpuContract(CpuTierContract):
 
 TestS3FifoCpuContract = S3FifoCpuContract.TestCase
 TestSecondHitCpuContract = SecondHitCpuContract.TestCase
-# The LRU tier's contract runs at the full profile (tests/test_backends.py); these, at a third.
+# The LRU tier's contract runs at the full profile (tests/backends/test_backends.py); these, at a third.
 TestS3FifoCpuContract.settings = TestSecondHitCpuContract.settings = settings(
     settings(), max_examples=max(10, settings().max_examples // 3))

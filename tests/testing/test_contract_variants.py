@@ -1,9 +1,9 @@
 """No false alarms: the tier contract passes correct tiers that make the choices the ``Tier``
-protocol leaves open in different ways — a SQLite tier (tests/sqlite_tier.py) with expired rows
+protocol leaves open in different ways — a SQLite tier (tests/helpers/sqlite_tier.py) with expired rows
 purged when a put needs room, on every put, on read or never (left until evicted), counted as
 evictions or apart, LRU by the clock or by a counter, with a TTL and without, in a file
 (persistent, pins kept or lost across a reopen) and in memory.  The mutants of that tier the
-contract must catch are rows of tests/test_mutations.py (``sqlite-*``)."""
+contract must catch are rows of tests/testing/test_mutations.py (``sqlite-*``)."""
 
 from __future__ import annotations
 

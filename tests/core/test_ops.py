@@ -290,7 +290,7 @@ def test_sources_are_all_shipped_as_package_data() -> None:
 
 
 def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from radixkv.bench import copy
+    from radixkv.bench import block_copy as copy
 
     out = tmp_path / "copy.txt"
     assert copy.main(["--quick", "--out", str(out)]) == 0

