@@ -413,10 +413,7 @@ class LmdbTier(Tier):
             raise ValueError(f"path: {self.path!r} is a file, not a directory (LMDB keeps data.mdb and lock.mdb "
                              f"in a directory)")
         if not os.path.isdir(self.path):
-            try:
-                os.makedirs(self.path, mode=dir_mode, exist_ok=True)
-            except OSError as exc:
-                raise ValueError(f"path: cannot make the directory {self.path!r} ({exc.strerror or exc})") from None
+            os.makedirs(self.path, mode=dir_mode, exist_ok=True)     # a fault of the disk: OSError
             os.chmod(self.path, dir_mode)  # makedirs' mode is filtered by the umask
         self._file_mode = file_mode
         self._dir_mode = dir_mode

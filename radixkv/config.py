@@ -18,7 +18,8 @@ that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's wh
     remote_url: s3://bucket/kv   # an S3Tier, shared by every instance of the namespace ...
     remote_endpoint: http://127.0.0.1:9000   # optional (MinIO, Ceph, a test server)
     # remote_url: redis://cache-host:6379/0  # ... or a RedisTier (redis:// or rediss:// for TLS)
-    remote_timeout: 2.0          # seconds: the total bound of one lookup or load on the network
+    remote_timeout: 2.0          # seconds: the bound of a request's lookup and load on every remote tier and peer
+    max_write_queue_size: 1.0    # GB of KV waiting to be written down the tiers (more is dropped, counted)
     remote_required: false       # true: refuse to start while the remote tier is unreachable
     local_disk_required: false   # true: refuse to start when local_disk cannot be opened
     secret: ...                  # deployment secret: every chunk carries a MAC (prefer RADIXKV_SECRET)
@@ -93,6 +94,7 @@ class CacheConfig:
     remote_url: str | None = None
     remote_endpoint: str | None = None
     remote_timeout: float = 2.0
+    max_write_queue_size: float = 1.0
     remote_required: bool = False
     local_disk_required: bool = False
     secret: str | None = field(default=None, repr=False)
@@ -132,7 +134,8 @@ class CacheConfig:
         for name in ("local_cpu", "promote", "encrypt", "exclusive", "remote_required", "local_disk_required"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("max_local_cpu_size", "max_local_disk_size", "local_disk_ttl", "remote_timeout"):
+        for name in ("max_local_cpu_size", "max_local_disk_size", "local_disk_ttl", "remote_timeout",
+                     "max_write_queue_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -144,6 +147,9 @@ class CacheConfig:
             raise ValueError(f"local_disk must be a path, got {self.local_disk!r}")
         if self.local_disk and self.max_local_disk_size is None:
             raise ValueError("max_local_disk_size: required when local_disk is set (GB)")
+        if self.local_disk and os.path.isfile(self.local_disk.removeprefix("file://")):
+            raise ValueError(f"local_disk: {self.local_disk!r} is a file; it must name a directory (LMDB keeps "
+                             f"its data.mdb and lock.mdb there)")
         if not self.local_disk and (self.max_local_disk_size is not None or self.local_disk_ttl is not None
                                     or self.local_disk_admission != "none"):
             raise ValueError("max_local_disk_size / local_disk_ttl / local_disk_admission: set, but local_disk is not")
@@ -283,7 +289,7 @@ class CacheConfig:
             tiers.append(S3Tier.from_url(self.remote_url, endpoint_url=self.remote_endpoint, lazy=lazy))
         return tiers
 
-    def make_stack(self, layout: KVLayout, namespace: Namespace | None = None, *, queue_size: int = 64,
+    def make_stack(self, layout: KVLayout, namespace: Namespace | None = None, *, queue_size: int | None = None,
                    exclusive: bool | None = None) -> TierStack | None:
         """The ``TierStack`` of this config's tiers for ``layout`` KV (``None`` without tiers), with
         its secrets, encryption and remote timeout; ``namespace`` defaults to ``make_namespace()``
@@ -307,6 +313,7 @@ class CacheConfig:
         stack = TierStack(tiers, namespace=ns, layout=layout, chunk_size=self.chunk_size, promote=self.promote,
                           timeout_s=self.remote_timeout, secret=self.secret, previous_secret=self.previous_secret,
                           encrypt=self.encrypt, queue_size=queue_size,
+                          queue_bytes=int(self.max_write_queue_size * _GB),
                           exclusive=self.exclusive if exclusive is None else exclusive)
         if node is not None:
             node.watch(stack)
@@ -321,9 +328,11 @@ class CacheConfig:
         num_pages = self.num_pages if self.num_pages is not None else self.pool_tokens // self.page_size  # type: ignore[operator]
         namespace = self.make_namespace()
         stack = self.make_stack(layout, namespace.bind(layout))
+        # One deadline: a request's whole tier lookup and load ends remote_timeout after it opens.
         return PrefixCache(layout, num_pages=num_pages, device=self.device, namespace=namespace,
                            tiers=() if stack is None else stack, chunk_size=self.chunk_size,
-                           write_policy=self.write_policy, promote=self.promote)
+                           write_policy=self.write_policy, promote=self.promote, load_timeout=self.remote_timeout,
+                           write_queue_bytes=int(self.max_write_queue_size * _GB))
 
 
 def load_config(source: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> CacheConfig:

@@ -144,9 +144,10 @@ class PrefixCache:
     """Prefix cache over a paged KV pool.  See the module docstring for the protocol.
 
     ``tiers`` (fastest first, or a ready ``TierStack``) go below the pool; ``promote`` copies lower-tier
-    hits into the tiers above; ``write_queue`` bounds the chunks waiting to be written (a chunk that
-    does not fit is dropped and counted: with ``write_back``, one eviction may spill many chunks at
-    once, so give it room).
+    hits into the tiers above; ``write_queue_bytes`` (default 1 GiB) bounds the KV waiting to be
+    written, ``write_queue`` (default: no bound) the number of chunks (a chunk that does not fit is
+    dropped and counted: with ``write_back``, one eviction may spill many chunks at once, so give
+    it room).
 
     >>> layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
     >>> cache = PrefixCache(layout, num_pages=8)
@@ -164,8 +165,8 @@ class PrefixCache:
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu",
                  namespace: Namespace | None = None, tiers: Sequence[Tier] | TierStack = (),
                  chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True,
-                 write_queue: int = 64, load_timeout: float = 5.0, load_workers: int = 4,
-                 exclusive: bool = True, window_pages: int | None = None) -> None:
+                 write_queue: int | None = None, load_timeout: float = 5.0, load_workers: int = 4,
+                 exclusive: bool = True, window_pages: int | None = None, write_queue_bytes: int = 1 << 30) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if check_int(chunk_size, "chunk_size", 1) % layout.page_size:
@@ -175,7 +176,9 @@ class PrefixCache:
             raise ValueError(f"write_policy must be 'write_through' or 'write_back', got {write_policy!r}")
         if namespace is not None and not isinstance(namespace, Namespace):
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
-        check_int(write_queue, "write_queue", 1)
+        if write_queue is not None:
+            check_int(write_queue, "write_queue", 1)
+        check_int(write_queue_bytes, "write_queue_bytes", 1)
         check_int(load_workers, "load_workers", 1)
         if isinstance(load_timeout, bool) or not isinstance(load_timeout, (int, float)) or not load_timeout >= 0:
             raise ValueError(f"load_timeout must be a number of seconds >= 0, got {load_timeout!r}")
@@ -219,7 +222,8 @@ class PrefixCache:
              "chunks_stored", "chunks_not_queued", "tails_stored", "late_loads", "load_errors"), 0)
         #: One ``TierStack`` per KV group over the same tiers (``layout.groups`` order; each group's
         #: chunks have keys of their own namespace); ``stack`` is the first (the only one without groups).
-        self.stacks: list[TierStack] = self._make_stacks(tiers, namespace, promote, write_queue, exclusive)
+        self.stacks: list[TierStack] = self._make_stacks(tiers, namespace, promote, write_queue, write_queue_bytes,
+                                                         exclusive)
         self.stack = self.stacks[0] if self.stacks else None
         #: The way down (pool -> tiers, ``radixkv.core.stores``); ``None`` without tiers.
         self._stores: Stores | None = None
@@ -250,8 +254,8 @@ class PrefixCache:
                                 layout=layout, chunk_size=chunk_size, load_workers=load_workers,
                                 counters=self._counters, tier_hits=self._tier_hit_tokens, host=self._host)
 
-    def _make_stacks(self, tiers: Any, namespace: Namespace | None, promote: bool, write_queue: int,
-                     exclusive: bool) -> list[TierStack]:
+    def _make_stacks(self, tiers: Any, namespace: Namespace | None, promote: bool, write_queue: int | None,
+                     write_queue_bytes: int, exclusive: bool) -> list[TierStack]:
         from radixkv.core.stack import TierStack   # here, so that a cache without tiers needs no backend
 
         if isinstance(tiers, TierStack):
@@ -266,10 +270,12 @@ class PrefixCache:
             return []
         if self.groups is None:
             return [TierStack(tiers, namespace=self.namespace, layout=self.layout, chunk_size=self.chunk_size,
-                              promote=promote, queue_size=write_queue, exclusive=exclusive)]
+                              promote=promote, queue_size=write_queue, queue_bytes=write_queue_bytes,
+                              exclusive=exclusive)]
         base = namespace or Namespace(model="unnamed")
         return [TierStack(tiers, namespace=base.bind(self.layout, group), layout=self.layout.group_layout(group),
-                          chunk_size=self.chunk_size, promote=promote, queue_size=write_queue, exclusive=exclusive)
+                          chunk_size=self.chunk_size, promote=promote, queue_size=write_queue,
+                          queue_bytes=write_queue_bytes, exclusive=exclusive)
                 for group in self.layout.groups]
 
     def flush(self, timeout: float | None = None) -> bool:

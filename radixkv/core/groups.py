@@ -319,14 +319,17 @@ class GroupLoad:
 
 def fetch_group_chunks(stacks: Sequence[TierStack], groups: Sequence[KVGroup], refs: Sequence[Sequence[ChunkRef]],
                        first: int, last: int, window: Sequence[int], pool_ok: Sequence[np.ndarray],
-                       deadline: float) -> GroupLoad:
+                       deadline: float, extra: Sequence[int] | None = None) -> GroupLoad:
     """The worker's half of a grouped load (``request.fetch_chunks``' counterpart): find the
     longest ``end <= last`` such that the full groups' chunks ``first..end-1`` are in the tiers and
     every sliding group has the ``window[g]`` chunks before ``end`` in the pool (``pool_ok[g][j]``,
     for ``j < first``) or in the tiers; fetch those, all by ``deadline``.  A sliding chunk missing
-    moves ``end`` back to it (at most ``_PROBES`` times).  ``refs[g]`` are group ``g``'s refs from
-    chunk 0.  Touches neither the pool nor the tree; a fault is a miss.  Cost: one lookup per group
-    per probe, then the loads."""
+    moves ``end`` back to it (at most ``_PROBES`` times).  Then, best effort, the ``extra[g]``
+    chunks before those (what a later match that stops a page short of ``end`` needs of its window:
+    the page ``KVGroups.keep`` keeps beyond the window), where the tiers hold them; one missing
+    shortens nothing.  ``refs[g]`` are group ``g``'s refs from chunk 0.  Touches neither the pool
+    nor the tree; a fault is a miss.  Cost: one lookup per group per probe, one more per group
+    with ``extra``, then the loads."""
     miss = GroupLoad(first, [])
     end = last
     full_where: list[int] = []
@@ -354,6 +357,15 @@ def fetch_group_chunks(stacks: Sequence[TierStack], groups: Sequence[KVGroup], r
         return miss
     if end <= first:
         return miss
+    for g, group in enumerate(groups):
+        if group.sliding and extra is not None and extra[g] > 0:
+            lo = max(0, end - window[g])
+            more = [j for j in range(max(0, lo - extra[g]), lo) if j >= first or not pool_ok[g][j]]
+            if more:     # the nearest first: a later match stops just short of end
+                found = stacks[g].lookup([refs[g][j].key for j in reversed(more)], deadline=deadline)
+                got = list(reversed(more))[:len(found)]
+                need, where = plans[g]
+                plans[g] = ([*reversed(got), *need], [*reversed(found), *where])
     parts = []
     for g, group in enumerate(groups):
         if group.sliding:

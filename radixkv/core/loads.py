@@ -136,13 +136,16 @@ class Loads:
         cs, per_chunk = self.chunk_size, self.chunk_size // self.page_size
         refs = self._refs(req._data[:last * cs * 4])
         window: list[int] = []
+        extra: list[int] = []
         pool_ok: list[np.ndarray] = []
         for group in self.layout.groups:
             ids = self.groups.pages_of(group, req._pages[:first * per_chunk]).reshape(first, per_chunk)
             pool_ok.append(np.asarray((ids >= 0).all(axis=1)))
             window.append(-(-(group.window - 1) // cs) if group.sliding else 0)
+            # and the page beyond the window that a match stopping a page short of the end needs
+            extra.append(-(-(group.window - 1 + self.page_size) // cs) - window[-1] if group.sliding else 0)
         future = self._loader.submit(fetch_group_chunks, self.stacks, self.layout.groups, refs, first, last,
-                                     window, pool_ok, deadline)
+                                     window, pool_ok, deadline, extra)
         req._pending = PendingLoad(future, first, deadline, [])   # type: ignore[arg-type]
 
     def resolve(self, req: Request, pending: PendingLoad) -> None:

@@ -119,11 +119,12 @@ class _BurstLog:
 class TierStack:
     """Tiers ``tiers`` (fastest first) storing ``chunk_size``-token chunks of ``layout`` KV for
     ``namespace``; see the module docstring.  Thread-safe: every method may be called from any
-    thread.  ``queue_size`` bounds the chunks waiting to be written (stores and promotions; an
-    empty queue takes a longer chain an eviction waits to store, whole);
-    ``write_batch`` is how many the writer takes per ``put_many``; faults are logged at most once
-    per ``log_interval`` seconds per tier.  ``timeout_s``: the default total bound of one
-    ``lookup`` or ``load`` on remote waits; ``write_timeout_s``: the bound of one batch of writes
+    thread.  ``queue_bytes`` bounds the KV waiting to be written (stores and promotions, by their
+    bytes; an empty queue takes a longer chain an eviction waits to store, whole), ``queue_size``
+    (default: none) the number of writes waiting; ``write_batch`` is how many writes the writer
+    takes per ``put_many`` (at most 64 MiB of them); faults are logged at most once
+    per ``log_interval`` seconds per tier.  ``timeout_s``: the total bound of one
+    ``lookup`` or ``load`` on remote waits (a caller's later deadline is cut to it); ``write_timeout_s``: the bound of one batch of writes
     to a tier.  ``secret``, ``previous_secret`` (bytes or str, 16 bytes or more; default: the
     ``RADIXKV_SECRET`` / ``RADIXKV_PREVIOUS_SECRET`` environment variables) and ``encrypt``: see
     the module docstring.
@@ -144,7 +145,8 @@ class TierStack:
     """
 
     def __init__(self, tiers: Sequence[Tier], *, namespace: Namespace, layout: KVLayout, chunk_size: int,
-                 promote: bool = True, queue_size: int = 64, write_batch: int = 8,
+                 promote: bool = True, queue_size: int | None = None, queue_bytes: int = 1 << 30,
+                 write_batch: int = 32,
                  log_interval: float = 60.0, timeout_s: float = 2.0, write_timeout_s: float = 30.0,
                  secret: bytes | str | None = None, previous_secret: bytes | str | None = None,
                  encrypt: bool = False, exclusive: bool = False) -> None:
@@ -154,8 +156,10 @@ class TierStack:
             raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        for name, value in (("chunk_size", chunk_size), ("queue_size", queue_size), ("write_batch", write_batch)):
+        for name, value in (("chunk_size", chunk_size), ("queue_bytes", queue_bytes), ("write_batch", write_batch)):
             check_int(value, name, 1)
+        if queue_size is not None:
+            check_int(queue_size, "queue_size", 1)
         for name, seconds in (("timeout_s", timeout_s), ("write_timeout_s", write_timeout_s)):
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
@@ -185,6 +189,7 @@ class TierStack:
         self.victims: frozenset[int] = frozenset(
             i for i, t in enumerate(self.tiers) if exclusive and t.local and t.victim)
         self.queue_size = queue_size
+        self.queue_bytes = queue_bytes
         self.write_batch = write_batch
         self.shape = layout.chunk_shape(chunk_size)
         self._blob_bytes = tuple(encoded_size(self.shape, layout.dtype, seal) for seal in self.seals)
@@ -197,12 +202,18 @@ class TierStack:
                                                "stored", "touched", "refreshed", "refresh_misses", "released",
                                                "tier_bytes_loaded", "tier_bytes_stored")}
         self._counts = dict.fromkeys(("lookups", "lookup_keys", "lookup_found", "misses", "load_misses",
-                                      "promoted", "dropped_writes", "bytes_loaded", "bytes_stored"), 0)
+                                      "promoted", "dropped_writes", "bytes_loaded", "bytes_stored",
+                                      "pending_hits"), 0)
         # The writes (radixkv.core.writer): ("store", ChunkRef, kv, tier indices), ("promote", tier
         # indices, ChunkRef, blob or None, kv or None), ("touch", tier key, tier indices), ("delete",
         # tier index, tier key) or ("release", tier key).
-        self.writer = WriteQueue(self._write_batch, size=queue_size, batch=write_batch,
-                                 on_drop=lambda n: self._add("dropped_writes", n))
+        # The chunks on their way down (queued, or in the writer's hands): full tier key -> [stores
+        # in flight, the KV, the tiers they go to].  A lookup sees them as held by those tiers and
+        # a load serves them from here, so what the pool just let go of is found at once.
+        self._pending: dict[bytes, list[Any]] = {}
+        self._pending_lock = threading.Lock()
+        self.writer = WriteQueue(self._write_batch, size=queue_size, batch=write_batch, max_bytes=queue_bytes,
+                                 cost=_write_cost, on_drop=lambda n: self._add("dropped_writes", n))
         self._prefetch_lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None
         #: The listeners of the tiers' events (``radixkv.core.observe``); a ``PrefixCache`` puts its own
@@ -234,11 +245,15 @@ class TierStack:
             return default
 
     def _deadline(self, deadline: float | None) -> float:
+        """The bound of one ``lookup``, ``load`` or ``find_tail``: the caller's ``deadline``, but
+        never more than ``timeout_s`` from now (the configuration's ``remote_timeout``), whoever the
+        caller is: one bound on every remote wait."""
+        bound = time.monotonic() + self.timeout_s
         if deadline is None:
-            return time.monotonic() + self.timeout_s
+            return bound
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
             raise TypeError(f"deadline must be a time.monotonic() value or None, got {type(deadline).__name__}")
-        return float(deadline)
+        return min(float(deadline), bound)
 
     def _bounded_call(self, i: int, default: Any, deadline: float, fn: Callable[..., Any], *args: Any,
                       op: str = "lookup") -> Any:
@@ -310,6 +325,8 @@ class TierStack:
         for end in range(longest, 0, -page_bytes):
             ref = self.tail_ref(parent, data[:end])
             for i in local:
+                if self._pending_for(i, [self._prefix + ref.key]) == 1:     # on its way down to tier i
+                    return i, ref
                 if self._bounded_call(i, 0, deadline, self.tiers[i].contains_prefix, [self._prefix + ref.key],
                                       op="tail") == 1:
                     return i, ref
@@ -332,14 +349,20 @@ class TierStack:
         found: list[int] = []
         tier_keys = [self._prefix + k for k in keys]
         for i, tier in enumerate(self.tiers[:self._num_tiers(tiers)]):
+            while len(found) < len(keys):
+                self._add("tier_lookups", tier=i)
+                n = self._bounded_call(i, 0, deadline, tier.contains_prefix, tier_keys[len(found):])
+                if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(keys) - len(found):
+                    self._call(i, 0, _bad_answer, tier, n)
+                    n = 0
+                found.extend([i] * n)
+                # Chunks on their way down to this tier (the pool just let them go): held here too.
+                m = self._pending_for(i, tier_keys[len(found):])
+                found.extend([i] * m)
+                if m == 0 or not tier.local:     # a remote tier is asked once per lookup
+                    break
             if len(found) == len(keys):
                 break
-            self._add("tier_lookups", tier=i)
-            n = self._bounded_call(i, 0, deadline, tier.contains_prefix, tier_keys[len(found):])
-            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(keys) - len(found):
-                self._call(i, 0, _bad_answer, tier, n)
-                n = 0
-            found.extend([i] * n)
             if self.observers and len(found) < len(keys):
                 self.observers.io(tier.name, "miss", 0.0, 0, len(keys) - len(found), "ok")
         with self._stats_lock:
@@ -376,6 +399,8 @@ class TierStack:
         deadline = self._deadline(deadline)
         first = [where[i] if where is not None and i < len(where) else 0 for i in range(len(refs))]
         chunks: list[torch.Tensor | None] = [None] * len(refs)
+        for i, ref in enumerate(refs):       # on their way down: served from memory, no tier read
+            chunks[i] = self._load_pending(min(first[i], len(self.tiers) - 1), ref, None if out is None else out[i])
         limit = len(refs)  # chunks from here on are of no use: an earlier one is lost everywhere
         used = self.tiers[:self._num_tiers(tiers)]
         for t, tier in enumerate(used):
@@ -462,6 +487,26 @@ class TierStack:
                 self._enqueue(("promote", upper, ref, bytes(blob), None))
             else:  # sealed differently above (e.g. encrypted below, MAC above): re-encoded by the writer
                 self._enqueue(("promote", upper, ref, None, chunk.detach().to("cpu", copy=True)))
+        return chunk
+
+    def _load_pending(self, t: int, ref: ChunkRef, out: torch.Tensor | None) -> torch.Tensor | None:
+        """The chunk of ``ref`` if it is on its way down (the exact KV the pool let go of, kept in
+        memory until written), counted as a hit of tier ``t`` (where the lookup placed it) and in
+        ``pending_hits``; else ``None``.  One copy."""
+        if not self.tiers:
+            return None
+        kv = self._pending_kv(ref)
+        if kv is None or tuple(kv.shape) != self._shape_of(ref) or kv.dtype != self.layout.dtype:
+            return None
+        chunk = out.copy_(kv) if out is not None else kv.clone()
+        nbytes = chunk.numel() * chunk.element_size()
+        with self._stats_lock:
+            self._per_tier["hits"][t] += 1
+            self._per_tier["tier_bytes_loaded"][t] += nbytes
+            self._counts["bytes_loaded"] += nbytes
+            self._counts["pending_hits"] += 1
+        if self.observers:
+            self.observers.io(self.tiers[t].name, "load", 0.0, nbytes, 1, "ok")
         return chunk
 
     def _load_local(self, t: int, ref: ChunkRef, out: torch.Tensor | None) -> torch.Tensor | None:
@@ -552,8 +597,10 @@ class TierStack:
             return 0
         until = time.monotonic() + wait if wait > 0 else None
         if chain:
-            return self._enqueue_chain([("store", ref, kv, mask) for ref, kv in items], until)
-        return sum(self._enqueue(("store", ref, kv, mask), until) for ref, kv in items)
+            queued = self._enqueue_chain([("store", ref, kv, mask) for ref, kv in items], until, pending=True)
+        else:
+            queued = sum(self._enqueue(("store", ref, kv, mask), until, pending=True) for ref, kv in items)
+        return queued
 
     def _mask(self, tiers: Iterable[int] | None) -> frozenset[int]:
         if tiers is None:
@@ -613,13 +660,68 @@ class TierStack:
             return 0
         return self._enqueue_chain([("touch", self._prefix + key, mask) for key in keys])
 
-    def _enqueue(self, item: tuple[Any, ...], until: float | None = None) -> bool:
-        return self.writer.put([item], until=until) == 1
+    def _enqueue(self, item: tuple[Any, ...], until: float | None = None, pending: bool = False) -> bool:
+        return self._enqueue_chain([item], until, pending, chain=False) == 1
 
-    def _enqueue_chain(self, items: list[tuple[Any, ...]], until: float | None = None) -> int:
-        return self.writer.put(items, until=until, chain=True)
+    def _enqueue_chain(self, items: list[tuple[Any, ...]], until: float | None = None, pending: bool = False,
+                       chain: bool = True) -> int:
+        """Queue ``items`` (the longest head that fits); with ``pending``, the stores among them are
+        visible to lookups and loads from before they enter the queue until they are written."""
+        if pending:
+            self._note_pending(items, +1)
+        taken = self.writer.put(items, until=until, chain=chain)
+        if pending and taken < len(items):
+            self._note_pending(items[taken:], -1)
+        return taken
+
+    def _note_pending(self, items: Sequence[tuple[Any, ...]], step: int) -> None:
+        """Count the store ``items`` in (+1) or out (-1) of the chunks on their way down."""
+        with self._pending_lock:
+            for item in items:
+                if item[0] != "store":
+                    continue
+                key = self._prefix + item[1].key
+                entry = self._pending.get(key)
+                if step > 0:
+                    if entry is None:
+                        self._pending[key] = [1, item[2], item[3]]
+                    else:
+                        entry[0] += 1
+                        entry[1] = item[2]
+                        entry[2] = entry[2] | item[3]
+                elif entry is not None:
+                    entry[0] -= 1
+                    if entry[0] <= 0:
+                        del self._pending[key]
+
+    def _pending_for(self, tier: int, keys: Sequence[bytes]) -> int:
+        """How many leading tier ``keys`` are on their way down to ``tier``.  O(answer)."""
+        if not self._pending:
+            return 0
+        n = 0
+        with self._pending_lock:
+            for key in keys:
+                entry = self._pending.get(key)
+                if entry is None or tier not in entry[2]:
+                    break
+                n += 1
+        return n
+
+    def _pending_kv(self, ref: ChunkRef) -> torch.Tensor | None:
+        """The KV of a chunk on its way down, or ``None``.  O(1)."""
+        if not self._pending:
+            return None
+        with self._pending_lock:
+            entry = self._pending.get(self._prefix + ref.key)
+            return None if entry is None else entry[1]
 
     def _write_batch(self, batch: list[tuple[Any, ...]]) -> None:
+        try:
+            self._write_items(batch)
+        finally:     # written, refused or lost: from now on the tiers answer for these chunks
+            self._note_pending(batch, -1)
+
+    def _write_items(self, batch: list[tuple[Any, ...]]) -> None:
         per_tier: list[list[tuple[bytes, bytes]]] = [[] for _ in self.tiers]
         deletes: list[list[bytes]] = [[] for _ in self.tiers]
         stores: list[tuple[ChunkRef, torch.Tensor, frozenset[int]]] = []
@@ -754,12 +856,15 @@ class TierStack:
         ``lookups``, ``lookup_keys``, ``lookup_found``, ``misses`` (lookups that stopped on a key no
         tier holds), ``load_misses`` (loads that stopped early), ``promoted``, ``dropped_writes``,
         ``bytes_loaded`` (KV bytes decoded), ``bytes_stored`` (blob bytes handed to tiers' ``put_many``
-        without a fault), ``queued``.  A new dict each call.  O(tiers)."""
+        without a fault), ``pending_hits`` (chunks served while still on their way down, from the
+        write queue; also in their tier's ``hits``), ``queued`` (writes waiting) and
+        ``queued_bytes`` (their bytes).  A new dict each call.  O(tiers)."""
         with self._stats_lock:
             result: dict[str, Any] = {"tiers": [t.name for t in self.tiers]}
             result.update({k: list(v) for k, v in self._per_tier.items()})
             result.update(self._counts)
         result["queued"] = len(self.writer)
+        result["queued_bytes"] = self.writer.queued_bytes
         return result
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -798,6 +903,17 @@ class TierStack:
             assert seal.keyed == self.seals[0].keyed, f"{tier.name}: keyed unlike the other tiers"
         for tier in self.tiers:
             tier.check()
+
+
+def _write_cost(item: tuple[Any, ...]) -> int:
+    """The bytes a queued write holds until it is written: a store's or a promotion's KV (or
+    blob); a touch, a delete or a release, next to nothing."""
+    if item[0] == "store":
+        return int(item[2].numel() * item[2].element_size())
+    if item[0] == "promote":
+        blob, kv = item[3], item[4]
+        return len(blob) if blob is not None else int(kv.numel() * kv.element_size())
+    return 64
 
 
 def _chunk_keys(keys: Sequence[bytes]) -> list[bytes]:

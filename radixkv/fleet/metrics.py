@@ -102,8 +102,8 @@ SERIES: tuple[Series, ...] = (
            scrape=True),
     Series("radixkv_dropped_writes_total", "counter", (),
            "Writes (stores, promotions, refreshes) dropped because the write queue was full.", scrape=True),
-    Series("radixkv_write_queue_depth", "gauge", (), "Writes waiting in the queue now.", scrape=True),
-    Series("radixkv_write_queue_capacity", "gauge", (), "The write queue's bound.", scrape=True),
+    Series("radixkv_write_queue_depth", "gauge", (), "Bytes of KV waiting in the write queue now.", scrape=True),
+    Series("radixkv_write_queue_capacity", "gauge", (), "The write queue's bound, in bytes.", scrape=True),
     Series("radixkv_used_bytes", "gauge", ("level",),
            "Bytes a level holds now: the pool's cached pages, a tier's entries by its own accounting "
            "(0 for a shared S3 bucket or Redis server).", scrape=True),
@@ -449,8 +449,8 @@ def scraped(target: Any, listener: CacheMetrics | None = None) -> Iterator[tuple
         return
     counts = [st.stats() for st in stacks]
     yield "radixkv_dropped_writes_total", (), sum(c["dropped_writes"] for c in counts)
-    yield "radixkv_write_queue_depth", (), sum(c["queued"] for c in counts)
-    yield "radixkv_write_queue_capacity", (), sum(st.queue_size for st in stacks)
+    yield "radixkv_write_queue_depth", (), sum(c["queued_bytes"] for c in counts)
+    yield "radixkv_write_queue_capacity", (), sum(st.queue_bytes for st in stacks)
     stack = stacks[0]                        # the tiers are the same objects in every stack
     for tier, own in zip(stack.tiers, stack.tier_stats()):
         name = (tier.name,)

@@ -346,10 +346,9 @@ class RadixKVConnector(_ConnectorBase):  # type: ignore[misc]
                               num_layers=layout.num_layers, num_kv_heads=heads, head_dim=head_dim,
                               page_size=self.block_size, tp_rank=rank, tp_size=self.tp_size,
                               lora_id=base.lora_id, salt=base.salt)
-        chunk_bytes = layout.token_bytes * self.config.chunk_size
         # vLLM owns the pool and says nothing of its evictions: every tier keeps copies (inclusive).
-        stack = self.config.make_stack(layout, namespace, queue_size=max(64, (1 << 30) // chunk_bytes),
-                                       exclusive=False)
+        # The write queue is bounded in bytes (max_write_queue_size).
+        stack = self.config.make_stack(layout, namespace, exclusive=False)
         if stack is None:                        # no tier configured: every lookup is a miss
             from radixkv.core.stack import TierStack
 

@@ -166,8 +166,10 @@ def test_a_disk_path_that_cannot_be_opened_starts_without_the_disk_tier(tmp_path
             assert [type(t) for t in cache.stack.tiers] == [CpuTier]          # started, disk left out
             cache.check()
     assert sum("cannot be opened" in r.getMessage() for r in caplog.records) == 1
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="local_disk: .* cannot be opened .*NotADirectoryError"):
         rk.from_config(cfg | {"local_disk_required": True}, LAYOUT)
+    with pytest.raises(ValueError, match="local_disk: .* is a file"):         # a configuration mistake
+        rk.from_config(cfg | {"local_disk": str(blocker)}, LAYOUT)
     with pytest.raises(ValueError, match="local_disk_required"):
         rk.from_config(cfg | {"local_disk_required": "yes"}, LAYOUT)
 

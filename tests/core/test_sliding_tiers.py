@@ -162,3 +162,78 @@ def test_every_chunk_boundary_is_served_exactly_from_the_tiers(w: dict[str, Any]
             restarted = make(restart=True)
             probe(restarted, w["prompts"])
             restarted.close()
+
+
+@st.composite
+def evictions(draw: st.DrawFn) -> dict[str, Any]:
+    """A layout (full attention, every layer sliding, mixed windows, or MLA's packed sides), page
+    and chunk sizes, prompts, a tier stack (the CPU tier alone, or over LMDB) and an order of
+    evictions: the whole pool at once, or the pool's pages taken by ``alloc`` for other work."""
+    page = draw(st.integers(1, 4), label="page")
+    chunk = page * draw(st.integers(1, 3), label="chunk pages")
+    kind = draw(st.sampled_from(["full", "windows", "mla"]), label="layout kind")
+    windows = draw(layer_windows(max_window=12, plain=False), label="windows") if kind == "windows" else None
+    prefix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=chunk + 1, max_size=48), label="shared prefix")
+    prompts = [prefix[:draw(st.integers(chunk + 1, len(prefix)), label="cut")]
+               + draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), label="suffix")
+               for _ in range(draw(st.integers(1, 4), label="requests"))]
+    longest = max(len(p) for p in prompts)
+    return {
+        "kind": kind, "windows": windows, "page": page, "chunk": chunk, "prompts": prompts,
+        "num_pages": draw(st.integers(-(-longest // page) + 2, 3 * (-(-longest // page)) + 4), label="pool pages"),
+        "write_policy": draw(st.sampled_from(["write_through", "write_back"]), label="write policy"),
+        "tiers": draw(st.sampled_from(["cpu", "cpu+lmdb"]), label="tiers"),
+        "by_alloc": draw(st.booleans(), label="evicted by alloc"),
+        "order": draw(st.permutations(range(len(prompts))), label="order"),
+    }
+
+
+@given(evictions())
+def test_what_the_pool_lets_go_of_is_found_at_once_in_the_cpu_tier(w: dict[str, Any]) -> None:
+    """No flush and no pause between an eviction and the lookup after it (the lookup an engine
+    under memory pressure makes): every whole chunk of each prompt comes back, exactly, from the
+    CPU tier (the fastest tier, which holds the chunk or is about to: it may still be in the write
+    queue); then a request that stops a page short of the loaded end finds its window in the pool."""
+    if w["kind"] == "mla":
+        layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=3, dtype=torch.float32, page_size=w["page"],
+                          v_head_dim=0)
+    else:
+        layout = KVLayout(num_layers=len(w["windows"]) if w["windows"] else 1, num_kv_heads=1, head_dim=2,
+                          dtype=torch.float32, page_size=w["page"], windows=w["windows"])
+    ps, cs = w["page"], w["chunk"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tiers: list[Any] = [CpuTier(1 << 24)]
+        if w["tiers"] == "cpu+lmdb":
+            tiers.append(LmdbTier(f"{tmp}/kv", 1 << 26))
+        with PrefixCache(layout, num_pages=w["num_pages"], chunk_size=cs, tiers=tiers, write_queue=1 << 14,
+                         write_policy=w["write_policy"]) as cache:
+            for i in w["order"]:
+                tokens = w["prompts"][i]
+                serve(cache, tokens)
+                if w["by_alloc"]:              # the engine takes the whole pool for other work
+                    taken = cache.alloc(cache.pool.num_pages)
+                    cache.free(taken)
+                else:
+                    cache.evict(cache.pool.num_pages)
+                whole = (len(tokens) - 1) // cs * cs
+                req = cache.open(tokens, load="wait")          # at once: nothing flushed, no pause
+                try:
+                    assert req.num_cached == whole or (cache.groups is None and whole < req.num_cached < len(tokens)), \
+                        f"{len(tokens)}-token prompt after an eviction: {req.num_cached} tokens back, {whole} evicted"
+                    assert req.tier_tokens == req.num_cached and req.tier_tokens_by_tier[0] == req.num_cached, \
+                        f"served by {req.tier_tokens_by_tier}, not all by the CPU tier"
+                    assert_exact(cache, tokens, req.page_ids.tolist(), req.num_cached)
+                    loaded = req.num_cached
+                finally:
+                    req.release()
+                if loaded > ps:                # one page short of the loaded end: its window is in the pool
+                    shorter = tokens[:loaded - ps + 1]
+                    req = cache.open(shorter, load="wait")
+                    try:
+                        assert req.num_cached == loaded - ps and req.tier_tokens == 0, \
+                            f"a match a page short of a loaded end: {req.num_cached} tokens, " \
+                            f"{req.tier_tokens} from the tiers (want {loaded - ps} from the pool)"
+                        assert_exact(cache, shorter, req.page_ids.tolist(), req.num_cached)
+                    finally:
+                        req.release()
+                cache.check()
