@@ -369,6 +369,8 @@ def read_mapping(source: str | os.PathLike[str], name: str = "config") -> dict[s
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"{name} must be the path of a .yaml, .yml or .json file, got {type(source).__name__}")
     path = Path(source)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{name}: {str(path)!r} is not a file")
     if not path.is_file():
         raise ValueError(f"{name}: no such file {str(path)!r}")
     if path.suffix not in (".json", ".yaml", ".yml"):

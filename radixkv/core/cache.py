@@ -440,12 +440,12 @@ class PrefixCache:
     def _extend(self, req: Request, tokens: Any, pages: Any) -> torch.Tensor:
         """``Request.extend`` (its contract and cost)."""
         self._held(req)
-        data = req._grow(tokens)
+        data, upto = req._grow_or_prefix(tokens)
         ids = as_page_ids(pages, self.pool.num_pages, "pages")
-        full = len(data) // (4 * self.page_size)
+        full = upto // self.page_size
         held = len(req._pages)
         if len(ids) != full - held:
-            raise ValueError(f"pages: {len(data) // 4} tokens have {full} full pages, {held} of them held "
+            raise ValueError(f"pages: {upto} tokens have {full} full pages, {held} of them held "
                              f"already: {full - held} page ids needed, got {len(ids)}")
         if has_duplicates(ids):
             raise ValueError("pages: the same page id is given more than once")

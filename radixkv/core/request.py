@@ -192,6 +192,25 @@ class Request:
             raise ValueError(f"tokens: {n} tokens, fewer than the {known} the request already has")
         return self._data + as_token_bytes(tokens[known:]) if n > known else self._data
 
+    def _grow_or_prefix(self, tokens: Any) -> tuple[bytes, int]:
+        """``extend``'s tokens: the request's whole sequence now (``_grow``), or a prefix of the
+        tokens it has (an engine caching only the part whose KV is exact, as a blended prefill's
+        before its first reused document).  Returns the whole sequence's bytes and how many of its
+        tokens ``tokens`` names.  ``ValueError`` for fewer tokens that are not a prefix."""
+        known = len(self._data) // 4
+        try:
+            n = len(tokens)
+        except TypeError:
+            raise TypeError(f"tokens must be a list, tuple, numpy array or torch tensor of ints, "
+                            f"got {type(tokens).__name__}") from None
+        if n < known and not isinstance(tokens, (bytes, bytearray, memoryview)):
+            if as_token_bytes(tokens) != self._data[:4 * n]:
+                raise ValueError(f"tokens: {n} tokens, fewer than the {known} the request already has, "
+                                 f"and not a prefix of them")
+            return self._data, n
+        data = self._grow(tokens)
+        return data, len(data) // 4
+
     # ---------------------------------------------------------------- the protocol
 
     def poll(self) -> bool:
@@ -212,9 +231,9 @@ class Request:
         ``cache_unfinished_req``): call it after prefill and whenever decoding fills a page.
 
         ``tokens`` is the request's whole sequence so far (prompt and generated tokens; only those
-        past what the request already has are converted); ``pages`` has one id from ``alloc`` per
-        full page of ``tokens`` past ``num_cached`` (a partial tail page is not passed: it stays
-        the engine's).  Returns the canonical page table of ``tokens[:num_cached]``: where another
+        past what the request already has are converted), or a prefix of it (to cache only the
+        part whose KV is exact); ``pages`` has one id from ``alloc`` per full page of ``tokens``
+        past ``num_cached`` (a partial tail page is not passed: it stays the engine's).  Returns the canonical page table of ``tokens[:num_cached]``: where another
         request cached the same tokens first, the tree's pages replace the engine's, which are
         freed — the engine must use the returned ids from now on.  Raises ``ValueError`` /
         ``TypeError`` and changes nothing for a wrong page count or a page not from ``alloc``.  A

@@ -60,9 +60,9 @@ admission, after the prefix match, each document past the matched prefix is load
 ``Blend.deadline_s``; one not held is computed on its own and stored when ``store_missing``),
 its keys moved to their positions, and the request's prefill runs alone through
 ``blend_prefill``, recomputing only a share of the reused tokens.  Its KV is then approximate:
-the request is marked ``approximate``, nothing past the prefix it matched is cached in the tree
-(the prefix before the documents, e.g. a system prompt, comes from the tree when an exact request
-or ``cache.pin`` cached it), and ``stats()`` counts it apart.  Decoding batches with the other requests as usual.
+the request is marked ``approximate``, nothing past its exact part (the tokens before its first
+reused document, e.g. a system prompt, whose KV depends on no reused KV) is cached in the tree, and
+``stats()`` counts it apart.  Decoding batches with the other requests as usual.
 
 Example (random weights, nothing downloaded)::
 
@@ -123,7 +123,9 @@ class EngineRequest:
     and tiers); ``tier_tokens`` counts those loaded from the tiers; ``preemptions`` counts how
     often it was sent back to the queue.  ``segments``: the prompt's document spans (used when the
     engine blends); ``approximate``: its prefill was blended (its KV, and so its output, may differ
-    from a full prefill's) and nothing past the prefix it matched is cached; ``blend``: what the last
+    from a full prefill's) and nothing past ``exact_len`` is cached; ``exact_len``: the tokens whose
+    KV is exact (a blended request's, up to its first reused token: the prefix before its first
+    document, e.g. a system prompt, is cached as any exact prefix); ``blend``: what the last
     blended prefill did (``BlendInfo``).
     """
 
@@ -143,6 +145,7 @@ class EngineRequest:
     preemptions: int = 0
     segments: tuple[Span, ...] = ()
     approximate: bool = False
+    exact_len: int | None = None                                  # set by a blended prefill
     blend: BlendInfo | None = None
     plan: BlendPlan | None = field(default=None, repr=False)      # set from admission to the prefill
 
@@ -305,6 +308,9 @@ class PagedEngine:
                 rows[id(r)] = row
                 infos.append((r, info))
         for r, info in infos:                      # bookkeeping once nothing can fail any more
+            assert r.plan is not None
+            first_reused = int(torch.nonzero(r.plan.reused)[0, 0])  # a plan reuses at least one token
+            r.exact_len = r.kv_len + first_reused if r.exact_len is None else min(r.exact_len, r.kv_len + first_reused)
             r.plan, r.blend, r.approximate = None, info, True
             self._counts["blend_reused_tokens"] += info.reused
             self._counts["blend_computed_rows"] += sum(info.computed)
@@ -422,10 +428,12 @@ class PagedEngine:
     def _cache_full_pages(self, r: EngineRequest) -> None:
         """Cache the pages ``r``'s computed tokens have filled; adopt the canonical page table."""
         assert r.request is not None
-        new = r.kv_len // self.page_size - len(r.held)
-        if new <= 0 or r.approximate:             # blended KV is never cached as a prefix
+        exact = r.kv_len if not r.approximate or r.exact_len is None else min(r.kv_len, r.exact_len)
+        new = exact // self.page_size - len(r.held)
+        if new <= 0:                               # blended KV is never cached: only what is exact before it
             return
-        table = r.request.extend(r.tokens[:r.kv_len], r.own[:new])
+        upto = exact if exact < r.kv_len else r.kv_len          # a blended request: its exact prefix only
+        table = r.request.extend(r.tokens[:upto], r.own[:new])
         r.held = table.numpy()
         del r.own[:new]
 

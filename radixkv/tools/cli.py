@@ -16,9 +16,10 @@ import importlib
 import os
 import sys
 import time
-from typing import NoReturn
 
 import torch
+
+from radixkv.tools._args import Parser, Refused
 
 from radixkv.core.cache import PrefixCache
 from radixkv.core.pool import KVLayout
@@ -94,21 +95,9 @@ _TOOLS = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors (an unknown command or flag, a bad value) are one line on
-    stderr and exit status 2, as every error of the command line is."""
-
-    def error(self, message: str) -> NoReturn:
-        raise _Refused(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
-class _Refused(Exception):
-    """A command refused its input; the message is the one line the user sees."""
-
-
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m radixkv", description="radixkv: prefix caching for LLM engines")
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    ap = Parser(prog="python -m radixkv", description="radixkv: prefix caching for LLM engines")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser)
     sub.add_parser("demo", help="a random-weight model served through the cache: TTFT and where hits came from")
     d = sub.add_parser("replay", help="replay a chat workload through a PrefixCache and print what it saved")
     d.add_argument("--requests", type=int, default=2000)
@@ -144,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             return demo(argv[1:])
         args = _parser().parse_args(argv)
         return int(args.func(args))
-    except _Refused as exc:
+    except Refused as exc:
         print(str(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.tools._args import Parser
+
 __all__ = ["main"]
 
 _ROW = "RADIXKV-DEMO-ROW "
@@ -123,7 +125,7 @@ _PLANS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m radixkv demo", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv demo", description=__doc__.split("\n")[0])
     ap.add_argument("--cache-dir", default=None, help="where the LMDB tier lives (default: a new temporary dir)")
     ap.add_argument("--config", default=None, help="build the cache from this YAML/JSON file (see radixkv.config)")
     ap.add_argument("--cross-instance", action="store_true",

@@ -253,7 +253,10 @@ def read_prompts(path: str) -> list[list[int]]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            item = json.loads(line)
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"prompts: {path!r}, line {n}, column {exc.colno}: {exc.msg}") from None
             tokens = item.get("tokens") if isinstance(item, dict) else item
             if not isinstance(tokens, list):
                 raise ValueError(f"prompts: line {n} of {path!r} is neither a list of token ids nor {{'tokens': [...]}}")
@@ -273,12 +276,12 @@ def main(args: argparse.Namespace) -> int:
               "the configuration lacks one of them (an engine warms its CPU tier with radixkv.tools.warm.warm(cache))")
         return 2
     layout = cfg.make_layout(None)
+    prompts = read_prompts(args.prompts) if args.prompts else None     # the input first, then the tiers
     # A tier this command cannot open is an error here (an engine would start without it).
     stack = replace(cfg.without_p2p(), local_cpu=False, max_local_cpu_size=None, local_disk_required=True,
                     remote_required=True).make_stack(layout)
     assert stack is not None
     try:
-        prompts = read_prompts(args.prompts) if args.prompts else None
         max_bytes = None if args.max_bytes is None else int(args.max_bytes * 10**9)
         reports = warm(stack, prompts, into=0, max_bytes=max_bytes, deadline_s=args.deadline,
                        show_progress=not args.no_progress)

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from radixkv import PrefixCache, ops  # noqa: E402
+from radixkv import PrefixCache, Request, ops  # noqa: E402
 from radixkv.integrations import transformers as hf  # noqa: E402
 from radixkv.integrations.transformers import PrefixCachedLM, layout_for, namespace_for, random_model  # noqa: E402
 from hf_cases import TOL, assert_tolerance_catches_wrong_kv, rel_diff  # noqa: E402
@@ -90,8 +90,10 @@ class Inject:
                 if seen[0] == nth:
                     raise exc
             self.hook = lm.model.model.layers[-1].register_forward_hook(hook)
-        elif step in ("open", "alloc", "extend"):
+        elif step in ("open", "alloc"):
             mp.setattr(lm.cache, step, failing(getattr(lm.cache, step), nth, exc))
+        elif step == "extend":                     # a request's verb: on the Request
+            mp.setattr(Request, "extend", failing(Request.extend, nth, exc))
         elif step in ("gather_pages", "scatter_pages"):
             mp.setattr(ops, step, failing(getattr(ops, step), nth, exc))
         elif step == "layer_kv":

@@ -408,7 +408,7 @@ def test_layer_ratios_average_the_ratio() -> None:
         assert list(shares[1:]) == sorted(shares[1:], reverse=True)
 
 
-def test_blending_is_opt_in_marked_approximate_and_never_cached_as_a_prefix() -> None:
+def test_blending_is_opt_in_marked_approximate_and_caches_only_its_exact_prefix() -> None:
     model = model_of("llama")
     prompt, spans = rag_prompt([9, 11, 6], 31)
     cache = make_cache(model, tiers=[MemoryTier()])
@@ -435,18 +435,24 @@ def test_blending_is_opt_in_marked_approximate_and_never_cached_as_a_prefix() ->
     assert stats["requests_blended"] == 2 and stats["requests_exact"] == 0
     assert stats["segments_computed"] == 3 and stats["segments_reused"] == 3
     assert stats["segments"]["loaded"] == 3
-    # Nothing of the blended KV went into the tree; an exact request caches the system prompt,
-    # which the next blended request then takes from the tree.
-    assert other.tree.total_size == 0
-    exact = PagedEngine(model, other)
-    exact.add(prompt[:9], 1)
-    exact.run()
+    # Only the exact prefix before the first document (the system prompt: its KV depends on no
+    # reused KV) went into the tree, nothing of the blended KV; the next blended request takes that
+    # prefix from the tree, and a plain match finds nothing past it.
+    assert other.tree.total_size == 8
+    assert first.cached_at_start == [0] and second.cached_at_start == [8]
     third = engine.add(shuffled, 2, segments=moved)
     engine.run()
     assert third.cached_at_start == [8] and third.approximate
     m = other.match(prompt)
     assert m.num_tokens == 8
     other.release(m)
+    exact = PagedEngine(model, other, keep_logits=True)     # the cached prefix is exact: as a full prefill's
+    fresh = PagedEngine(model, make_cache(model), keep_logits=True)
+    a, b = exact.add(prompt[:12], 1), fresh.add(prompt[:12], 1)
+    exact.run()
+    fresh.run()
+    assert a.cached_at_start == [8] and b.cached_at_start == [0]
+    assert rel_diff(a.logits[0], b.logits[0]) < TOL
 
 
 def test_blending_refuses_what_it_cannot_do() -> None:
