@@ -6,12 +6,17 @@ Command of the committed results (``benchmarks/results/blend_cpu.txt``)::
 
 Prompts are a system prompt, ``k`` of ``n`` documents in random order (``k = 2 .. 6``) and a
 question.  Every document's KV was computed on its own and stored in a CPU tier (a segment cache);
-the system prompt is pinned in the pool.  Each prompt is served by the reference paged engine:
+the system prompt was computed once by an exact request and is pinned in the pool.  Each prompt is
+served by the reference paged engine:
 
-* ``full``: full prefill, nothing reused;
+* ``full``: full prefill, nothing reused (on a cache that holds nothing);
 * ``prefix``: prefix caching (the system prompt from the pool, everything after it computed);
 * ``r=...``: CacheBlend with recompute ratio ``r`` (0: naive reuse, 1: every token recomputed),
-  the documents loaded from the tier, moved to their positions and blended.
+  the system prompt from the pool, the documents loaded from the tier, moved to their positions
+  and blended.
+
+Every row is checked before it is compared: each request but full prefill's must have taken the
+system prompt's full pages from the cache, and full prefill's none (the benchmark stops otherwise).
 
 Part 1, a random-weight Llama (8 layers, hidden 256, GQA): TTFT (median over the prompts; the
 admission's tier loads and the prefill, up to the first token), and against full prefill the
@@ -39,15 +44,35 @@ RATIOS = (0.0, 0.05, 0.15, 0.30, 1.0)
 
 
 def _engine_cache(model: Any, pinned: list[int], tiers: bool) -> Any:
+    """A cache for one method; with ``pinned`` (the system prompt), that prompt is computed once by
+    an exact request and pinned, and the pin is checked to hold all its full pages: the baseline
+    must really hit before it is compared (``pin`` keeps only what is cached already)."""
     import radixkv as rk
     from radixkv.backends import CpuTier
+    from radixkv.integrations.paged import PagedEngine
     from radixkv.integrations.transformers import layout_for, namespace_for
 
-    cache = rk.PrefixCache(layout_for(model, page_size=16), num_pages=512, namespace=namespace_for(model),
+    layout = layout_for(model, page_size=16)
+    cache = rk.PrefixCache(layout, num_pages=512, namespace=namespace_for(model),
                            chunk_size=64, tiers=[CpuTier(256 << 20)] if tiers else ())
     if pinned:
-        cache.pin(pinned)
+        engine = PagedEngine(model, cache)
+        engine.add([*pinned, pinned[-1]], 1)        # the prompt's full pages, computed exactly and cached
+        engine.run()
+        held = cache.pin(pinned)
+        want = len(pinned) // layout.page_size * layout.page_size
+        if held != want:
+            raise RuntimeError(f"the pinned system prompt holds {held} tokens, not its {want}: the "
+                               f"prefix-caching baseline would not hit")
     return cache
+
+
+def _check_hit(name: str, req: Any, system: list[int], page_size: int) -> None:
+    """Every method but full prefill takes the system prompt's full pages from the cache."""
+    want = 0 if name == "full" else len(system) // page_size * page_size
+    if req.cached_at_start[0] < want or (name == "full" and req.cached_at_start[0]):
+        raise RuntimeError(f"{name}: {req.cached_at_start[0]} prompt tokens came from the cache, expected "
+                           f"{'none' if name == 'full' else f'at least {want}'}")
 
 
 def _serve(model: Any, cache: Any, prompt: list[int], spans: list[tuple[int, int]], new: int,
@@ -123,6 +148,7 @@ def random_weights(report: Report, prompts_per_k: int, n_docs: int, new: int, se
                 else:
                     cache = shared
                 req, ttft = _serve(model, cache, prompt, spans, new, ratio, segments if ratio is not None else None)
+                _check_hit(name, req, system, 16)
                 if cache is not shared:
                     cache.close()
                 full = req if name == "full" else full
@@ -184,6 +210,7 @@ def trained(report: Report, steps: int, questions: int, seed: int, layers: int =
                 if ratio is None else shared
             req, _ = _serve(model, cache, prompt.tokens, prompt.spans, 1, ratio,
                             segments if ratio is not None else None)
+            _check_hit(name, req, task.SYSTEM, 16)
             if cache is not shared:
                 cache.close()
             answer = req.output[0]
