@@ -215,6 +215,7 @@ _WRITER = """
 """
 
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 def test_lmdb_entries_survive_a_restart(tmp_path: Path) -> None:
     _finish(_run_python(_WRITER, str(tmp_path), "0", "20"))
     out = _finish(_run_python("""
@@ -229,6 +230,7 @@ def test_lmdb_entries_survive_a_restart(tmp_path: Path) -> None:
     assert out.split() == ["20", str(sum(24 * (1 + i % 7) for i in range(20)))]
 
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 def test_lmdb_two_processes_write_concurrently(tmp_path: Path) -> None:
     procs = [_run_python(_WRITER, str(tmp_path), str(first), "60") for first in (0, 1000)]
     for proc in procs:

@@ -47,6 +47,7 @@ print(stored)
 """
 
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 def test_the_reported_sizes_keep_storing_here_and_in_a_fresh_process(tmp_path: Path) -> None:
     tier = LmdbTier(tmp_path / "db", 10 << 20, map_size=1 << 20)
     _fill(tier, 0)

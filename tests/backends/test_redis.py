@@ -30,6 +30,8 @@ from radixkv.tools.redisserver import RedisServer, redis_server_binary  # noqa: 
 from radixkv.testing.contract import TierContract  # noqa: E402
 from radixkv.core.stack import TierStack  # noqa: E402
 
+pytestmark = pytest.mark.slow      # a real redis-server: `pytest -m "not slow"` leaves it out
+
 if redis_server_binary() is None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         raise RuntimeError("redis-server is not installed, and CI must run the Redis tests: "

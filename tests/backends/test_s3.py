@@ -35,6 +35,8 @@ from radixkv.core.pool import KVLayout  # noqa: E402
 from radixkv.testing.contract import TierContract  # noqa: E402
 from radixkv.core.stack import TierStack  # noqa: E402
 
+pytestmark = pytest.mark.slow      # a real S3 server (moto) in a subprocess: `pytest -m "not slow"` leaves it out
+
 BUCKET = "radixkv-test"
 TIMEOUT_S = 1.0  # connect and read timeout of the fault tests: large beside a loaded machine's jitter
 

@@ -21,6 +21,8 @@ import torch
 import radixkv as rk
 from radixkv.tools.s3server import CREDENTIALS, MotoServer
 
+pytestmark = pytest.mark.slow      # S3 and Redis servers, stopped: `pytest -m "not slow"` leaves it out
+
 REMOTE_TIMEOUT = 0.6
 MARGIN = 2.5          # far below the 5 s a request waited before; far above scheduling noise
 LAYOUT = rk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=16)

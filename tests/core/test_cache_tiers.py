@@ -188,6 +188,7 @@ def test_stats_per_level():
         assert levels[2]["hit_tokens"] == 0 and levels[1]["lookups"] == 2   # prefill's match, then this one
 
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 def test_a_restarted_process_hits_lmdb(tmp_path):
     """Two processes on the same LMDB path: the second matches what the first inserted, byte for byte."""
     script = f"""

@@ -12,10 +12,13 @@ every documented mode (the modes that can fail, and why, are in its docstring an
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixkv.bench.capacity import DEFAULT_MODES, TOLERANCE, Workload, check_case, pools_for
+
+pytestmark = pytest.mark.slow      # a replay per drawn workload and capacity: `pytest -m "not slow"` leaves it out
 
 _PROFILE = settings()
 EXAMPLES = max(4, _PROFILE.max_examples // 10)

@@ -20,6 +20,8 @@ from torch.utils import cpp_extension
 
 from radixkv.core import _ext
 
+pytestmark = pytest.mark.slow      # nvcc over every .cu: `pytest -m "not slow"` leaves it out
+
 CUDA_SOURCES = sorted(_ext.sources_dir().glob("*.cu"))
 
 

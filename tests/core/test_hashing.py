@@ -62,6 +62,7 @@ def test_namespaces_separate_keys():
     assert len(roots) == 6
 
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 def test_deterministic_across_processes_and_hash_seeds():
     code = ("import radixkv as rk; ns = rk.Namespace(model='golden/model', revision='r1'); "
             "print(','.join(k.hex() for k in rk.chunk_keys(list(range(10)), 4, ns)))")

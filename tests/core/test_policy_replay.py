@@ -26,6 +26,7 @@ def curve(requests, write_policy, exclusive, policy, pools=POOLS):
     return [hit_rate(requests, p, "cpu", write_policy, exclusive, policy) for p in pools]
 
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_the_default_tiering_never_loses_hits_as_capacity_grows(name, write_policy):
@@ -47,6 +48,7 @@ def test_inclusive_lru_is_what_the_checks_catch():
     assert not all(g >= b - 0.02 for g, b in zip(got, bound)), f"inclusive LRU {got} is within 2 points of {bound}"
 
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 def test_the_replay_counts_the_tier_chunks_the_pool_holds_too():
     # The cause of the dip, counted: an inclusive CPU tier under write_through holds copies of what
     # the pool holds (more of them as the pool grows), an exclusive one none.

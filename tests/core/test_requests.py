@@ -323,6 +323,7 @@ def test_a_failed_insert_leaves_no_split_node():
     cache.check()
 
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 def test_queued_writes_reach_lmdb_at_a_normal_exit(tmp_path):
     """No close(): the interpreter's exit flushes the queue (within a bound)."""
     pytest.importorskip("lmdb")

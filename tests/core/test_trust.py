@@ -369,6 +369,7 @@ def _until(condition: Any, timeout_s: float, what: str, step_s: float = 0.1) -> 
     return time.monotonic() - t0
 
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 @pytest.mark.parametrize("fault", ["slow", "trickle", "paused"])
 @pytest.mark.parametrize("kind", ["s3", "redis"])
 def test_once_the_breaker_opens_a_failing_endpoint_costs_matches_nothing_and_is_used_again_after_it(

@@ -30,7 +30,7 @@ from hf_cases import TOL, assert_tolerance_catches_wrong_kv, rel_diff  # noqa: E
 PAGE, CHUNK, WINDOW, VOCAB = 4, 8, 8, 256
 FAMILIES = ("gemma2", "gemma3", "mistral", "cohere2", "qwen2", "deepseek_v3")
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]   # slow: Hugging Face models through LMDB, restarted processes
 
 
 def build(family: str) -> Any:

@@ -277,6 +277,7 @@ def test_random_models_are_reproducible_and_named_apart() -> None:
 
 # -- the TTFT benchmark, end to end at toy sizes (its timings are printed, never asserted) ---------
 
+@pytest.mark.slow                 # a process or a server of its own: `make test` runs it
 def test_the_ttft_benchmark_runs_and_checks_logits_at_every_level(tmp_path: Any) -> None:
     pytest.importorskip("tqdm")
     pytest.importorskip("lmdb")

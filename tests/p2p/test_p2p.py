@@ -29,6 +29,8 @@ HERE = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HERE))
 from p2p_node import LAYOUT, chunk_kv, config, tokens  # noqa: E402
 
+pytestmark = pytest.mark.slow      # instances in processes of their own: `pytest -m "not slow"` leaves it out
+
 SECRET = "p2p test secret, 32 bytes long.."
 CHUNKS = 6
 

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow      # the demo and the benchmarks end to end, in processes: `pytest -m "not slow"` leaves it out
+
 
 def run(*args):
     out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow      # every command with every bad input, each in a process: `pytest -m "not slow"` leaves it out
+
 LAYOUT = "layout: {num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype: float16}\n"
 GOOD = "chunk_size: 64\npage_size: 16\nnum_pages: 64\nnamespace: {model: m}\n" + LAYOUT
 
