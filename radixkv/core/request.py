@@ -25,8 +25,10 @@ The three behaviours an engine chooses between (SGLang's HiCache names them ``be
   bounded by the deadline (``deadline_s``, default the cache's ``load_timeout``);
 * ``open(tokens)`` (``load="wait"``): the same in one call, on the engine thread.
 
-``load="none"`` uses the pool only.  Every method here is a thin front for the ``PrefixCache`` call
-of the same name, which holds the logic.
+``load="none"`` uses the pool only.  The verbs of a request (``poll``, ``wait``, ``extend``,
+``release``) live here, on the one object an engine keeps per request; each asks its host, the
+cache that made it, through the small ``RequestHost`` interface (the cache implements it privately:
+it owns the tree and the pool the verbs change).
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import torch
 from radixkv.core.hashing import as_token_bytes
 
 if TYPE_CHECKING:
-    from radixkv.core.cache import PrefixCache
     from radixkv.core.stack import ChunkRef, TierStack
     from radixkv.core.tree import RadixNode
 

@@ -131,7 +131,8 @@ class WriteQueue:
                     self._cv.wait()
                 if not self._queue:
                     return
-                batch, nbytes = [], 0
+                batch: list[Any] = []
+                nbytes = 0
                 while self._queue and len(batch) < self.batch and (not batch or nbytes < self.batch_bytes):
                     item, cost = self._queue.popleft()
                     batch.append(item)
