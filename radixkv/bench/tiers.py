@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(tmp, ignore_errors=True)
     if args.redis:
         targets += _redis_rows(row, say, keys, blobs, total, args.repeat)
+    _sustained_rows(say, ns, refs, kvs, total, args.repeat, redis=args.redis)
     say()
     for name, ratio, target in targets:
         say(f"target: {name}: {'PASS' if ratio >= target else 'FAIL'} ({ratio:.2f})")
@@ -306,6 +307,55 @@ def _redis_rows(row: Callable[..., None], say: Callable[[str], None], keys: list
                 for op, (tier_rate, raw_rate) in rates.items()]
     finally:
         server.stop()
+
+
+def _sustained_rows(say: Callable[[str], None], ns: Namespace, refs: list[Any], kvs: list[torch.Tensor],
+                    total: int, repeat: int, redis: bool) -> None:
+    """The sustained store rate of a whole stack (CPU + LMDB, + Redis with ``--redis``): every chunk
+    queued at once as an engine's burst of evictions would, then written; MB/s and chunks/s from
+    the first store to the last write, with the default queue (bounded in bytes) and batches, beside
+    one write per batch, and how many writes the default queue dropped (the goal: none)."""
+    from radixkv.backends.lmdb import LmdbTier
+
+    server = None
+    if redis:
+        try:
+            from radixkv.tools.redisserver import RedisServer
+
+            server = RedisServer().start()
+        except (ImportError, FileNotFoundError):
+            server = None
+    say("")
+    say("sustained store rate of a stack, a burst of every chunk at once (default queue: bounded in bytes)")
+    say(f"{'stack':<28} {'batch':>5} {'MB/s':>8} {'chunks/s':>9} {'dropped':>8}")
+    try:
+        for batch in (32, 1):
+            tmp = tempfile.mkdtemp(prefix="radixkv-bench-")
+            tiers: list[Tier] = [CpuTier(max_bytes=4 * total), LmdbTier(f"{tmp}/kv", max_bytes=4 * total, sync=False)]
+            if server is not None:
+                from radixkv.backends.redis import RedisTier
+
+                tiers.append(RedisTier(server.url, prefix=f"sustained{batch}"))
+            stack = TierStack(tiers, namespace=ns, layout=LAYOUT, chunk_size=CHUNK, write_batch=batch)
+            name = "+".join(t.name for t in tiers)
+            dropped = 0
+
+            def burst() -> None:
+                nonlocal dropped
+                for t in stack.tiers:
+                    t.drop_namespace(ns.id)
+                before = stack.stats()["dropped_writes"]
+                stack.store(zip(refs, kvs))
+                stack.flush()
+                dropped += stack.stats()["dropped_writes"] - before
+
+            seconds = median_seconds(burst, repeat)
+            say(f"{name:<28} {batch:>5} {total / seconds / 1e6:>8,.0f} {len(refs) / seconds:>9,.0f} {dropped:>8}")
+            stack.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def _stack_rows(row: Callable[..., None], tier: Tier, ns: Namespace, refs: list[Any], kvs: list[torch.Tensor],

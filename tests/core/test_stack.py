@@ -362,3 +362,27 @@ def test_a_tail_is_stored_found_and_loaded_like_a_chunk(refs: list[ChunkRef]) ->
         with pytest.raises(ValueError, match="a tail is"):
             stack.tail_ref(refs[0].key, bad)
     stack.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_the_default_write_queue_keeps_up_with_a_replay_at_full_speed(tmp_path: Path, policy: str) -> None:
+    """A replay as fast as this machine serves it (no flush between requests), through the default
+    write queue (bounded in bytes, batched) of a CPU tier over LMDB: nothing is dropped.  The same
+    replay through a queue of four entries drops writes, so the replay does press the writer."""
+    from radixkv import PrefixCache
+    from radixkv.backends import LmdbTier
+    from radixkv.tools.workloads import ChatWorkload, replay
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, page_size=4)
+    workload = list(ChatWorkload(num_requests=300, num_system_prompts=6, system_prompt_tokens=96,
+                                 turn_tokens=(16, 64), query_tokens=(8, 24), seed=1))
+    dropped = {}
+    for name, bound in (("default", {}), ("four entries", {"write_queue": 4})):
+        with PrefixCache(layout, num_pages=256, chunk_size=16, write_policy=policy, **bound,
+                         tiers=[CpuTier(256 << 10), LmdbTier(str(tmp_path / name), 16 << 20, sync=False)]) as cache:
+            result = replay(cache, workload, flush=False)
+            assert cache.flush(60)
+            dropped[name] = result["dropped_writes"] + cache.stats()["chunks_not_queued"]
+            cache.check()
+    assert dropped["default"] == 0, dropped
+    assert dropped["four entries"] > 0, dropped
