@@ -95,3 +95,13 @@ def test_one_environment_per_path_shared_by_every_tier_object(tmp_path: Path) ->
     second.close()
     with LmdbTier(tmp_path, 1 << 20, sync=False) as third:  # reopened once the last one closed
         assert third.get(key(2)) == b"two"
+
+
+def test_a_path_that_is_a_file_or_not_a_path_is_refused_naming_it(tmp_path: Path) -> None:
+    afile = tmp_path / "a-file"
+    afile.write_text("not a directory")
+    with pytest.raises(ValueError, match="path: .*a-file.* is a file, not a directory"):
+        LmdbTier(afile, 1 << 20)
+    with pytest.raises(TypeError, match="path must be a directory path"):
+        LmdbTier(42, 1 << 20)                                  # type: ignore[arg-type]
+    assert afile.read_text() == "not a directory"                  # left as it was
