@@ -27,7 +27,7 @@ from radixkv.p2p.wire import (Ack, Channel, Deregister, Fetch, Heartbeat, PeerLo
 
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HERE))
-from p2p_node import LAYOUT, chunk_kv, config, tokens  # noqa: E402
+from p2p_node import CHUNK, LAYOUT, chunk_kv, config, tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow      # instances in processes of their own: `pytest -m "not slow"` leaves it out
 
@@ -489,3 +489,49 @@ def test_a_departed_readers_pins_end_when_the_controller_says_it_left() -> None:
     server.check()
     server.close()
     assert other.pin != mine.pin
+
+
+@pytest.mark.parametrize("transport", ["zmq", "nixl"])
+def test_a_stopped_peer_costs_a_request_at_most_remote_timeout(fleet: Fleet, transport: str) -> None:
+    """A peer that is alive but stopped (SIGSTOP: its sockets open, nothing answers) costs a request
+    at most ``remote_timeout``: through a cache built from the configuration (whose request deadline
+    is that bound, not the cache's default 5 s), and through a stack whose caller passes a later
+    deadline of its own (the vLLM connector's ``radixkv_timeout_s``).  The bound is the point, so it
+    is asserted, with a wide margin."""
+    from dataclasses import replace
+
+    if transport == "nixl" and not _have_nixl():
+        pytest.skip("NIXL does not load here")
+    bound = 0.6
+    fleet.start("a", seed=1, transport=transport)
+    cfg = replace(config({"controller": fleet.controller.address, "secret": SECRET, "transport": transport,
+                          "timeout": bound}, "b", None), num_pages=4 * CHUNKS * 2)
+    cache = cfg.build(LAYOUT)
+    b = fleet.reader("c", transport, timeout=bound)
+    prompt = tokens(1, CHUNKS) + [1]
+    refs = b.refs(prompt[:-1])
+    # Read the first chunk from a while it answers: the connections are made, as in a fleet at work.
+    req = cache.open(prompt[:CHUNK + 1])
+    assert req.tier_tokens == CHUNK, req
+    req.release()
+    assert len(b.load(refs[:1], where=b.lookup([refs[0].key]))) == 1
+    refs = refs[1:]
+    pid = fleet.procs["a"].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        req = cache.open(prompt)                                    # the request's own deadline
+        took_request = time.monotonic() - t0
+        served = req.num_cached
+        req.release()
+        t0 = time.monotonic()
+        where = b.lookup([r.key for r in refs], deadline=time.monotonic() + 10.0)   # a caller's later one
+        chunks = b.load(refs[:len(where)], where=where, deadline=time.monotonic() + 10.0)
+        took_stack = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        cache.close()
+    assert served == CHUNK and chunks == []                      # what came before the stop, no more
+    assert took_request < bound + 2.5, f"a stopped peer held a request {took_request:.2f} s"
+    assert took_stack < 2 * bound + 2.5, f"a stopped peer held a lookup and a load {took_stack:.2f} s"
+    b.check()
