@@ -32,6 +32,12 @@ Contract:
   a byte, is retried on the next candidate (each instance once); when none is left the client gets
   a 503 with a JSON error.  A stream cut after bytes went out ends with an SSE ``error`` event and
   ``[DONE]``.  No request is lost silently: each is answered, and counted under its outcome.
+* **Validation.**  A request an instance would choke on is answered 400 by the router and never
+  forwarded: a body that is not a JSON object, a token-id prompt that is not a list of ints, an id
+  outside the model's vocabulary, a prompt (or prompt and ``max_tokens``) longer than its context
+  (``vocab_size`` / ``max_model_len``, from the model's ``config.json``).  Every request is
+  counted under its real outcome: ``ok`` (2xx/3xx), ``http_<status>`` (an instance's 4xx or 5xx,
+  and the router's own 400s under the backend ``none``), ``retried``, ``cut``, ``unavailable``.
 * **Bounds.**  Connecting to an instance waits ``connect_timeout_s``; a whole request
   ``request_timeout_s``.  Naming a prompt costs one hash per block (microseconds each); the index
   lookup O(matched blocks + instances).
@@ -55,7 +61,7 @@ from typing import Any, Callable, Sequence
 from radixkv.fleet.hashing import vllm_block_hashes
 from radixkv.fleet.index import medium_rank
 
-__all__ = ["Backend", "Router", "add_arguments", "main"]
+__all__ = ["Backend", "Router", "add_arguments", "main", "model_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +97,22 @@ class Router:
                  tokenize: Callable[[dict[str, Any], bool], list[int]] | None = None,
                  balance_abs: int = 16, balance_rel: float = 1.5, health_interval_s: float = 2.0,
                  health_timeout_s: float = 2.0, connect_timeout_s: float = 5.0,
-                 request_timeout_s: float = 600.0, seed: int = 0) -> None:
+                 request_timeout_s: float = 600.0, seed: int = 0, vocab_size: int | None = None,
+                 max_model_len: int | None = None) -> None:
         if not backends:
             raise ValueError("backends: give at least one instance URL")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        for name, value in (("vocab_size", vocab_size), ("max_model_len", max_model_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        #: What the instances' model accepts: token ids below ``vocab_size``, prompts (and the
+        #: tokens they ask for) within ``max_model_len``.  A request past either is answered 400
+        #: here: an instance started with --skip-tokenizer-init does not check ids, and one bad
+        #: request must not take it down.
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.backends = [Backend(url.rstrip("/"), url.rstrip("/")) for url in backends]
         if len({b.url for b in self.backends}) != len(self.backends):
             raise ValueError("backends: the same URL is given twice")
@@ -251,13 +266,16 @@ class Router:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(web, 400, "the request body is not JSON")
+            return self._refuse(web, "the request body is not JSON")
         if not isinstance(body, dict):
-            return _error(web, 400, "the request body must be a JSON object")
+            return self._refuse(web, "the request body must be a JSON object")
         try:
             tokens = self._tokens(body, chat)
         except Exception as exc:  # noqa: BLE001 - a prompt the tokenizer refuses is the client's error
-            return _error(web, 400, f"cannot tokenize the prompt: {exc}")
+            return self._refuse(web, f"cannot tokenize the prompt: {exc}")
+        problem = self.invalid(body, tokens)
+        if problem is not None:
+            return self._refuse(web, problem)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         order, why, promised = self.choose(tokens, salt)
         self._metrics.routed(why, promised)
@@ -280,6 +298,42 @@ class Router:
         self._metrics.request("none", "unavailable")
         return _error(web, 503, "no instance could serve the request", "unavailable")
 
+    def invalid(self, body: dict[str, Any], tokens: list[int] | None) -> str | None:
+        """Why the router refuses ``body`` (its prompt ``tokens`` when known), or ``None``: a
+        token-id prompt that is not a non-empty list of ints, an id outside ``[0, vocab_size)``, a
+        prompt longer than ``max_model_len`` or one whose ``max_tokens`` cannot fit after it, a
+        ``max_tokens`` that is not a positive int.  O(prompt tokens)."""
+        prompt = body.get("prompt")
+        if "messages" not in body and isinstance(prompt, list):
+            flat = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
+            ids = flat and all(isinstance(t, int) and not isinstance(t, bool) for t in flat)
+            texts = flat and all(isinstance(t, str) for t in flat)      # a batch of text prompts
+            if not (ids or texts):
+                return "prompt: a list must be a non-empty list of token ids (ints) or of strings"
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 1):
+            return f"max_tokens must be a positive int, got {max_tokens!r}"
+        if tokens is None:
+            return None
+        if self.vocab_size is not None:
+            bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int)
+                        or not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                return f"prompt: token id {bad!r} is outside the model's vocabulary [0, {self.vocab_size})"
+        if self.max_model_len is not None:
+            if len(tokens) >= self.max_model_len:
+                return f"prompt: {len(tokens)} tokens, the model's context is {self.max_model_len}"
+            if max_tokens is not None and len(tokens) + max_tokens > self.max_model_len:
+                return (f"max_tokens: {max_tokens} after a {len(tokens)}-token prompt exceeds the model's context "
+                        f"of {self.max_model_len}")
+        return None
+
+    def _refuse(self, web: Any, message: str) -> Any:
+        """Answer 400 and count the request (it reached no instance)."""
+        self._metrics.request("none", "http_400")
+        return _error(web, 400, message)
+
     async def _forward(self, request: Any, backend: Backend, path: str, body: dict[str, Any],
                        stream: bool) -> Any:
         """Proxy to ``backend``; the response, or ``None`` when it failed before a byte went to
@@ -292,7 +346,7 @@ class Router:
             async with self._session.post(f"{backend.url}{path}", json=body) as r:
                 if not stream or r.status != 200:
                     data = await r.read()
-                    self._metrics.request(backend.name, "ok" if r.status < 500 else f"http_{r.status}")
+                    self._metrics.request(backend.name, "ok" if r.status < 400 else f"http_{r.status}")
                     if r.status >= 500:
                         return None if r.status in (502, 503) else web.Response(
                             status=r.status, body=data, content_type=r.content_type)
@@ -416,6 +470,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-size", type=int, default=16, help="the instances' --block-size (vLLM's default 16)")
     ap.add_argument("--hash-algo", default="sha256", help="the instances' --prefix-caching-hash-algo")
     ap.add_argument("--tokenizer", default=None, help="a tokenizer path, for text and chat prompts")
+    ap.add_argument("--model-config", default=None, metavar="PATH",
+                    help="the model's config.json (or its directory): token ids past its vocab_size and prompts "
+                         "past its max_position_embeddings are answered 400 (default: the --tokenizer "
+                         "directory's config.json, when there is one)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="overrides --model-config's vocab_size")
+    ap.add_argument("--max-model-len", type=int, default=None, help="overrides the model's context length")
     ap.add_argument("--balance-abs", type=int, default=16)
     ap.add_argument("--balance-rel", type=float, default=1.5)
 
@@ -448,9 +508,34 @@ def build(args: argparse.Namespace) -> Router:
                 return list(tok(text, add_special_tokens=False).input_ids)
             return list(tok(body["prompt"]).input_ids)
 
+    vocab, context = model_limits(args.model_config or args.tokenizer, required=args.model_config is not None)
     return Router(args.backend, follower=follower, policy=args.policy, block_size=args.block_size,
                   hash_algo=args.hash_algo, tokenize=tokenize, balance_abs=args.balance_abs,
-                  balance_rel=args.balance_rel)
+                  balance_rel=args.balance_rel, vocab_size=args.vocab_size or vocab,
+                  max_model_len=args.max_model_len or context)
+
+
+def model_limits(path: str | None, required: bool = False) -> tuple[int | None, int | None]:
+    """``(vocab_size, max_position_embeddings)`` from a model's ``config.json`` (``path`` is the
+    file or its directory; the text config of a multimodal one); ``(None, None)`` without one,
+    unless ``required`` (then ``ValueError`` naming the file).  One file read."""
+    import os
+
+    if path is None:
+        return None, None
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        if required:
+            raise ValueError(f"--model-config: no such file {file!r}")
+        return None, None
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model-config: cannot read {file!r}: {exc}") from None
+    text = config.get("text_config", config) if isinstance(config, dict) else {}
+    vocab, context = text.get("vocab_size"), text.get("max_position_embeddings")
+    return (vocab if isinstance(vocab, int) else None), (context if isinstance(context, int) else None)
 
 
 def main(args: argparse.Namespace) -> int:

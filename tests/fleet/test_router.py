@@ -356,3 +356,68 @@ def test_text_and_chat_prompts_are_routed_by_the_tokens_of_the_given_tokenizer(t
     assert plain._tokens({"prompt": "hello"}, chat=False) is None, "no tokenizer: text is routed as a miss"
     with pytest.raises(ValueError, match="--events"):
         route_cmd.build(ap.parse_args(["--backend", "http://a", "--backend", "http://b", "--events", "tcp://x:1"]))
+
+
+@given(st.lists(st.one_of(st.integers(-5, 40), st.booleans(), st.floats(allow_nan=False), st.text(max_size=2)),
+                max_size=40),
+       st.one_of(st.none(), st.integers(-2, 40), st.booleans()))
+def test_the_router_refuses_what_an_instance_would_choke_on(prompt: list[Any], max_tokens: Any) -> None:
+    """A property: a token-id prompt is forwarded exactly when it is a non-empty list of ints in
+    ``[0, vocab_size)``, shorter than the context with room for ``max_tokens``; anything else is
+    the router's 400 (or, for a list of strings, the instance's to tokenize)."""
+    router = Router(URLS, vocab_size=32, max_model_len=24)
+    body: dict[str, Any] = {"prompt": prompt}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    tokens = router._tokens(body, chat=False) if prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt) else None
+    problem = router.invalid(body, tokens)
+    ints = bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    texts = bool(prompt) and all(isinstance(t, str) for t in prompt)
+    good_max = max_tokens is None or (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0)
+    fits = ints and all(0 <= t < 32 for t in prompt) and len(prompt) < 24 and (
+        max_tokens is None or not good_max or len(prompt) + max_tokens <= 24)
+    assert (problem is None) == ((ints and fits or texts) and good_max), (prompt, max_tokens, problem)
+
+
+def test_bad_requests_are_400_and_every_request_is_counted_under_its_outcome() -> None:
+    """Out-of-vocabulary ids, an overlong prompt and malformed bodies never reach an instance; an
+    instance's 4xx is counted as such, not as ``ok``."""
+    app = fake_backend("a")
+
+    async def teapot(request: web.Request) -> web.Response:
+        return web.json_response({"error": "no"}, status=418)
+
+    app.router.add_post("/v1/embeddings", teapot)
+
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        for bad in ({"prompt": [1, 2, 99]}, {"prompt": [1, -1]}, {"prompt": list(range(30))},
+                    {"prompt": [1, 2], "max_tokens": 30}, {"prompt": [1.5]}, {"prompt": []}, [1, 2]):
+            r = await client.post("/v1/completions", json=bad)
+            assert r.status == 400, (bad, await r.text())
+        r = await client.post("/v1/completions", data=b"{not json")
+        assert r.status == 400
+        r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status == 200
+        router.backends[0].url = urls[0] + "/v1/embeddings#"       # the instance answers 418 from now on
+        r = await client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+        assert r.status == 418
+        metrics = await (await client.get("/metrics")).text()
+        assert 'radixkv_router_requests_total{backend="none",outcome="http_400"} 8.0' in metrics, metrics
+        assert f'radixkv_router_requests_total{{backend="{urls[0]}",outcome="ok"}} 1.0' in metrics, metrics
+        assert f'radixkv_router_requests_total{{backend="{urls[0]}",outcome="http_418"}} 1.0' in metrics, metrics
+
+    asyncio.run(_with_router({"a": app}, body, vocab_size=32, max_model_len=24))
+
+
+def test_the_model_limits_come_from_its_config(tmp_path: Any) -> None:
+    from radixkv.fleet.router import model_limits
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 512, "max_position_embeddings": 2048}))
+    assert model_limits(str(tmp_path)) == (512, 2048)
+    assert model_limits(str(tmp_path / "config.json")) == (512, 2048)
+    assert model_limits(None) == (None, None) and model_limits(str(tmp_path / "nothing")) == (None, None)
+    with pytest.raises(ValueError, match="--model-config"):
+        model_limits(str(tmp_path / "nothing"), required=True)
+    with pytest.raises(ValueError, match="vocab_size"):
+        Router(URLS, vocab_size=0)
