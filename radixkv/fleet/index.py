@@ -11,8 +11,9 @@ Contract:
   upper-cased, or ``None``) the set of block hashes it holds, each with its parent (the block
   before it in the chain that stored it).  ``BlockStored`` adds its chain; ``BlockRemoved`` drops
   its blocks from that medium (blocks the index never saw stored are ignored);
-  ``AllBlocksCleared`` drops everything the instance holds, on every medium (vLLM sends it on a
-  prefix-cache reset; clearing every medium never leaves a block the instance lost).  The events of
+  ``AllBlocksCleared`` drops what the instance holds on the GPU medium (``"GPU"``, or an event
+  that names no medium): vLLM sends it when it resets its prefix cache, which empties its GPU
+  pool, not what radixkv's tiers below it (``CPU``, ``STORAGE``) still hold.  The events of
   every KV-cache group are applied alike (``group_idx`` is not looked at).
 * **Sequence numbers.**  ``apply(instance, seq, batch)`` expects each batch of an instance once,
   in order (``Subscriber`` delivers them so).  The first batch of an instance starts its run at
@@ -191,7 +192,7 @@ class Index:
             elif kind == "BlockRemoved":
                 self._removed(inst, ev.block_hashes, medium_key(ev.medium))
             elif kind == "AllBlocksCleared":
-                self._drop_all(inst)
+                self._cleared(inst)
             else:
                 raise TypeError(f"batch holds an unknown event {kind}")
 
@@ -232,6 +233,29 @@ class Index:
                 del holders[h]
             if not held & inst.bits:
                 del inst.blocks[h]
+
+    def _cleared(self, inst: _Instance) -> None:
+        """``AllBlocksCleared``: the instance's GPU medium (named ``GPU`` or not named) is empty."""
+        bits = [inst.media[m] for m in ("GPU", None) if m in inst.media]
+        if not bits:
+            return
+        drop = 0
+        for bit in bits:
+            drop |= 1 << bit
+        holders, gone = self._holders, []
+        for h in inst.blocks:
+            held = holders[h]
+            if not held & drop:
+                continue
+            held &= ~drop
+            if held:
+                holders[h] = held
+            else:
+                del holders[h]
+            if not held & inst.bits:
+                gone.append(h)
+        for h in gone:
+            del inst.blocks[h]
 
     def _drop_all(self, inst: _Instance) -> None:
         keep, holders = ~inst.bits, self._holders

@@ -3,7 +3,8 @@
 ``KVEvents`` listens to a ``PrefixCache`` (or the vLLM connector's tier stack) through the
 observer seam (``radixkv.core.observe``) and turns what each level now holds or dropped into vLLM's
 events (``radixkv.fleet.events``): ``BlockStored`` / ``BlockRemoved`` with the level's *medium*,
-``AllBlocksCleared``.  ``publish(cache, endpoint)`` attaches one that sends them on a ZMQ
+``AllBlocksCleared`` (for the pool alone, as vLLM means it; a tier that is cleared is told as the
+removal of every chunk it was told to hold).  ``publish(cache, endpoint)`` attaches one that sends them on a ZMQ
 ``Publisher`` (sequence numbers, replay), the stream a ``radixkv.fleet.Index`` or any consumer of
 vLLM's events follows.
 
@@ -149,6 +150,10 @@ class KVEvents(Listener):
         self.names = Names(max_names)
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
+        #: Per medium below the pool, the chunk keys told stored there and not removed since: what a
+        #: clear of that level removes (``AllBlocksCleared`` means vLLM's GPU pool alone).
+        self._told: dict[str, set[bytes]] = {}
+        self._told_lock = threading.Lock()
 
     # -- the seam ------------------------------------------------------------------------------
 
@@ -170,15 +175,32 @@ class KVEvents(Listener):
         medium = self.media.get(level)
         if medium is None or self.ns_id not in (None, namespace):
             return
-        out = [self._stored(key, medium, None) for key in held]
+        out, named = [], []
+        for key in held:
+            event = self._stored(key, medium, None)
+            if event is not None:
+                out.append(event)
+                named.append(key)
+        with self._told_lock:
+            told = self._told.setdefault(medium, set())
+            told.update(named)
+            told.difference_update(dropped)
         out.append(self._removed(dropped, medium))
         self._emit([e for e in out if e is not None])
 
     def cleared(self, level: str, namespace: bytes | None) -> None:
-        if level in self.media and (namespace is None or self.ns_id in (None, namespace)):
-            # vLLM's event clears every medium of the instance: an index then holds less than the
-            # instance does (misses, never false hits) until the pool's next stores.
+        medium = self.media.get(level)
+        if medium is None or not (namespace is None or self.ns_id in (None, namespace)):
+            return
+        if medium == "GPU":
+            # vLLM's own event for a reset of the GPU pool; an index clears that medium alone.
             self._emit([self._ev.AllBlocksCleared()])
+            return
+        with self._told_lock:        # a tier below: every chunk told stored there is removed
+            keys = self._told.pop(medium, set())
+        event = self._removed(sorted(keys), medium)
+        if event is not None:
+            self._emit([event])
 
     # -- names ---------------------------------------------------------------------------------
 

@@ -54,8 +54,12 @@ class Reference:
 
     def event(self, st_: dict[str, Any], ev: Any) -> None:
         order, held = st_["order"], st_["held"]
-        if isinstance(ev, AllBlocksCleared):
-            self.clear(st_)
+        if isinstance(ev, AllBlocksCleared):          # vLLM's GPU prefix cache reset: the GPU medium only
+            for h in list(held):
+                held[h] = (held[h][0], held[h][1] - {"GPU", None})
+                if not held[h][1]:
+                    del held[h]
+                    order.remove(h)
         elif isinstance(ev, BlockStored):
             parent, m = ev.parent_block_hash, medium_key(ev.medium)
             for h in ev.block_hashes:

@@ -74,7 +74,8 @@ family = st.lists(st.integers(0, 3), min_size=1, max_size=16).map(lambda xs: [x 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompts=st.lists(family, min_size=1, max_size=4),
-       steps=st.lists(st.one_of(st.tuples(st.just("req"), st.integers(0, 3)), st.tuples(st.just("evict"), st.integers(1, 8))),
+       steps=st.lists(st.one_of(st.tuples(st.just("req"), st.integers(0, 3)), st.tuples(st.just("evict"), st.integers(1, 8)),
+                                st.tuples(st.just("drop"), st.just(0))),
                       min_size=1, max_size=25),
        cpu_chunks=st.integers(1, 6), with_lmdb=st.booleans(), sliding=st.booleans())
 def test_the_index_fed_by_a_caches_events_holds_what_the_cache_holds(tmp_path: Path, prompts: list[list[int]],
@@ -98,6 +99,8 @@ def test_the_index_fed_by_a_caches_events_holds_what_the_cache_holds(tmp_path: P
                 prompt = prompts[arg % len(prompts)]
                 replay(cache, [prompt])
                 seen.add(np.asarray(prompt, dtype="<i4").tobytes())
+            elif kind == "drop":                 # the tiers' chunks deleted: each tier told as cleared
+                cache.drop_namespace()
             else:
                 cache.evict(arg)
             cache.flush()
