@@ -43,6 +43,12 @@ def test_the_contracts_hold_and_catch_a_wrong_way_import_in_a_function(tmp_path:
     assert out.returncode != 0 and "radixkv.core.loads -> radixkv.config" in out.stdout, out.stdout
 
 
+def test_the_contracts_hold_on_the_source_tree_too() -> None:
+    """``lint-imports`` as a contributor runs it, in the repository root."""
+    out = subprocess.run([str(LINT)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and " 0 broken" in out.stdout, out.stdout + out.stderr
+
+
 def test_no_module_is_named_like_a_standard_library_module() -> None:
     names = {p.stem for p in (ROOT / "radixkv").rglob("*.py")} | {p.stem for p in (ROOT / "backends").glob("*.py")}
     clash = sorted(n for n in names if n in sys.stdlib_module_names and not n.startswith("_"))
