@@ -28,6 +28,7 @@ comes back byte for byte, also into a tree match that ends inside a chunk.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any, Callable, Iterable, Sequence
 
@@ -329,13 +330,17 @@ class EvictionModel:
 class RadixTreeMachine(RuleBasedStateMachine):
     """``RadixTree`` against ``_PrefixModel``, with ``check()`` after every step."""
 
-    @initialize(page_size=st.integers(1, 4))
-    def setup(self, page_size: int) -> None:
+    @initialize(page_size=st.integers(1, 4), start=st.lists(token_lists(), max_size=4))
+    def setup(self, page_size: int, start: list[list[int]]) -> None:
+        """A tree with a few sequences in it already: every run orders, touches and evicts
+        leaves, whichever rules it draws after (an empty tree checks little of LRU order)."""
         self.tree = RadixTree(page_size)
         self.model = _PrefixModel(page_size)
         self.page_ids = itertools.count()
         self.locked: list[tuple[RadixNode, tuple[int, ...]]] = []
         self.seen: list[list[int]] = []
+        for tokens in start:
+            self.insert(tokens)
 
     def _locked_prefixes(self) -> set[tuple[int, ...]]:
         out: set[tuple[int, ...]] = set()
@@ -454,6 +459,22 @@ class RadixTreeMachine(RuleBasedStateMachine):
             if self.tree.total_size != len(self.model.entries) * self.tree.page_size:
                 _fail(f"total_size {self.tree.total_size}, the model caches {len(self.model.entries)} pages")
             self._locks_match_the_holds()
+            self._evicts_in_lru_order()
+
+    def _evicts_in_lru_order(self) -> None:
+        """Evicting a copy of the tree one page at a time, down to what the holds protect, takes
+        the least recently used evictable leaf each time: the whole LRU order, checked after every
+        step without changing the tree (one ``evict`` rule sees only the pages it frees)."""
+        tree, model = copy.deepcopy(self.tree), copy.deepcopy(self.model)
+        locked = self._locked_prefixes()
+        while tree.evictable_size:
+            freed = tree.evict(1)
+            if freed.size == 0:
+                _fail(f"evict(1) of a copy freed nothing with {tree.evictable_size} tokens evictable")
+            model.evict_pages(set(freed.tolist()), locked, 1)
+        if set(model.entries) - locked:
+            _fail(f"with everything evictable evicted the tree still holds the unheld prefix "
+                  f"{_shortest(set(model.entries) - locked)}")
 
     def _locks_match_the_holds(self) -> None:
         """Every node's lock count is the number of held paths through it, and ``protected_size``
