@@ -13,19 +13,17 @@ Contract:
   ``GET /health`` (200 while an instance is up, else 503); ``GET /metrics`` (Prometheus text:
   requests per instance and outcome, routing decisions, retries, in-flight and health gauges, the
   prefix tokens the index promised).  The request body goes to the instance unchanged.
-* **Policies.**  ``prefix`` (the default): the prompt's block names (vLLM's block hashes of
-  ``--block-size`` tokens, ``--hash-algo``; a ``cache_salt`` in the body names block 0 as vLLM
-  does) are looked up in the index; the instance with the most leading blocks wins, ties going to
-  the faster medium (GPU, CPU, STORAGE) and then the fewer requests in flight.  Load comes first
-  when it is imbalanced, as in sglang-router's ``cache_aware`` policy: when the busiest instance
-  has more than ``balance_abs`` requests in flight over the idlest and more than
-  ``balance_rel`` times as many, the idlest wins; a prompt no instance holds goes to the idlest
-  (round-robin among equals).  ``cost``: the instance where the request would finish its
-  prefill first by a token count, ``prompt tokens - prefix tokens it holds + queued tokens``
-  (the uncached prompt tokens of the requests the router sent it that have not ended); ties go
-  to the longer prefix, then fewer requests in flight.  A prefix is worth exactly its tokens, so
-  a busy owner loses a request to an idle instance once its queue is longer than the prefix.
-  ``round_robin`` and ``random`` are there for comparison.
+* **Policies** (``radixkv.fleet.routing``, the same code the fleet simulator runs): ``cost``
+  (the default): the instance where the request's expected time to first token is least, from
+  the queue of prefill the router sent it and the request's own prefill there (what it holds,
+  on which medium, or a peer holds with ``--p2p``, loaded at the ``--cost-profile``'s cost; the
+  rest computed); a prompt the router just sent somewhere counts as held there until the
+  instance's events can confirm it, so a burst follows its first request.  ``prefix``: the
+  longest prefix, imbalance first (``balance_abs``/``balance_rel`` requests in flight), no match
+  to the idlest.  ``cache_aware``: sglang-router's rule; ``dynamo``: Dynamo's KV-router cost;
+  ``least_loaded``, ``round_robin`` and ``random`` for comparison.  The prompt's block names are
+  vLLM's block hashes of ``--block-size`` tokens (``--hash-algo``; a ``cache_salt`` in the body
+  names block 0 as vLLM does).
 * **Failures.**  Instances that fail a health check (``GET /health`` every
   ``health_interval_s``, ``health_timeout_s``) or a connection are left out until a check
   passes.  A request whose instance cannot be reached, or fails before the router sent the client
@@ -50,35 +48,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
-import random
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from radixkv.fleet.hashing import vllm_block_hashes
-from radixkv.fleet.index import medium_rank
+from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser
 
 __all__ = ["Backend", "Router", "add_arguments", "main", "model_limits"]
 
 log = logging.getLogger(__name__)
-
-POLICIES = ("prefix", "cost", "round_robin", "random")
-
-
-@dataclass
-class Backend:
-    """One instance behind the router: its base URL, its name in the fleet index, its state
-    (``queued_tokens``: the uncached prompt tokens of its requests in flight, as the router
-    estimated them when it sent each)."""
-
-    url: str
-    name: str
-    healthy: bool = True
-    in_flight: int = 0
-    queued_tokens: int = 0
 
 
 class Router:
@@ -91,14 +71,15 @@ class Router:
     token ids`` for text and chat prompts (``None``: token-id prompts only).
     """
 
-    def __init__(self, backends: Sequence[str], *, follower: Any = None, policy: str = "prefix",
+    def __init__(self, backends: Sequence[str], *, follower: Any = None, policy: str = "cost",
                  block_size: int = 16, hash_algo: str = "sha256", hash_seed: str | None = None,
                  names: Callable[[list[int], str | None], list[Any]] | None = None,
                  tokenize: Callable[[dict[str, Any], bool], list[int]] | None = None,
                  balance_abs: int = 16, balance_rel: float = 1.5, health_interval_s: float = 2.0,
                  health_timeout_s: float = 2.0, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 600.0, seed: int = 0, vocab_size: int | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, profile: str = "h100-8b", affinity: float = 1.0,
+                 p2p: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         if not backends:
             raise ValueError("backends: give at least one instance URL")
         if policy not in POLICIES:
@@ -123,8 +104,13 @@ class Router:
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
-        self._rr = itertools.count()
-        self._random = random.Random(seed)
+        if profile not in PROFILES:
+            raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+        self.clock = clock
+        self.chooser = Chooser(policy, block_size=block_size,
+                               lookup=None if follower is None else follower.lookup, model=PROFILES[profile],
+                               affinity=affinity, p2p=p2p, balance_abs=balance_abs, balance_rel=balance_rel,
+                               seed=seed)
         self._session: Any = None
         self._health_task: asyncio.Task[None] | None = None
         self._metrics = _Metrics([b.name for b in self.backends])
@@ -138,52 +124,21 @@ class Router:
                                  algo=self.hash_algo, seed=self.hash_seed, as_int=True)
 
     def choose(self, tokens: list[int] | None, salt: str | None = None) -> tuple[list[Backend], str, int]:
-        """The healthy instances in the order to try them, why the first was chosen
-        (``"prefix"``, ``"balance"``, ``"no_match"``, ``"cost"``, ``"round_robin"``, ``"random"``)
-        and the prefix tokens the index says the first holds.  O(instances) plus the lookup."""
-        up = [b for b in self.backends if b.healthy] or list(self.backends)   # all down: try anyway
-        if self.policy == "round_robin":
-            i = next(self._rr) % len(up)
-            return up[i:] + up[:i], "round_robin", 0
-        if self.policy == "random":
-            order = list(up)
-            self._random.shuffle(order)
-            return order, "random", 0
-        by_load = sorted(up, key=lambda b: b.in_flight)
-        lo, hi = by_load[0].in_flight, by_load[-1].in_flight
-        if self.policy == "prefix" and hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            return by_load, "balance", 0
-        matches = {}
-        if self.follower is not None and tokens:
-            matches = self.follower.lookup(self.names(tokens, salt))
-        if self.policy == "cost":
-            held = {b.name: min(matches[b.name].blocks * self.block_size, len(tokens or ()))
-                    if b.name in matches else 0 for b in up}
+        """The healthy instances in the order to try them, why the first was chosen (``"cost"``,
+        ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``, ``"least_loaded"``,
+        ``"round_robin"``, ``"random"``) and the prefix tokens the first holds, as the router
+        believes.  O(instances) plus the lookup."""
+        choice = self._choice(tokens, salt)
+        return choice.order, choice.why, choice.promised
 
-            def cost(b: Backend) -> tuple[int, int, int]:    # fewer tokens to wait for, a longer prefix, less load
-                return (len(tokens or ()) - held[b.name] + b.queued_tokens, -held[b.name], b.in_flight)
-
-            order = sorted(up, key=cost)
-            return order, "cost", held[order[0].name]
-
-        def score(b: Backend) -> tuple[int, int, int]:       # more blocks, a faster medium, less load
-            m = matches.get(b.name)
-            return (m.blocks, -medium_rank(m.medium)[0], -b.in_flight) if m else (0, 0, -b.in_flight)
-
-        best = max(up, key=score)
-        if best.name not in matches:
-            least = [b for b in up if b.in_flight == lo]
-            first = least[next(self._rr) % len(least)]
-            return [first] + [b for b in by_load if b is not first], "no_match", 0
-        return [best] + [b for b in by_load if b is not best], "prefix", matches[best.name].blocks * self.block_size
+    def _choice(self, tokens: list[int] | None, salt: str | None) -> Any:
+        names = self.names(tokens, salt) if tokens and self.policy not in ("round_robin", "random") else []
+        return self.chooser.choose(self.backends, len(tokens or ()), names, self.clock())
 
     def check(self) -> None:
         """Assert the router's invariants: instances named once, no negative in-flight count,
         a known policy; and the follower's, when there is one.  O(instances) plus the index's."""
-        assert len({b.name for b in self.backends}) == len(self.backends), "an instance named twice"
-        assert all(b.in_flight >= 0 for b in self.backends), "a negative in-flight count"
-        assert all(b.queued_tokens >= 0 for b in self.backends), "a negative queued-token count"
-        assert all(b.queued_tokens == 0 for b in self.backends if b.in_flight == 0), "tokens queued with nothing in flight"
+        self.chooser.check(self.backends)
         assert self.policy in POLICIES, f"unknown policy {self.policy!r}"
         if self.follower is not None and hasattr(self.follower, "check"):
             self.follower.check()
@@ -277,21 +232,28 @@ class Router:
         if problem is not None:
             return self._refuse(web, problem)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        order, why, promised = self.choose(tokens, salt)
-        self._metrics.routed(why, promised)
+        choice = self._choice(tokens, salt)
+        self._metrics.routed(choice.why, choice.promised)
         stream = bool(body.get("stream"))
-        for attempt, backend in enumerate(order):
+        length = len(tokens or ())
+        for attempt, backend in enumerate(choice.order):
             if attempt:
                 self._metrics.retry()
-            charge = len(tokens or ()) - (promised if attempt == 0 else 0)   # its uncached tokens, as estimated
-            backend.in_flight += 1
-            backend.queued_tokens += charge
+            charge = self.chooser.sent(backend, length, choice.promised if attempt == 0 else 0, choice.names,
+                                       self.clock())
             self._metrics.in_flight(backend.name, backend.in_flight)
+            first = [False]
+
+            def prefilled(backend: Backend = backend, charge: int = charge, first: list[bool] = first) -> None:
+                if not first[0]:
+                    first[0] = True
+                    self.chooser.prefilled(backend, charge, choice.names, self.clock())
+
             try:
-                result = await self._forward(request, backend, path, body, stream)
+                result = await self._forward(request, backend, path, body, stream, prefilled)
             finally:
-                backend.in_flight -= 1
-                backend.queued_tokens -= charge
+                prefilled()
+                self.chooser.ended(backend, length)
                 self._metrics.in_flight(backend.name, backend.in_flight)
             if result is not None:
                 return result
@@ -335,9 +297,10 @@ class Router:
         return _error(web, 400, message)
 
     async def _forward(self, request: Any, backend: Backend, path: str, body: dict[str, Any],
-                       stream: bool) -> Any:
+                       stream: bool, prefilled: Callable[[], None]) -> Any:
         """Proxy to ``backend``; the response, or ``None`` when it failed before a byte went to
-        the client (the caller tries the next instance)."""
+        the client (the caller tries the next instance).  ``prefilled()`` is called at the first
+        byte of a stream (its first token)."""
         import aiohttp
         from aiohttp import web
 
@@ -355,6 +318,7 @@ class Router:
                     "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
                 await out.prepare(request)
                 async for piece in r.content.iter_any():
+                    prefilled()
                     await out.write(piece)
                 await out.write_eof()
                 self._metrics.request(backend.name, "ok")
@@ -466,7 +430,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the replay endpoint of each --backend, in order (vLLM's replay_endpoint)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
-    ap.add_argument("--policy", choices=POLICIES, default="prefix")
+    ap.add_argument("--policy", choices=POLICIES, default="cost",
+                    help="how to choose an instance (default cost: the least expected time to first token)")
+    ap.add_argument("--cost-profile", choices=sorted(PROFILES), default="h100-8b",
+                    help="the prefill and load costs the cost policy weighs (h100-8b: an 8B model on an H100; "
+                         "vllm-cpu: vLLM's CPU build)")
+    ap.add_argument("--affinity", type=float, default=1.0,
+                    help="the cost policy's weight (>= 1) of the work a choice adds over the queue it waits in")
+    ap.add_argument("--p2p", action="store_true",
+                    help="the instances share KV peer to peer: a prefix one holds is a load for every other")
     ap.add_argument("--block-size", type=int, default=16, help="the instances' --block-size (vLLM's default 16)")
     ap.add_argument("--hash-algo", default="sha256", help="the instances' --prefix-caching-hash-algo")
     ap.add_argument("--tokenizer", default=None, help="a tokenizer path, for text and chat prompts")
@@ -512,7 +484,8 @@ def build(args: argparse.Namespace) -> Router:
     return Router(args.backend, follower=follower, policy=args.policy, block_size=args.block_size,
                   hash_algo=args.hash_algo, tokenize=tokenize, balance_abs=args.balance_abs,
                   balance_rel=args.balance_rel, vocab_size=args.vocab_size or vocab,
-                  max_model_len=args.max_model_len or context)
+                  max_model_len=args.max_model_len or context, profile=args.cost_profile,
+                  affinity=args.affinity, p2p=args.p2p)
 
 
 def model_limits(path: str | None, required: bool = False) -> tuple[int | None, int | None]:

@@ -43,7 +43,7 @@ URLS = ["http://a", "http://b", "http://c"]
        healthy=st.lists(st.booleans(), min_size=3, max_size=3))
 def test_prefix_policy_picks_what_its_rules_say(loads: list[int], held: list[Any], healthy: list[bool]) -> None:
     matches = {u: Match(*h) for u, h in zip(URLS, held) if h is not None}
-    router = Router(URLS, follower=FakeFollower(matches), balance_abs=16, balance_rel=1.5)
+    router = Router(URLS, follower=FakeFollower(matches), policy="prefix", balance_abs=16, balance_rel=1.5)
     for b, n, ok in zip(router.backends, loads, healthy):
         b.in_flight, b.healthy = n, ok
     order, why, promised = router.choose(list(range(64)))
@@ -58,7 +58,7 @@ def test_prefix_policy_picks_what_its_rules_say(loads: list[int], held: list[Any
     else:
         assert why == "prefix"
         best = max(matches[b.url].blocks for b in up if b.url in matches)
-        assert matches[first.url].blocks == best and promised == best * router.block_size
+        assert matches[first.url].blocks == best and promised == min(best * router.block_size, 64)   # never past the prompt
         ties = [b for b in up if b.url in matches and matches[b.url].blocks == best]
         fastest = min(MEDIA.index(matches[b.url].medium) for b in ties)
         assert MEDIA.index(matches[first.url].medium) == fastest
@@ -67,32 +67,18 @@ def test_prefix_policy_picks_what_its_rules_say(loads: list[int], held: list[Any
     router.check()
 
 
-@settings(max_examples=300, deadline=None)
-@given(queued=st.lists(st.integers(0, 4000), min_size=3, max_size=3),
-       loads=st.lists(st.integers(0, 6), min_size=3, max_size=3),
-       held=st.lists(st.one_of(st.none(), st.tuples(st.integers(1, 200), st.sampled_from(MEDIA))), min_size=3, max_size=3),
-          healthy=st.lists(st.booleans(), min_size=3, max_size=3), length=st.integers(0, 2000))
-def test_cost_policy_picks_the_instance_with_the_fewest_tokens_to_wait_for(
-        queued: list[int], loads: list[int], held: list[Any], healthy: list[bool], length: int) -> None:
-    matches = {u: Match(*h) for u, h in zip(URLS, held) if h is not None}
-    router = Router(URLS, follower=FakeFollower(matches), policy="cost")
-    for b, q, n, ok in zip(router.backends, queued, loads, healthy):
-        b.queued_tokens, b.in_flight, b.healthy = q, n + (q > 0), ok     # queued tokens are in flight
-    tokens = list(range(length))
-    order, why, promised = router.choose(tokens)
-    up = [b for b in router.backends if b.healthy] or router.backends
-    assert why == "cost" and sorted(b.url for b in order) == sorted(b.url for b in up)
-
-    def prefix(b: Any) -> int:                   # what the index promises, never past the prompt
-        return min(matches[b.url].blocks * router.block_size, length) if b.url in matches and tokens else 0
-
-    waits = [length - prefix(b) + b.queued_tokens for b in order]
-    assert waits == sorted(waits), "in the order of the tokens each would wait for"
-    assert promised == prefix(order[0])
-    ties = [b for b in up if length - prefix(b) + b.queued_tokens == waits[0]]
-    assert prefix(order[0]) == max(prefix(b) for b in ties)
-    assert order[0].in_flight == min(b.in_flight for b in ties if prefix(b) == prefix(order[0]))
-    router.check()
+def test_the_router_runs_the_chooser_of_its_policy_with_its_index() -> None:
+    """``Router.choose`` is ``radixkv.fleet.routing.Chooser.choose`` over the router's backends and
+    follower (the rules themselves: tests/fleet/test_routing.py)."""
+    matches = {URLS[1]: Match(4, "CPU")}
+    router = Router(URLS, follower=FakeFollower(matches), profile="vllm-cpu")
+    assert router.policy == "cost" and router.chooser.lookup is not None
+    order, why, promised = router.choose(list(range(64)))
+    assert why == "cost" and order[0].url == URLS[1] and promised == 64
+    router.backends[1].queued_tokens, router.backends[1].in_flight = 100_000, 1
+    assert router.choose(list(range(64)))[0][0].url != URLS[1], "a long queue outweighs a 64-token prefix"
+    with pytest.raises(ValueError, match="profile"):
+        Router(URLS, profile="tpu")
 
 
 def test_round_robin_and_random_cover_every_instance() -> None:

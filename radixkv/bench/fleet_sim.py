@@ -1,0 +1,636 @@
+"""``python -m radixkv.bench fleet_sim``: routing policies on a simulated fleet, in virtual time.
+
+Why a simulator: two ``vllm serve`` on one 2-core machine share its cores, so their TTFT tails say
+more about the machine than the router; and no committed run can show 16 instances at 95% load.
+Here each instance is independent, with its own radixkv ``PrefixCache`` as the model of its KV
+pool and CPU tier (real matches, real LRU evictions, the CPU tier filled by what the pool lets
+go), and the router's own policy code (``radixkv.fleet.routing.Chooser``) chooses, fed by a real
+fleet ``Index`` that the instances' KV events (``radixkv.fleet.publish.KVEvents``, through the
+observer seam) keep up to date as each prefill ends.
+
+The engine model (per instance, continuous batching as vLLM does it): a step takes the requests
+waiting for their prefill in arrival order, up to ``budget`` prompt tokens (chunked prefill: a long
+prompt takes several steps), and one decode token of every running request.  A step costs
+``fixed_s`` (when it prefills) + ``prefill_s_per_token`` x the tokens it computes + the load of what
+a request's match found below the pool (``load_s_per_token`` of the CPU tier, a peer, a shared
+tier) + ``decode_step_s + decode_s_per_seq x running`` (when anything decodes).  Between prefills,
+decodes advance fluidly at one token a decode step.  A request's prefix is matched when its prefill
+starts (what an earlier request of the same step computes is not there yet, as in vLLM), its full
+blocks enter the pool when its prefill ends, and it holds its pages until its last token.  TTFT is
+the end of the request's last prefill step less its arrival.  Costs come from a ``CostModel``
+profile (``radixkv.fleet.routing.PROFILES``: ``vllm-cpu`` fitted to this project's vLLM-CPU
+measurements, ``h100-8b`` from published numbers).
+
+Each block of ``block_tokens`` tokens is one token of the simulated cache (page and chunk of 1):
+what is cached is counted in blocks, what costs time in tokens.  Virtual time is ``simpy``'s (the
+well-kept discrete-event library; the serving simulators we looked at model one engine's kernels
+for hardware sizing, not a fleet with a router and per-instance prefix caches, and none runs a
+router's code unchanged).  Deterministic per seed: no thread runs behind the simulation (the CPU
+tier's writer is flushed after each step).
+
+Load: ``--loads`` are fractions of the fleet's capacity for the workload, the work of every request
+with the trace's infinite-cache hits (``ideal`` below) over ``instances x`` the trace's span: a
+policy that loses hits is past 100% at a load of 95%.
+
+Workloads: ``mooncake`` (a trace in the Mooncake FAST'25 format, ``--trace``: timestamps in ms,
+``input_length``, ``output_length``, chained 512-token ``hash_ids``, each id one fixed block; a seed
+takes another window of ``--requests``), and three synthetic ones of 64-token blocks, each with
+``TENANTS`` tenants whose prefixes are three times a ``SYNTHETIC_POOL`` pool: ``tenants`` (the
+fleet benchmark's shape: 1,536-token system prompts and a 64-token question, Poisson arrivals),
+``hot`` (768-2,048-token prompts, one tenant with half the requests, arriving in bursts of 6 at
+once), ``fleetwide`` (every request shares a 2,048-token fleet-wide system prompt, then one of the
+tenants' 1,024-token documents, then a question: a longest-match rule can send all of it to the
+first instance that holds the shared block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = ["Fleet", "SimRequest", "fit_vllm_cpu", "ideal_hits", "ideal_work", "scale_to_load", "simulate", "workload"]
+
+WORKLOADS = ("mooncake", "tenants", "hot", "fleetwide")
+#: Tenants (or documents) of the synthetic workloads: about 48K tokens of prefixes, three times
+#: the synthetic workloads' default pool (``SYNTHETIC_POOL``): one instance cannot hold them all,
+#: the fleet can.
+TENANTS = 32
+SYNTHETIC_POOL = 16_384
+DEFAULT_POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin")
+
+
+@dataclass
+class SimRequest:
+    """One request: arrival (s), its prompt as block ids (``tokens`` tokens, the last block maybe
+    partial), ``output`` tokens to generate; filled by the run: instance, TTFT, tokens reused."""
+
+    rid: int
+    arrival: float
+    blocks: list[int]
+    tokens: int
+    output: int
+    instance: str = ""
+    ttft: float = math.nan
+    hit_tokens: int = 0            # reused: the pool's, the CPU tier's, a peer's, a shared tier's
+    below_tokens: int = 0          # of hit_tokens, loaded from below the pool
+    why: str = ""
+    # the run's bookkeeping
+    remaining: int = 0
+    started: bool = False
+    left: float = 0.0
+    charge: int = 0
+    names: list[Any] = field(default_factory=list)
+    hold: Any = None
+    pages: Any = None
+
+
+def full_blocks(r: SimRequest, block_tokens: int) -> int:
+    return min(r.tokens // block_tokens, len(r.blocks))
+
+
+def ideal_hits(requests: Sequence[SimRequest], block_tokens: int) -> list[int]:
+    """Each request's reused tokens with one unbounded cache that holds every full block of every
+    earlier request (arrival order): the trace's infinite-cache hits.  At least the last block of
+    a prompt is always computed.  O(blocks)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in sorted(requests, key=lambda r: (r.arrival, r.rid)):
+        n = 0
+        while n < len(r.blocks) - 1 and tuple(r.blocks[:n + 1]) in seen:
+            n += 1
+        out.append(n * block_tokens)
+        for j in range(full_blocks(r, block_tokens)):
+            seen.add(tuple(r.blocks[:j + 1]))
+    order = {r.rid: i for i, r in enumerate(sorted(requests, key=lambda r: (r.arrival, r.rid)))}
+    return [out[order[r.rid]] for r in requests]
+
+
+# -- workloads ---------------------------------------------------------------------------------
+
+
+def _mooncake(path: str, n: int, seed: int) -> tuple[list[SimRequest], int]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"--trace: {path} holds no requests")
+    n = min(n, len(rows))
+    start = (seed * n) % max(1, len(rows) - n + 1)
+    rows = rows[start:start + n]
+    t0 = rows[0]["timestamp"]
+    reqs = [SimRequest(i, (r["timestamp"] - t0) / 1000.0, list(map(int, r["hash_ids"])), int(r["input_length"]),
+                       max(1, int(r["output_length"]))) for i, r in enumerate(rows)]
+    return reqs, 512
+
+
+def _synthetic(kind: str, n: int, seed: int) -> tuple[list[SimRequest], int]:
+    rng = random.Random(seed)
+    bt = 64
+    ids = iter(range(1, 1 << 40))
+
+    def block_run(tokens: int) -> list[int]:
+        return [next(ids) for _ in range(-(-tokens // bt))]
+
+    reqs: list[SimRequest] = []
+    t = 0.0
+    if kind == "tenants":
+        systems = [block_run(1536) for _ in range(TENANTS)]
+        for i in range(n):
+            t += rng.expovariate(1.0)
+            reqs.append(SimRequest(i, t, systems[rng.randrange(TENANTS)] + block_run(64), 1536 + 64, 32))
+    elif kind == "hot":
+        sizes = [rng.choice((768, 1024, 1536, 2048)) for _ in range(TENANTS)]
+        systems = [block_run(s) for s in sizes]
+        while len(reqs) < n:
+            t += rng.expovariate(1.0 / 6)
+            tenant = 0 if rng.random() < 0.5 else rng.randrange(1, TENANTS)
+            for _ in range(min(6, n - len(reqs))):
+                q = rng.choice((64, 128, 256))
+                reqs.append(SimRequest(len(reqs), t, systems[tenant] + block_run(q), sizes[tenant] + q, 32))
+    elif kind == "fleetwide":
+        shared = block_run(2048)
+        docs = [block_run(1024) for _ in range(TENANTS)]
+        for i in range(n):
+            t += rng.expovariate(1.0)
+            q = rng.choice((64, 128, 256))
+            reqs.append(SimRequest(i, t, shared + docs[rng.randrange(TENANTS)] + block_run(q), 2048 + 1024 + q, 32))
+    else:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {kind!r}")
+    return reqs, bt
+
+
+def workload(kind: str, n: int, seed: int, trace: str | None = None) -> tuple[list[SimRequest], int]:
+    """``(requests, block_tokens)`` of workload ``kind`` (see the module docstring); arrival times
+    are in the workload's own unit until ``scale_to_load`` sets them."""
+    if kind == "mooncake":
+        if trace is None:
+            raise ValueError("--trace: the mooncake workload needs the trace's path")
+        return _mooncake(trace, n, seed)
+    return _synthetic(kind, n, seed)
+
+
+def ideal_work(requests: Sequence[SimRequest], block_tokens: int, model: Any) -> float:
+    """Seconds of engine work the requests need with their infinite-cache hits."""
+    hits = ideal_hits(requests, block_tokens)
+    return sum(model.fixed_s + model.prefill(r.tokens - h) + (r.output - 1) * model.decode_s_per_seq
+               for r, h in zip(requests, hits))
+
+
+def scale_to_load(requests: list[SimRequest], block_tokens: int, model: Any, instances: int, load: float) -> float:
+    """Stretch the arrival times so that the ideal work is ``load`` of ``instances``' time over
+    the span; returns the span (s)."""
+    span0 = max(r.arrival for r in requests) - min(r.arrival for r in requests) or 1.0
+    span = ideal_work(requests, block_tokens, model) / (instances * load)
+    t0 = min(r.arrival for r in requests)
+    for r in requests:
+        r.arrival = (r.arrival - t0) * span / span0
+    return span
+
+
+# -- the fleet ---------------------------------------------------------------------------------
+
+
+class _Instance:
+    def __init__(self, fleet: Fleet, name: str) -> None:
+        import torch
+
+        from radixkv.backends.cpu import CpuTier
+        from radixkv.core.cache import PrefixCache
+        from radixkv.core.pool import KVLayout
+        from radixkv.fleet.events import EventBatch
+        from radixkv.fleet.publish import KVEvents
+
+        self.fleet, self.name = fleet, name
+        layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16, page_size=1)
+        tiers = [CpuTier(fleet.cpu_blocks * fleet.blob_bytes, slot_bytes=fleet.blob_bytes)] if fleet.cpu_blocks else []
+        self.cache = PrefixCache(layout, num_pages=fleet.pool_blocks, chunk_size=1, namespace=fleet.namespace,
+                                 tiers=tiers)
+        self.seq = 0
+
+        def sink(events: list[Any]) -> None:
+            fleet.index.apply(name, self.seq, EventBatch(ts=fleet.env.now, events=events))
+            self.seq += 1
+
+        self.cache.observers.add(KVEvents(sink, namespace=fleet.namespace, chunk_size=1))
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.wake = fleet.env.event()
+        self.busy_s = 0.0
+        self.served = 0
+
+    def resident(self, r: SimRequest) -> int:
+        """Leading full blocks of ``r`` in this instance's pool, without touching anything."""
+        from radixkv.testing.machines import resident_tokens
+
+        return resident_tokens(self.cache.tree, r.blocks[:full_blocks(r, self.fleet.block_tokens)])
+
+    def start(self, r: SimRequest) -> float | None:
+        """Begin ``r``'s prefill: match (loading from the CPU tier, a peer, a shared tier), hold its
+        pages; seconds its loads cost, or ``None`` when the pool has no room yet."""
+        with self._held_writer():
+            return self._start(r)
+
+    def _held_writer(self) -> Any:
+        """Keep the CPU tier's writer off its queue until the step's cache calls are done, then
+        let it write everything at once: the batches (and so the tier's evictions) are the same on
+        every run, whatever the threads' timing."""
+        import contextlib
+
+        stack = self.cache.stack
+        if stack is None:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def held() -> Any:
+            with stack.writer.hold():
+                yield
+            self.cache.flush()
+
+        return held()
+
+    def _start(self, r: SimRequest) -> float | None:
+        from radixkv.core.cache import PoolExhausted
+
+        f, bt, model = self.fleet, self.fleet.block_tokens, self.fleet.model
+        full = full_blocks(r, bt)
+        m = self.cache.match(r.blocks)
+        hit, below = m.num_tokens, m.tier_tokens
+        load_s = model.load("CPU", below * bt)
+        extra = 0
+        peer = max((inst.resident(r) for inst in f.instances if inst is not self), default=0) if f.p2p else 0
+        shared = f.shared_blocks(r) if f.shared else 0
+        best, source = max((peer, "PEER"), (shared, "SHARED"))
+        best = min(best, len(r.blocks) - 1)
+        if best > hit:
+            extra = best - hit
+        try:
+            pages = self.cache.alloc(full - hit) if full > hit else None
+        except PoolExhausted:
+            self.cache.release(m)
+            return None
+        if extra and pages is not None:             # the peer's or shared tier's blocks, loaded
+            self.cache.insert(r.blocks[:best], [*m.pages.tolist(), *pages[:extra].tolist()])
+            m, old = self.cache.match(r.blocks[:best], leave_last=False), m
+            self.cache.release(old)
+            pages = pages[extra:]
+            load_s += model.load(source, extra * bt)
+            hit, below = best, below + extra
+        r.hold, r.pages = m, pages
+        r.hit_tokens, r.below_tokens = hit * bt, below * bt
+        r.remaining = r.tokens - r.hit_tokens
+        r.started = True
+        return load_s
+
+    def finish_prefill(self, r: SimRequest) -> None:
+        """``r``'s prefill ended: its full blocks enter the pool (what another request put there
+        meanwhile is freed), and it holds them until its last token."""
+        full = full_blocks(r, self.fleet.block_tokens)
+        m = r.hold
+        with self._held_writer():
+            if r.pages is not None and len(r.pages):
+                self.cache.insert(r.blocks[:full], [*m.pages.tolist(), *r.pages.tolist()])
+            r.hold, r.pages = self.cache.match(r.blocks[:full], leave_last=False), None
+            self.cache.release(m)
+
+    def end(self, r: SimRequest) -> None:
+        with self._held_writer():
+            self.cache.release(r.hold)
+        r.hold = None
+        self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens)
+        self.served += 1
+
+    def run(self) -> Iterable[Any]:
+        env, model, f = self.fleet.env, self.fleet.model, self.fleet
+        while True:
+            if not self.waiting and not self.running:
+                self.wake = env.event()
+                yield self.wake
+                continue
+            budget, tokens, load_s, done = f.budget, 0, 0.0, []
+            while self.waiting and budget > 0:
+                r = self.waiting[0]
+                if not r.started:
+                    cost = self.start(r)
+                    if cost is None:
+                        break
+                    load_s += cost
+                take = min(r.remaining, budget)
+                r.remaining -= take
+                budget -= take
+                tokens += take
+                if r.remaining:
+                    break
+                done.append(self.waiting.popleft())
+            decoding = len(self.running)
+            if tokens or done:
+                dt = model.fixed_s + model.prefill(tokens) + load_s
+                if decoding:
+                    dt += model.decode_step_s + model.decode_s_per_seq * decoding
+                start = env.now
+                yield env.timeout(dt)
+                self.busy_s += env.now - start
+                for r in self.running:
+                    r.left -= 1
+            else:
+                # decode only: advance to the next completion or the next arrival, fluidly
+                step = model.decode_step_s + model.decode_s_per_seq * decoding
+                soonest = max(0.0, min(r.left for r in self.running)) * step
+                start = env.now
+                self.wake = env.event()
+                yield env.any_of([self.wake, env.timeout(soonest)])
+                spent = env.now - start
+                self.busy_s += spent
+                for r in self.running:
+                    r.left -= spent / step if step > 0 else r.left
+            for r in done:
+                r.ttft = env.now - r.arrival
+                self.finish_prefill(r)
+                f.chooser.prefilled(f.backend[self.name], r.charge, r.names, env.now)
+                r.left = r.output - 1
+                self.running.append(r)
+            for r in [r for r in self.running if r.left <= 1e-9]:
+                self.running.remove(r)
+                self.end(r)
+
+
+class Fleet:
+    """N simulated instances behind a ``Chooser`` of ``policy`` (see the module docstring)."""
+
+    def __init__(self, instances: int, policy: str, model: Any, block_tokens: int, *, pool_tokens: int,
+                 cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False, affinity: float = 1.0,
+                 seed: int = 0) -> None:
+        import simpy
+
+        from radixkv.core.hashing import Namespace
+        from radixkv.fleet.index import Index
+        from radixkv.fleet.routing import Backend, Chooser
+
+        if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+            raise ValueError(f"instances must be a positive int, got {instances!r}")
+        self.env = simpy.Environment()
+        self.model, self.block_tokens, self.budget = model, block_tokens, budget
+        self.pool_blocks = max(2, pool_tokens // block_tokens)
+        self.cpu_blocks = cpu_tokens // block_tokens
+        self.p2p, self.shared = p2p, shared
+        self.namespace = Namespace(model="fleet-sim")
+        self.blob_bytes = self._blob_bytes()
+        self.index = Index()
+        self._shared: set[Any] = set()
+        self.chooser = Chooser(policy, block_size=block_tokens, lookup=self.index.lookup, model=model,
+                               affinity=affinity, p2p=p2p, shared=self._shared_run if shared else None, seed=seed)
+        self.instances = [_Instance(self, f"i{k}") for k in range(instances)]
+        self.backends = [Backend(inst.name, inst.name) for inst in self.instances]
+        self.backend = {b.name: b for b in self.backends}
+        self.by_name = {inst.name: inst for inst in self.instances}
+
+    def _blob_bytes(self) -> int:
+        """Bytes of one stored chunk (one block), to size the CPU tier in blocks."""
+        import torch
+
+        from radixkv.backends import MemoryTier
+        from radixkv.core.cache import PrefixCache
+        from radixkv.core.format import encoded_size
+        from radixkv.core.pool import KVLayout
+
+        layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16, page_size=1)
+        probe = PrefixCache(layout, num_pages=2, chunk_size=1, namespace=self.namespace, tiers=[MemoryTier()])
+        try:
+            return encoded_size(probe.stack.shape, layout.dtype)
+        finally:
+            probe.close()
+
+    def names(self, r: SimRequest) -> list[Any]:
+        """The router's names of ``r``'s full blocks (what the instances' events name)."""
+        from radixkv.core.hashing import chunk_keys
+        from radixkv.fleet.hashing import external_hash
+
+        full = r.blocks[:full_blocks(r, self.block_tokens)]
+        ns = self.instances[0].cache.namespace
+        return [external_hash(k) for k in chunk_keys(full, 1, ns)] if full else []
+
+    def shared_blocks(self, r: SimRequest) -> int:
+        n = 0
+        for name in r.names:
+            if name not in self._shared:
+                break
+            n += 1
+        return min(n, len(r.blocks) - 1)
+
+    def _shared_run(self, names: Sequence[Any]) -> int:
+        n = 0
+        for name in names:
+            if name not in self._shared:
+                break
+            n += 1
+        return n
+
+    def arrive(self, r: SimRequest) -> None:
+        now = self.env.now
+        r.names = self.names(r)
+        choice = self.chooser.choose(self.backends, r.tokens, r.names, now)
+        backend = choice.order[0]
+        r.instance, r.why = backend.name, choice.why
+        r.charge = self.chooser.sent(backend, r.tokens, choice.promised, r.names, now)
+        if self.shared:
+            self._shared.update(r.names)
+        inst = self.by_name[backend.name]
+        inst.waiting.append(r)
+        if not inst.wake.triggered:
+            inst.wake.succeed()
+
+    def run(self, requests: Sequence[SimRequest]) -> None:
+        """Serve ``requests`` (arrival order) to the end."""
+        for inst in self.instances:
+            self.env.process(inst.run())
+
+        def arrivals() -> Iterable[Any]:
+            for r in sorted(requests, key=lambda r: (r.arrival, r.rid)):
+                if r.arrival > self.env.now:
+                    yield self.env.timeout(r.arrival - self.env.now)
+                self.arrive(r)
+
+        self.env.process(arrivals())
+        self.env.run()
+
+    def check(self) -> None:
+        """Every instance's cache and the index pass their ``check()``; the router's counters."""
+        for inst in self.instances:
+            inst.cache.check()
+        self.index.check()
+        self.chooser.check(self.backends)
+
+
+def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, policy: str, model: Any,
+             pool_tokens: int, cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False,
+             affinity: float = 1.0, seed: int = 0, check: bool = False) -> dict[str, Any]:
+    """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary."""
+    reqs = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output) for r in requests]
+    fleet = Fleet(instances, policy, model, block_tokens, pool_tokens=pool_tokens, cpu_tokens=cpu_tokens,
+                  budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed)
+    fleet.run(reqs)
+    if check:
+        fleet.check()
+    return summary(reqs, fleet)
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summary(reqs: Sequence[SimRequest], fleet: Fleet) -> dict[str, Any]:
+    ttft = [r.ttft for r in reqs]
+    served = [inst.served for inst in fleet.instances]
+    return {"hit": sum(r.hit_tokens for r in reqs) / max(1, sum(r.tokens for r in reqs)),
+            "p50": _pct(ttft, 0.50), "p95": _pct(ttft, 0.95), "p99": _pct(ttft, 0.99),
+            "mean": statistics.fmean(ttft), "served": served, "ttft": ttft,
+            "busy": [round(inst.busy_s, 3) for inst in fleet.instances]}
+
+
+# -- calibration -------------------------------------------------------------------------------
+
+
+def fit_vllm_cpu(path: str | Path) -> dict[str, Any]:
+    """Fit ``TTFT = fixed + prefill x computed + load[medium] x loaded`` to ``bench vllm``'s table
+    (no cache at each length; the resident prefix: only the question computed; the CPU tier, LMDB
+    as ``STORAGE`` and S3 as ``SHARED``, each loading the prefix);
+    least squares of the relative error.  Returns the constants and each measurement with its fitted value."""
+    import numpy as np
+
+    lines = Path(path).read_text().splitlines()
+    head = next(line for line in lines if line.startswith("TTFT, ms"))
+    lengths = [int(tok.split("K")[0]) * 1024 for tok in head.split()[2:] if "K" in tok]
+    question = 256
+
+    def row(label: str) -> list[float]:
+        line = next(line for line in lines if line.startswith(label))
+        nums = [float(x) for x in line[len(label):].replace("x", " ").replace("%", " ").split()]
+        step = len(nums) // len(lengths)
+        return [nums[i * step] for i in range(len(lengths))]
+
+    none, resident = row("no cache"), row("vllm prefix cache (resident)")
+    below = {"CPU": row("radixkv cpu tier"), "STORAGE": row("radixkv lmdb (restart)"),
+             "SHARED": row("radixkv s3 (second process)")}
+    media = list(below)
+    a, y, points = [], [], []
+
+    def add(label: str, n: int, t: float, computed: int, medium: str | None) -> None:
+        a.append([1.0, float(computed)] + [float(n) if m == medium else 0.0 for m in media])
+        y.append(t / 1000)
+        points.append((label, n, t / 1000))
+
+    for n, t in zip(lengths, none):
+        add("no cache", n, t, n + question, None)
+    for n, t in zip(lengths, resident):
+        add("resident", n, t, question, None)
+    for medium, times in below.items():
+        for n, t in zip(lengths, times):
+            add(medium.lower(), n, t, question, medium)
+    # relative least squares (each row weighed by 1/measured): the short TTFTs count as much as the long
+    w = 1.0 / np.array(y)
+    coef, *_ = np.linalg.lstsq(np.array(a) * w[:, None], np.array(y) * w, rcond=None)
+    fitted = np.array(a) @ coef
+    rows = [(label, n, t, float(f)) for (label, n, t), f in zip(points, fitted)]
+    return {"fixed_s": float(coef[0]), "prefill_s_per_token": float(coef[1]),
+            "load_s_per_token": {m: float(c) for m, c in zip(media, coef[2:])},
+            "rows": rows, "max_rel_error": max(abs(f - t) / t for _, _, t, f in rows)}
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def _grid(args: argparse.Namespace) -> Iterable[tuple[str, int, float, int]]:
+    for kind in args.workloads:
+        for n in args.instances:
+            for load in args.loads:
+                for seed in args.seeds:
+                    yield kind, n, load, seed
+
+
+def main(argv: list[str] | None = None) -> int:
+    from radixkv.fleet.routing import POLICIES, PROFILES
+
+    ap = argparse.ArgumentParser(prog="python -m radixkv.bench fleet_sim", description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="mooncake,tenants,hot,fleetwide")
+    ap.add_argument("--trace", default=None, help="a Mooncake-format trace (JSON lines) for the mooncake workload")
+    ap.add_argument("--instances", default="4,8,16")
+    ap.add_argument("--loads", default="0.5,0.8,0.95")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="h100-8b")
+    ap.add_argument("--pool-tokens", type=int, default=None,
+                    help="KV pool per instance (default: SYNTHETIC_POOL for the synthetic workloads; for mooncake "
+                         "470,000 with h100-8b, an 8B model's KV in an H100 beside its weights, 9,216 with vllm-cpu)")
+    ap.add_argument("--cpu-tokens", type=int, default=None, help="CPU tier per instance (default: as the pool)")
+    ap.add_argument("--budget", type=int, default=None, help="prompt tokens a step computes (default: the profile's)")
+    ap.add_argument("--affinity", type=float, default=1.0)
+    ap.add_argument("--p2p", action="store_true")
+    ap.add_argument("--calibrate", default=None, metavar="VLLM_TABLE",
+                    help="print the fit of bench vllm's table (benchmarks/results/vllm_cpu.txt) and exit")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.calibrate:
+        text = calibration_text(args.calibrate)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
+    args.workloads = args.workloads.split(",")
+    args.instances = [int(x) for x in args.instances.split(",")]
+    args.loads = [float(x) for x in args.loads.split(",")]
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    policies = args.policies.split(",")
+    for p in policies:
+        if p not in POLICIES:
+            ap.error(f"--policies: unknown policy {p!r}")
+    model = PROFILES[args.profile]
+    budget = args.budget or (8192 if args.profile == "h100-8b" else 2048)
+    out: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        out.append(line)
+
+    say(f"# python -m radixkv.bench fleet_sim {' '.join(argv if argv is not None else __import__('sys').argv[1:])}")
+    say(f"# profile {args.profile} ({model.source}): prefill {model.prefill_s_per_token * 1e6:.1f} us/token, "
+        f"fixed {model.fixed_s * 1000:.1f} ms, decode step {model.decode_step_s * 1000:.2f} ms + "
+        f"{model.decode_s_per_seq * 1000:.3f} ms/seq; pool {args.pool_tokens or 'by workload'}, "
+        f"CPU tier {args.cpu_tokens if args.cpu_tokens is not None else 'as the pool'}, budget {budget}"
+        f"{', p2p' if args.p2p else ''}, affinity {args.affinity}")
+    started = time.perf_counter()
+    say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
+        f"{'p99 s':>8}  served min/max")
+    for kind, n, load, seed in _grid(args):
+        pool = args.pool_tokens or (SYNTHETIC_POOL if kind != "mooncake" else 470_000 if args.profile == "h100-8b" else 9_216)
+        cpu = args.cpu_tokens if args.cpu_tokens is not None else pool
+        reqs, bt = workload(kind, args.requests, seed, args.trace)
+        scale_to_load(reqs, bt, model, n, load)
+        for policy in policies:
+            s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,
+                         budget=budget, p2p=args.p2p, affinity=args.affinity, seed=seed)
+            say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
+                f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}")
+    say(f"# {time.perf_counter() - started:.0f} s")
+    if args.out:
+        Path(args.out).write_text("\n".join(out) + "\n")
+    return 0
+
+
+def calibration_text(path: str) -> str:
+    """The fit of ``fit_vllm_cpu`` as a table."""
+    fit = fit_vllm_cpu(path)
+    lines = [f"# python -m radixkv.bench fleet_sim --calibrate {path}",
+             f"fit: TTFT = {fit['fixed_s'] * 1000:.1f} ms + {fit['prefill_s_per_token'] * 1e6:.1f} us x computed "
+             "tokens + per token loaded: " + ", ".join(f"{m} {v * 1e6:.2f} us" for m, v in fit["load_s_per_token"].items()),
+             f"{'row':10} {'prefix':>7} {'measured ms':>12} {'fitted ms':>10} {'error':>7}"]
+    for label, n, t, f in fit["rows"]:
+        lines.append(f"{label:10} {n:>7} {t * 1000:12.1f} {f * 1000:10.1f} {(f - t) / t:7.1%}")
+    lines.append(f"max relative error {fit['max_rel_error']:.1%}")
+    return "\n".join(lines)

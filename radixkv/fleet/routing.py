@@ -1,0 +1,403 @@
+"""How a router chooses an instance: the policies, what it has just sent where, the cost model.
+
+This module is the router's decision and nothing else (no sockets, no clock of its own), so
+that the HTTP proxy (``radixkv.fleet.router``) and the fleet simulator (``python -m radixkv.bench
+fleet_sim``) run the same code.  The caller keeps one ``Backend`` per instance and tells the
+``Chooser`` what happens to each request: ``choose`` (where to send it), ``sent`` (it went),
+``prefilled`` (its first token came back), ``ended`` (its last one did).
+
+Contract:
+
+* **Holdings.**  An instance holds a prompt's leading blocks on a *medium* as the fleet index says
+  (``radixkv.fleet.Index``: ``GPU``, ``CPU``, ``STORAGE``), or because the router sent it a prompt
+  with those blocks lately (``Recent``): a prompt counts as arriving at its instance at routing
+  time, as the GPU medium, until the instance's KV events can confirm it (``settle_s`` after its
+  first token) or ``ttl_s`` passes.  KV events come after a prefill, so without this every
+  request of a burst would look like a miss and scatter.
+* **Policies.**
+
+  - ``cost`` (the default): the instance where the request's expected time to first token is
+    least: ``queue + affinity x own``, where ``queue`` is the prefill time of the tokens the
+    router sent it that have not had their first token yet (``CostModel.prefill``, their
+    uncached tokens as estimated at routing), and ``own`` the request's own prefill on that
+    instance: loading the prefix from the fastest place it is (the instance's own medium; with
+    ``p2p``, any peer's; with ``shared_blocks``, a shared tier every instance reads) plus
+    computing the rest.  ``affinity`` >= 1 weighs the work a choice adds to the fleet above the
+    queue it waits in (1 is plain expected TTFT).  Ties go to the longer prefix, then fewer
+    requests in flight, then round-robin.
+  - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
+    imbalance first (``balance_abs``/``balance_rel``, on requests in flight); no match goes to
+    the least loaded.
+  - ``cache_aware``: sglang-router's rule as its documentation states it: imbalance
+    (``max - min > balance_abs`` and ``max > balance_rel x min`` requests in flight) sends the
+    request to the least loaded; else the best match wins when it covers more than
+    ``cache_threshold`` of the prompt, and otherwise the instance whose tree is smallest.  Its
+    tree is the router's own record of what it sent where (``Recent``), never the events.
+  - ``dynamo``: NVIDIA Dynamo's KV router cost: ``overlap_weight x prefill blocks + decode
+    blocks``, prefill blocks being the prompt's blocks less the overlap credited by medium
+    (GPU 1.0, CPU 0.75, STORAGE 0.25) and decode blocks those of its requests in flight;
+    the least cost wins.
+  - ``least_loaded``, ``round_robin``, ``random``: the references.
+
+* **Cost.**  ``choose`` is O(instances + matched blocks) plus one index lookup; ``Recent`` holds
+  at most ``max_names`` block names (oldest dropped first), each with one expiry per instance.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Mapping, Sequence
+
+from radixkv.fleet.index import Match, medium_rank
+
+__all__ = ["Backend", "Chooser", "CostModel", "POLICIES", "PROFILES", "Recent"]
+
+POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin", "random")
+
+#: The cost policy's affinity when every instance has prefill queued (``affinity=None``).
+AUTO_MAX = 4.0
+
+#: Dynamo's published overlap credit per medium (its KV router documentation).
+DYNAMO_CREDIT = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
+
+
+@dataclass
+class Backend:
+    """One instance behind the router: its base URL, its name in the fleet index, its state
+    (``queued_tokens``: the uncached prompt tokens of its requests still waiting for their first
+    token, as estimated at routing; ``active_tokens``: the prompt tokens of its requests in
+    flight)."""
+
+    url: str
+    name: str
+    healthy: bool = True
+    in_flight: int = 0
+    queued_tokens: int = 0
+    active_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds to get a prompt's first token on an idle instance: ``fixed_s`` plus
+    ``prefill_s_per_token`` a computed token plus ``load_s_per_token[medium]`` a loaded one
+    (``"GPU"``: already in the pool, ``"PEER"``: another instance's, ``"SHARED"``: a tier every
+    instance reads, ``"CPU"``, ``"STORAGE"``).  ``decode_s_per_seq`` is what one sequence adds to
+    an engine step (the simulator's; the router's queue term ignores decodes)."""
+
+    prefill_s_per_token: float
+    fixed_s: float
+    load_s_per_token: Mapping[str, float] = field(default_factory=dict)
+    decode_step_s: float = 0.0
+    decode_s_per_seq: float = 0.0
+    source: str = ""
+
+    def load(self, medium: str | None, tokens: int) -> float:
+        """Seconds to load ``tokens`` tokens from ``medium`` (unknown media: as CPU)."""
+        per = self.load_s_per_token.get(medium or "GPU", self.load_s_per_token.get("CPU", 0.0))
+        return per * tokens
+
+    def prefill(self, tokens: int) -> float:
+        """Seconds of prefill for ``tokens`` computed tokens (without ``fixed_s``)."""
+        return self.prefill_s_per_token * tokens
+
+
+#: Cost profiles.  ``vllm-cpu``: the fit of the TTFTs ``python -m radixkv.bench vllm`` measured on
+#: this project's CI machine (``benchmarks/results/vllm_cpu.txt``, a 2-layer random Llama: no cache
+#: at 2K/4K/8K + 256 tokens; the resident prefix; loads from the CPU tier, LMDB as ``STORAGE`` and
+#: S3 as ``SHARED``), relative least squares, every row within 35% (``python -m radixkv.bench
+#: fleet_sim --calibrate``; the CPU-tier rows' own spread is that large, the no-cache and resident
+#: rows are within 18%); a peer is taken as costing what S3 does (not measured through vLLM), and
+#: the decode constants are not measured (set to a few per cent of a prefill step).
+#: ``h100-8b``: derived from published numbers for Llama-3-8B (8.0e9 parameters: 16 GFLOP a token;
+#: 128 KiB of KV a token in bf16) on one H100 SXM (989 TFLOPS dense bf16 at an assumed 50%
+#: utilisation -> 32 us a token; 3.35 TB/s HBM -> a decode step reads the 16 GB of weights in
+#: 4.8 ms; PCIe 5 x16 at ~50 GB/s -> 2.6 us a token from the CPU tier; 200 Gbit/s RDMA -> 5.2 us
+#: from a peer; local NVMe at ~10 GB/s -> 13 us; S3 at 1 GB/s -> 131 us, slower than computing it).
+PROFILES: dict[str, CostModel] = {
+    "vllm-cpu": CostModel(prefill_s_per_token=513.4e-6, fixed_s=19.5e-3,
+                          load_s_per_token={"GPU": 0.0, "CPU": 4.73e-6, "STORAGE": 20.63e-6, "SHARED": 48.51e-6,
+                                            "PEER": 48.51e-6},
+                          decode_step_s=0.020, decode_s_per_seq=0.002, source="fit of bench vllm on vLLM-CPU"),
+    "h100-8b": CostModel(prefill_s_per_token=32e-6, fixed_s=0.004,
+                         load_s_per_token={"GPU": 0.0, "CPU": 2.6e-6, "PEER": 5.2e-6, "SHARED": 131e-6,
+                                           "STORAGE": 13e-6},
+                         decode_step_s=0.0048, decode_s_per_seq=0.00005, source="published H100 numbers"),
+}
+
+
+class Recent:
+    """Block names the router sent each instance lately, with an expiry each (see the module
+    docstring).  ``max_names`` bounds the names kept (least recently sent dropped first).
+    Not thread-safe (the router's event loop owns it)."""
+
+    def __init__(self, ttl_s: float = 30.0, settle_s: float = 2.0, max_names: int = 1 << 20) -> None:
+        if not ttl_s > 0 or not settle_s >= 0:
+            raise ValueError(f"ttl_s must be > 0 and settle_s >= 0, got {ttl_s!r}, {settle_s!r}")
+        self.ttl_s, self.settle_s, self.max_names = float(ttl_s), float(settle_s), int(max_names)
+        self._names: OrderedDict[Hashable, dict[str, float]] = OrderedDict()
+        self._sizes: dict[str, int] = {}           # instance -> names it is among the holders of
+        self._expired_at = float("-inf")
+
+    def add(self, instance: str, names: Sequence[Hashable], now: float) -> None:
+        """``instance`` was sent a prompt of ``names``.  O(names)."""
+        until = now + self.ttl_s
+        for name in names:
+            holders = self._names.get(name)
+            if holders is None:
+                holders = self._names[name] = {}
+            else:
+                self._names.move_to_end(name)
+            if instance not in holders:
+                self._sizes[instance] = self._sizes.get(instance, 0) + 1
+            holders[instance] = until
+        while len(self._names) > self.max_names:
+            self._forget(self._names.popitem(last=False)[1])
+
+    def _forget(self, holders: dict[str, float]) -> None:
+        for inst in holders:
+            self._sizes[inst] -= 1
+
+    def settle(self, instance: str, names: Sequence[Hashable], now: float) -> None:
+        """The prompt's first token came back: its events follow within ``settle_s``, after which
+        the index alone says whether ``instance`` holds it.  O(names)."""
+        until = now + self.settle_s
+        for name in names:
+            holders = self._names.get(name)
+            if holders is not None and instance in holders:
+                holders[instance] = min(holders[instance], until)
+
+    def lookup(self, names: Sequence[Hashable], now: float) -> dict[str, int]:
+        """``{instance: leading blocks of names it was sent and that have not expired}``, for
+        the instances with at least one.  O(matched blocks x instances)."""
+        out: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, name in enumerate(names):
+            holders = self._names.get(name)
+            here = {inst for inst, until in holders.items() if until > now} if holders else set()
+            alive = here if alive is None else alive & here
+            if not alive:
+                break
+            for inst in alive:
+                out[inst] = i + 1
+        return out
+
+    def size(self, instance: str, now: float) -> int:
+        """How many names ``instance`` holds here (sglang's "tree size"), expired ones dropped at
+        most once a second.  O(1), O(names) once a second."""
+        if now - self._expired_at >= 1.0:
+            self.expire(now)
+        return self._sizes.get(instance, 0)
+
+    def expire(self, now: float) -> None:
+        """Drop what has expired.  O(names)."""
+        self._expired_at = now
+        for name in list(self._names):
+            holders = self._names[name]
+            gone = [inst for inst, until in holders.items() if until <= now]
+            for inst in gone:
+                del holders[inst]
+                self._sizes[inst] -= 1
+            if not holders:
+                del self._names[name]
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def check(self) -> None:
+        """Assert: at most ``max_names`` names, each held by some instance."""
+        assert len(self._names) <= self.max_names, "more names than max_names"
+        assert all(self._names.values()), "a name with no holder"
+        counted: dict[str, int] = {}
+        for holders in self._names.values():
+            for inst in holders:
+                counted[inst] = counted.get(inst, 0) + 1
+        assert {k: v for k, v in self._sizes.items() if v} == counted, "instance sizes miscounted"
+
+
+@dataclass
+class Choice:
+    """``Chooser.choose``'s answer: instances in the order to try, why the first, the prefix
+    tokens it holds (as the router believes), and the prompt's block names (for ``sent``)."""
+
+    order: list[Backend]
+    why: str
+    promised: int
+    names: list[Hashable]
+
+
+class Chooser:
+    """The policies of the module docstring over a list of ``Backend``.  ``lookup(names)`` is the
+    fleet index's lookup (``{instance: Match}``), ``block_size`` tokens a name; ``model`` the
+    ``CostModel`` of ``cost``; ``p2p``: a prefix any instance holds can be loaded by every
+    other (``PEER`` cost); ``shared``: ``names -> blocks`` held by a tier every instance reads.
+    """
+
+    def __init__(self, policy: str = "cost", *, block_size: int = 16, lookup: Any = None,
+                 model: CostModel | None = None, affinity: float | None = None, p2p: bool = False,
+                 shared: Any = None, balance_abs: int = 16, balance_rel: float = 1.5,
+                 cache_threshold: float = 0.3, overlap_weight: float = 1.0, recent: Recent | None = None,
+                 seed: int = 0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if affinity is not None and not affinity >= 1.0:
+            raise ValueError(f"affinity must be >= 1 or None (by load), got {affinity!r}")
+        self.policy, self.block_size, self.lookup = policy, block_size, lookup
+        self.model = model or PROFILES["h100-8b"]
+        self.affinity, self.p2p, self.shared = (None if affinity is None else float(affinity)), p2p, shared
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.cache_threshold, self.overlap_weight = cache_threshold, overlap_weight
+        # sglang's tree has no events: it is the router's record alone, kept as long as its own
+        # eviction interval; the others settle once events can confirm.
+        self.recent = recent if recent is not None else (
+            Recent(ttl_s=60.0, settle_s=60.0) if policy == "cache_aware" else Recent())
+        self._rr = itertools.count()
+        self._random = random.Random(seed)
+
+    # -- what happens to a request -------------------------------------------------------------
+
+    def sent(self, backend: Backend, tokens: int, promised: int, names: Sequence[Hashable], now: float) -> int:
+        """``backend`` got a request of ``tokens`` prompt tokens of which it holds ``promised``
+        (as estimated); returns its charge, to give back to ``prefilled``.  O(names)."""
+        charge = max(0, tokens - promised)
+        backend.in_flight += 1
+        backend.queued_tokens += charge
+        backend.active_tokens += tokens
+        self.recent.add(backend.name, names, now)
+        return charge
+
+    def prefilled(self, backend: Backend, charge: int, names: Sequence[Hashable], now: float) -> None:
+        """The request's first token came back: its prefill no longer queues.  O(names)."""
+        backend.queued_tokens -= charge
+        self.recent.settle(backend.name, names, now)
+
+    def ended(self, backend: Backend, tokens: int) -> None:
+        """The request ended (after ``prefilled``, or failed before it: then call ``prefilled``
+        first).  O(1)."""
+        backend.in_flight -= 1
+        backend.active_tokens -= tokens
+
+    # -- choosing ------------------------------------------------------------------------------
+
+    def holdings(self, names: Sequence[Hashable], now: float) -> dict[str, Match]:
+        """``{instance: Match}``: the index's answer, raised to what the router sent lately (as
+        the GPU medium).  O(matched blocks x instances)."""
+        held = dict(self.lookup(names)) if self.lookup is not None and names else {}
+        for inst, blocks in self.recent.lookup(names, now).items():
+            m = held.get(inst)
+            if m is None or blocks > m.blocks:
+                held[inst] = Match(blocks, "GPU")
+        return held
+
+    def choose(self, backends: Sequence[Backend], tokens: int, names: Sequence[Hashable], now: float) -> Choice:
+        """Where to send a prompt of ``tokens`` tokens whose block names are ``names``: the
+        healthy instances in the order to try them (all of them when none is healthy)."""
+        up = [b for b in backends if b.healthy] or list(backends)
+        names = list(names)
+        if self.policy == "round_robin":
+            i = next(self._rr) % len(up)
+            return Choice(up[i:] + up[:i], "round_robin", 0, names)
+        if self.policy == "random":
+            order = list(up)
+            self._random.shuffle(order)
+            return Choice(order, "random", 0, names)
+        by_load = sorted(up, key=lambda b: (b.in_flight, b.queued_tokens))
+        if self.policy == "least_loaded":
+            least = [b for b in by_load if (b.in_flight, b.queued_tokens) == (by_load[0].in_flight, by_load[0].queued_tokens)]
+            first = least[next(self._rr) % len(least)]
+            return Choice([first] + [b for b in by_load if b is not first], "least_loaded", 0, names)
+        lo, hi = by_load[0].in_flight, by_load[-1].in_flight
+        imbalanced = hi - lo > self.balance_abs and hi > self.balance_rel * lo
+        if self.policy == "cache_aware":
+            return self._cache_aware(up, by_load, tokens, names, now, imbalanced)
+        held = self.holdings(names, now)
+        bs = self.block_size
+
+        def tok(m: Match | None) -> int:
+            return 0 if m is None else min(m.blocks * bs, tokens)
+
+        if self.policy == "dynamo":
+            credit = {b.name: (held[b.name].blocks * DYNAMO_CREDIT.get(held[b.name].medium or "GPU", 0.25)
+                               if b.name in held else 0.0) for b in up}
+            blocks = -(-tokens // bs)
+
+            def dcost(b: Backend) -> tuple[float, int, int]:
+                return (self.overlap_weight * (blocks - credit[b.name]) + b.active_tokens / bs,
+                        b.in_flight, up.index(b))
+
+            order = sorted(up, key=dcost)
+            return Choice(order, "dynamo", tok(held.get(order[0].name)), names)
+        if self.policy == "prefix":
+            if imbalanced:
+                return Choice(by_load, "balance", 0, names)
+
+            def score(b: Backend) -> tuple[int, int, int]:
+                m = held.get(b.name)
+                return (m.blocks, -medium_rank(m.medium)[0], -b.in_flight) if m else (0, 0, -b.in_flight)
+
+            best = max(up, key=score)
+            if best.name not in held:
+                least = [b for b in up if b.in_flight == lo]
+                first = least[next(self._rr) % len(least)]
+                return Choice([first] + [b for b in by_load if b is not first], "no_match", 0, names)
+            return Choice([best] + [b for b in by_load if b is not best], "prefix", tok(held[best.name]), names)
+        return self._cost(up, tokens, names, held, now)
+
+    def own(self, tokens: int, mine: Match | None, best_peer: int, shared: int) -> tuple[float, int]:
+        """(seconds of the request's own prefill on an instance holding ``mine``, the prefix tokens
+        it reuses) with ``best_peer`` tokens on a peer and ``shared`` in a shared tier: the
+        fastest of loading from each place, or computing everything.  O(1)."""
+        m = self.model
+        options = [(m.fixed_s + m.prefill(tokens), 0)]
+        if mine is not None:
+            h = min(mine.blocks * self.block_size, tokens)
+            options.append((m.fixed_s + m.load(mine.medium, h) + m.prefill(tokens - h), h))
+        if best_peer:
+            options.append((m.fixed_s + m.load("PEER", best_peer) + m.prefill(tokens - best_peer), best_peer))
+        if shared:
+            options.append((m.fixed_s + m.load("SHARED", shared) + m.prefill(tokens - shared), shared))
+        return min(options, key=lambda o: (o[0], -o[1]))
+
+    def _cost(self, up: list[Backend], tokens: int, names: list[Hashable], held: dict[str, Match],
+              now: float) -> Choice:
+        bs = self.block_size
+        shared = min(self.shared(names) * bs, tokens) if self.shared is not None and names else 0
+        peers = sorted(((min(m.blocks * bs, tokens), inst) for inst, m in held.items()), reverse=True)
+        scored = []
+        turn = next(self._rr)
+        affinity = self.affinity
+        if affinity is None:        # by load: 1 on an idle fleet, AUTO_MAX when every instance has a queue
+            busy = sum(1 for b in up if b.queued_tokens) / len(up)
+            affinity = 1.0 + (AUTO_MAX - 1.0) * busy
+        for i, b in enumerate(up):
+            best_peer = next((t for t, inst in peers if inst != b.name), 0) if self.p2p else 0
+            own_s, reused = self.own(tokens, held.get(b.name), best_peer, shared)
+            queue_s = self.model.prefill(b.queued_tokens)
+            scored.append((queue_s + affinity * own_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
+        scored.sort(key=lambda s: s[:4])
+        return Choice([s[4] for s in scored], "cost", scored[0][5], names)
+
+    def _cache_aware(self, up: list[Backend], by_load: list[Backend], tokens: int, names: list[Hashable],
+                     now: float, imbalanced: bool) -> Choice:
+        if imbalanced:
+            return Choice(by_load, "balance", 0, names)
+        runs = self.recent.lookup(names, now)
+        best = max(up, key=lambda b: (runs.get(b.name, 0), -b.in_flight, -up.index(b)))
+        matched = min(runs.get(best.name, 0) * self.block_size, tokens)
+        if tokens and matched / tokens > self.cache_threshold:
+            return Choice([best] + [b for b in by_load if b is not best], "prefix", matched, names)
+        smallest = min(up, key=lambda b: (self.recent.size(b.name, now), up.index(b)))
+        return Choice([smallest] + [b for b in by_load if b is not smallest], "no_match",
+                      min(runs.get(smallest.name, 0) * self.block_size, tokens), names)
+
+    def check(self, backends: Sequence[Backend]) -> None:
+        """Assert the counters' invariants and ``Recent``'s.  O(instances + names)."""
+        assert len({b.name for b in backends}) == len(backends), "an instance named twice"
+        for b in backends:
+            assert b.in_flight >= 0 and b.queued_tokens >= 0 and b.active_tokens >= 0, f"a negative count on {b.name}"
+            assert b.in_flight or not (b.queued_tokens or b.active_tokens), f"tokens counted on idle {b.name}"
+        self.recent.check()

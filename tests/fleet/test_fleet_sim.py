@@ -1,0 +1,123 @@
+"""The fleet simulator (``python -m radixkv.bench fleet_sim``): deterministic per seed; with one
+unbounded instance and no load it reuses exactly the trace's infinite-cache hits (a property over
+random traces); with one instance every policy gives the same TTFTs; Poisson arrivals of equal
+prefills wait as the M/D/1 formula says; its vLLM-CPU profile is the fit of the committed
+measurements, within the error it states."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+pytest.importorskip("simpy")
+pytest.importorskip("msgspec")
+
+from radixkv.bench.fleet_sim import (SimRequest, calibration_text, fit_vllm_cpu, ideal_hits, scale_to_load,
+                                     simulate, workload)
+from radixkv.fleet.routing import POLICIES, PROFILES, CostModel
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = PROFILES["h100-8b"]
+
+
+def run(reqs: list[SimRequest], bt: int, **kw: object) -> dict:
+    args = dict(instances=1, policy="cost", model=MODEL, pool_tokens=1 << 22, cpu_tokens=0, budget=8192, check=True)
+    args.update(kw)
+    return simulate(reqs, bt, **args)  # type: ignore[arg-type]
+
+
+@st.composite
+def traces(draw: st.DrawFn) -> tuple[list[SimRequest], int]:
+    """Requests whose prompts branch off a few shared roots, in Mooncake's shape (chained block
+    ids; the last block maybe partial), far apart in time."""
+    bt = draw(st.sampled_from([16, 64, 512]))
+    roots = [[draw(st.integers(0, 10**6)) for _ in range(draw(st.integers(1, 6)))] for _ in range(draw(st.integers(1, 3)))]
+    reqs = []
+    for i in range(draw(st.integers(1, 25))):
+        root = draw(st.sampled_from(roots))
+        blocks = root[:draw(st.integers(0, len(root)))] + [draw(st.integers(0, 10**6)) for _ in range(draw(st.integers(0, 3)))]
+        if not blocks:
+            blocks = [draw(st.integers(0, 10**6))]
+        tokens = len(blocks) * bt - draw(st.integers(0, bt - 1))
+        reqs.append(SimRequest(i, 1000.0 * i, blocks, tokens, draw(st.integers(1, 4))))
+    return reqs, bt
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=traces(), policy=st.sampled_from(POLICIES))
+def test_one_unbounded_instance_without_load_reuses_the_infinite_cache_hits(trace: tuple, policy: str) -> None:
+    reqs, bt = trace
+    out = run(reqs, bt, policy=policy)
+    hits = ideal_hits(reqs, bt)
+    assert out["hit"] == sum(hits) / sum(r.tokens for r in reqs)
+    # and each request alone: its TTFT is the idle engine's time for what it computes
+    for r, h, ttft in zip(reqs, hits, out["ttft"]):
+        steps = -(-(r.tokens - h) // 8192)
+        assert ttft == pytest.approx(steps * MODEL.fixed_s + MODEL.prefill(r.tokens - h))
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_another() -> None:
+    reqs, bt = workload("hot", 300, seed=3)
+    scale_to_load(reqs, bt, MODEL, 4, 0.9)
+    kw = dict(instances=4, pool_tokens=16_384, cpu_tokens=16_384, policy="cost", seed=3)
+    a, b = run(reqs, bt, **kw), run(reqs, bt, **kw)
+    assert a["ttft"] == b["ttft"] and a["served"] == b["served"] and a["hit"] == b["hit"]
+    other, bt2 = workload("hot", 300, seed=4)
+    scale_to_load(other, bt2, MODEL, 4, 0.9)
+    assert run(other, bt2, **kw)["ttft"] != a["ttft"]
+
+
+def test_with_one_instance_every_policy_gives_the_same_ttfts() -> None:
+    reqs, bt = workload("tenants", 300, seed=1)
+    scale_to_load(reqs, bt, MODEL, 1, 0.8)
+    outs = {p: run(reqs, bt, policy=p, pool_tokens=16_384, cpu_tokens=8_192) for p in POLICIES}
+    first = outs["cost"]
+    for p, out in outs.items():
+        assert out["ttft"] == first["ttft"] and out["hit"] == first["hit"], p
+
+
+@pytest.mark.parametrize("rho", [0.3, 0.6])
+def test_poisson_arrivals_of_equal_prefills_wait_as_md1_says(rho: float) -> None:
+    """One instance, unique prompts of L tokens (no hits), one token out, a step budget of L: the
+    service is deterministic, D = fixed + prefill(L); the mean wait is rho D / (2 (1 - rho))."""
+    bt, length, n = 64, 1024, 6000
+    rng = random.Random(7)
+    service = MODEL.fixed_s + MODEL.prefill(length)
+    t, reqs = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rho / service)
+        reqs.append(SimRequest(i, t, list(range(i * 100, i * 100 + length // bt)), length, 1))
+    out = run(reqs, bt, budget=length, pool_tokens=8 * length)
+    assert out["hit"] == 0
+    wait = out["mean"] - service
+    want = rho * service / (2 * (1 - rho))
+    assert wait == pytest.approx(want, rel=0.08), (wait, want)
+
+
+def test_the_vllm_cpu_profile_is_the_fit_of_the_committed_measurements() -> None:
+    fit = fit_vllm_cpu(ROOT / "benchmarks" / "results" / "vllm_cpu.txt")
+    profile = PROFILES["vllm-cpu"]
+    assert profile.fixed_s == pytest.approx(fit["fixed_s"], rel=0.01)
+    assert profile.prefill_s_per_token == pytest.approx(fit["prefill_s_per_token"], rel=0.01)
+    for medium, per in fit["load_s_per_token"].items():
+        assert profile.load_s_per_token[medium] == pytest.approx(per, rel=0.01), medium
+    # the error the profile states (radixkv.fleet.routing) bounds every measured row
+    assert fit["max_rel_error"] <= 0.36
+    for label, n, measured, fitted in fit["rows"]:
+        if label in ("no cache", "resident"):
+            assert abs(fitted - measured) / measured <= 0.18, (label, n)
+    text = calibration_text(str(ROOT / "benchmarks" / "results" / "vllm_cpu.txt"))
+    assert "max relative error" in text
+
+
+def test_bad_input_names_the_argument() -> None:
+    with pytest.raises(ValueError, match="instances"):
+        run([SimRequest(0, 0.0, [1], 10, 1)], 16, instances=0)
+    with pytest.raises(ValueError, match="workload"):
+        workload("zipf", 10, 0)
+    with pytest.raises(ValueError, match="trace"):
+        workload("mooncake", 10, 0)
+    assert isinstance(MODEL, CostModel)

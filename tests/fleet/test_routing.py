@@ -1,0 +1,209 @@
+"""The router's decision (``radixkv.fleet.routing``): the cost policy picks what its formula says
+for any queues, holdings, media, peers and loads (a property against an independent reading of the
+docstring); what the router just sent counts as held until it settles or expires; a burst follows
+its first request while that is cheaper; the reference policies follow their own rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from radixkv.fleet.index import MEDIA, Match
+from radixkv.fleet.routing import AUTO_MAX, PROFILES, Backend, Chooser, CostModel, Recent
+
+MODEL = CostModel(prefill_s_per_token=1e-4, fixed_s=0.01,
+                  load_s_per_token={"GPU": 0.0, "CPU": 1e-5, "STORAGE": 5e-5, "PEER": 2e-5, "SHARED": 3e-5})
+
+
+def backends(n: int) -> list[Backend]:
+    return [Backend(f"http://{i}", f"i{i}") for i in range(n)]
+
+
+def expected_own(tokens: int, mine: Match | None, peer: int, shared: int, bs: int) -> tuple[float, int]:
+    """The docstring's "own": the fastest of computing all, loading from the instance's medium,
+    from the best peer, from the shared tier."""
+    options = [(MODEL.fixed_s + MODEL.prefill_s_per_token * tokens, 0)]
+    if mine is not None:
+        h = min(mine.blocks * bs, tokens)
+        options.append((MODEL.fixed_s + MODEL.load_s_per_token[mine.medium] * h + MODEL.prefill_s_per_token * (tokens - h), h))
+    for h, medium in ((peer, "PEER"), (shared, "SHARED")):
+        if h:
+            options.append((MODEL.fixed_s + MODEL.load_s_per_token[medium] * h + MODEL.prefill_s_per_token * (tokens - h), h))
+    return min(options, key=lambda o: (o[0], -o[1]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 6), data=st.data(), tokens=st.integers(0, 3000), p2p=st.booleans(),
+       shared=st.integers(0, 40), affinity=st.one_of(st.none(), st.floats(1.0, 8.0)))
+def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObject, tokens: int, p2p: bool,
+                                                        shared: int, affinity: float | None) -> None:
+    bs = 64
+    fleet = backends(n)
+    for b in fleet:
+        b.queued_tokens = data.draw(st.integers(0, 5000), label="queued")
+        b.in_flight = data.draw(st.integers(0, 5), label="in flight") + (b.queued_tokens > 0)
+        b.active_tokens = b.queued_tokens
+        b.healthy = data.draw(st.booleans(), label="healthy")
+    held = {b.name: Match(data.draw(st.integers(1, 50)), data.draw(st.sampled_from(MEDIA)))
+            for b in fleet if data.draw(st.booleans(), label="holds")}
+    names = list(range(tokens // bs))
+    chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, affinity=affinity, p2p=p2p,
+                      shared=(lambda ns: shared) if shared else None)
+    choice = chooser.choose(fleet, tokens, names, now=0.0)
+    up = [b for b in fleet if b.healthy] or fleet
+    assert choice.why == "cost" and sorted(b.name for b in choice.order) == sorted(b.name for b in up)
+    if affinity is None:
+        affinity = 1.0 + (AUTO_MAX - 1.0) * sum(1 for b in up if b.queued_tokens) / len(up)
+    held_here = held if names else {}
+    shared_tokens = min(shared * bs, tokens) if shared and names else 0
+
+    def cost(b: Backend) -> tuple[float, int]:
+        peer = max((min(m.blocks * bs, tokens) for inst, m in held_here.items() if inst != b.name), default=0) if p2p else 0
+        own, reused = expected_own(tokens, held_here.get(b.name), peer, shared_tokens, bs)
+        return MODEL.prefill_s_per_token * b.queued_tokens + affinity * own, reused
+
+    costs = [cost(b) for b in choice.order]
+    assert all(costs[i][0] <= costs[i + 1][0] + 1e-12 for i in range(len(costs) - 1)), "in the order of expected TTFT"
+    best = costs[0][0]
+    ties = [c for c in costs if abs(c[0] - best) <= 1e-12]
+    assert costs[0][1] == max(t[1] for t in ties), "ties go to the longer prefix"
+    assert choice.promised == costs[0][1]
+    chooser.check(fleet)
+
+
+def test_what_the_router_sent_counts_as_held_until_it_settles_or_expires() -> None:
+    recent = Recent(ttl_s=10.0, settle_s=1.0)
+    recent.add("a", [1, 2, 3], now=0.0)
+    recent.add("b", [1, 2], now=0.5)
+    assert recent.lookup([1, 2, 3, 4], now=1.0) == {"a": 3, "b": 2}
+    recent.settle("a", [1, 2, 3], now=2.0)            # its first token: events confirm within 1 s
+    assert recent.lookup([1, 2, 3], now=2.5) == {"a": 3, "b": 2}
+    assert recent.lookup([1, 2, 3], now=3.5) == {"b": 2}
+    assert recent.lookup([1, 2], now=10.6) == {}       # b's expired unsettled after ttl_s
+    recent.expire(11.0)
+    assert len(recent) == 0
+    recent.check()
+    with pytest.raises(ValueError, match="ttl_s"):
+        Recent(ttl_s=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("abc"), st.lists(st.integers(0, 6), max_size=5),
+                              st.floats(0, 20), st.booleans()), max_size=30), cap=st.integers(1, 8))
+def test_recent_matches_a_model_of_expiries(ops: list[Any], cap: int) -> None:
+    """``Recent`` against a dict model: names LRU-bounded, expiry per (name, instance), the
+    leading run of live names of each instance."""
+    recent = Recent(ttl_s=5.0, settle_s=1.0, max_names=cap)
+    model: dict[int, dict[str, float]] = {}
+    order: list[int] = []
+    now = 0.0
+    for inst, names, dt, settle in ops:
+        now += dt
+        if settle:
+            recent.settle(inst, names, now)
+            for nm in names:
+                if nm in model and inst in model[nm]:
+                    model[nm][inst] = min(model[nm][inst], now + 1.0)
+        else:
+            recent.add(inst, names, now)
+            for nm in names:
+                model.setdefault(nm, {})[inst] = now + 5.0
+                if nm in order:
+                    order.remove(nm)
+                order.append(nm)
+            while len(order) > cap:
+                del model[order.pop(0)]
+        recent.check()
+        query = list(range(7))
+        want: dict[str, int] = {}
+        for who in "abc":
+            k = 0
+            while k < len(query) and model.get(query[k], {}).get(who, -1.0) > now:
+                k += 1
+            if k:
+                want[who] = k
+        assert recent.lookup(query, now) == want
+
+
+def test_a_burst_follows_its_first_request_while_that_is_cheaper() -> None:
+    """Eight idle instances, no KV events yet: a burst of one tenant's long prompt goes where its
+    first request went until the queue there costs more than the prefix saves."""
+    fleet = backends(8)
+    model = PROFILES["h100-8b"]
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=model, affinity=2.0)
+    names, length = list(range(2048 // 16)), 2048 + 64
+    first = None
+    hit_s, miss_s = model.fixed_s + model.prefill(64), model.fixed_s + model.prefill(length)
+    for i in range(40):
+        choice = chooser.choose(fleet, length, names, now=0.0)
+        chosen = choice.order[0]
+        if first is None:
+            first = chosen
+        else:
+            there, elsewhere = model.prefill(first.queued_tokens) + 2.0 * hit_s, 2.0 * miss_s
+            if abs(there - elsewhere) > 1e-9:          # (a tie goes to the longer prefix: first)
+                assert (chosen is first) == (there < elsewhere), f"request {i}: queue {first.queued_tokens} tokens"
+            if chosen is first:
+                assert choice.promised == 2048
+        chooser.sent(chosen, length, choice.promised, names, now=0.0)
+    assert first is not None and first.in_flight > 20, "the burst scattered"
+    assert sum(1 for b in fleet if b.in_flight) > 1, "the queue never sent one elsewhere"
+    chooser.check(fleet)
+    # the same burst under "prefix" with no events: every request a no_match, spread over the idlest
+    plain = Chooser("prefix", block_size=16, lookup=lambda _: {}, recent=Recent(ttl_s=1e-9, settle_s=0.0))
+    fleet2 = backends(8)
+    spread = set()
+    for _ in range(4):
+        choice = plain.choose(fleet2, 2048 + 64, names, now=1.0)
+        plain.sent(choice.order[0], 2048 + 64, choice.promised, names, now=0.0)   # expired by 1.0
+        spread.add(choice.order[0].name)
+    assert len(spread) == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=st.lists(st.integers(0, 100), min_size=2, max_size=5), data=st.data(), tokens=st.integers(1, 2000))
+def test_cache_aware_follows_sglang_rules(loads: list[int], data: st.DataObject, tokens: int) -> None:
+    """Imbalance (max - min > 64 and max > 1.5 min): the least loaded; else the best match over
+    30% of the prompt; else the smallest tree."""
+    fleet = backends(len(loads))
+    for b, n in zip(fleet, loads):
+        b.in_flight = n
+    chooser = Chooser("cache_aware", block_size=16, balance_abs=64, balance_rel=1.5, cache_threshold=0.3)
+    names = list(range(tokens // 16))
+    for b in fleet:
+        k = data.draw(st.integers(0, len(names)), label="sent")
+        if k:
+            chooser.recent.add(b.name, names[:k], now=0.0)
+        extra = data.draw(st.integers(0, 3), label="other names")
+        chooser.recent.add(b.name, [10_000 + 10 * fleet.index(b) + j for j in range(extra)], now=0.0) if extra else None
+    runs = chooser.recent.lookup(names, now=1.0)
+    choice = chooser.choose(fleet, tokens, names, now=1.0)
+    lo, hi = min(loads), max(loads)
+    if hi - lo > 64 and hi > 1.5 * lo:
+        assert choice.why == "balance" and choice.order[0].in_flight == lo
+    elif names and max(runs.values(), default=0) * 16 / tokens > 0.3:
+        assert choice.why == "prefix" and runs[choice.order[0].name] == max(runs.values())
+    else:
+        sizes = {b.name: chooser.recent.size(b.name, 1.0) for b in fleet}
+        assert choice.why == "no_match" and sizes[choice.order[0].name] == min(sizes.values())
+
+
+def test_dynamo_credits_each_medium_as_published() -> None:
+    fleet = backends(3)
+    held = {"i0": Match(10, "STORAGE"), "i1": Match(10, "CPU"), "i2": Match(8, "GPU")}
+    chooser = Chooser("dynamo", block_size=16, lookup=lambda _: dict(held))
+    # 16 blocks: costs 16 - 2.5, 16 - 7.5, 16 - 8 -> the GPU holder of fewer blocks wins
+    assert chooser.choose(fleet, 256, list(range(16)), now=0.0).order[0].name == "i2"
+    fleet[2].active_tokens = 16 * 2                     # two decode blocks more: 10 > 8.5
+    assert chooser.choose(fleet, 256, list(range(16)), now=0.0).order[0].name == "i1"
+
+
+def test_bad_arguments_name_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        Chooser("fastest")
+    with pytest.raises(ValueError, match="affinity"):
+        Chooser("cost", affinity=0.5)
+    with pytest.raises(ValueError, match="block_size"):
+        Chooser("cost", block_size=0)
