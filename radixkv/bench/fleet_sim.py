@@ -363,7 +363,7 @@ class Fleet:
     """N simulated instances behind a ``Chooser`` of ``policy`` (see the module docstring)."""
 
     def __init__(self, instances: int, policy: str, model: Any, block_tokens: int, *, pool_tokens: int,
-                 cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False, affinity: float = 1.0,
+                 cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False, affinity: float | None = None,
                  seed: int = 0) -> None:
         import simpy
 
@@ -468,7 +468,7 @@ class Fleet:
 
 def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, policy: str, model: Any,
              pool_tokens: int, cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False,
-             affinity: float = 1.0, seed: int = 0, check: bool = False) -> dict[str, Any]:
+             affinity: float | None = None, seed: int = 0, check: bool = False) -> dict[str, Any]:
     """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary."""
     reqs = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output) for r in requests]
     fleet = Fleet(instances, policy, model, block_tokens, pool_tokens=pool_tokens, cpu_tokens=cpu_tokens,
@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
                          "470,000 with h100-8b, an 8B model's KV in an H100 beside its weights, 9,216 with vllm-cpu)")
     ap.add_argument("--cpu-tokens", type=int, default=None, help="CPU tier per instance (default: as the pool)")
     ap.add_argument("--budget", type=int, default=None, help="prompt tokens a step computes (default: the profile's)")
-    ap.add_argument("--affinity", type=float, default=1.0)
+    ap.add_argument("--affinity", type=float, default=None, help="the cost policy's affinity (default: by load)")
     ap.add_argument("--p2p", action="store_true")
     ap.add_argument("--calibrate", default=None, metavar="VLLM_TABLE",
                     help="print the fit of bench vllm's table (benchmarks/results/vllm_cpu.txt) and exit")
@@ -599,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         out.append(line)
 
     say(f"# python -m radixkv.bench fleet_sim {' '.join(argv if argv is not None else __import__('sys').argv[1:])}")
+    from radixkv.bench import machine_line
+
+    say(f"# machine: {machine_line()} (virtual time: the machine sets only how long the run takes)")
     say(f"# profile {args.profile} ({model.source}): prefill {model.prefill_s_per_token * 1e6:.1f} us/token, "
         f"fixed {model.fixed_s * 1000:.1f} ms, decode step {model.decode_step_s * 1000:.2f} ms + "
         f"{model.decode_s_per_seq * 1000:.3f} ms/seq; pool {args.pool_tokens or 'by workload'}, "

@@ -78,7 +78,7 @@ class Router:
                  balance_abs: int = 16, balance_rel: float = 1.5, health_interval_s: float = 2.0,
                  health_timeout_s: float = 2.0, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 600.0, seed: int = 0, vocab_size: int | None = None,
-                 max_model_len: int | None = None, profile: str = "h100-8b", affinity: float = 1.0,
+                 max_model_len: int | None = None, profile: str = "h100-8b", affinity: float | None = None,
                  p2p: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         if not backends:
             raise ValueError("backends: give at least one instance URL")
@@ -435,8 +435,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cost-profile", choices=sorted(PROFILES), default="h100-8b",
                     help="the prefill and load costs the cost policy weighs (h100-8b: an 8B model on an H100; "
                          "vllm-cpu: vLLM's CPU build)")
-    ap.add_argument("--affinity", type=float, default=1.0,
-                    help="the cost policy's weight (>= 1) of the work a choice adds over the queue it waits in")
+    ap.add_argument("--affinity", type=float, default=None,
+                    help="the cost policy's weight (>= 1) of the work a choice adds over the queue it waits in "
+                         "(default: by load, from 1 on an idle fleet to 4 when every instance has a queue)")
     ap.add_argument("--p2p", action="store_true",
                     help="the instances share KV peer to peer: a prefix one holds is a load for every other")
     ap.add_argument("--block-size", type=int, default=16, help="the instances' --block-size (vLLM's default 16)")

@@ -21,10 +21,13 @@ Contract:
     router sent it that have not had their first token yet (``CostModel.prefill``, their
     uncached tokens as estimated at routing), and ``own`` the request's own prefill on that
     instance: loading the prefix from the fastest place it is (the instance's own medium; with
-    ``p2p``, any peer's; with ``shared_blocks``, a shared tier every instance reads) plus
+    ``p2p``, any peer's; with ``shared``, a shared tier every instance reads) plus
     computing the rest.  ``affinity`` >= 1 weighs the work a choice adds to the fleet above the
-    queue it waits in (1 is plain expected TTFT).  Ties go to the longer prefix, then fewer
-    requests in flight, then round-robin.
+    queue it waits in (1 is plain expected TTFT); by default it follows the load, from 1 when no
+    instance has prefill queued to ``AUTO_MAX`` when every one has: on an idle fleet a request
+    goes where it starts soonest, on a busy one the work it adds (which every later request
+    waits behind) counts more, so a prefix is computed once rather than on every instance.
+    Ties go to the longer prefix, then fewer requests in flight, then round-robin.
   - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
     imbalance first (``balance_abs``/``balance_rel``, on requests in flight); no match goes to
     the least loaded.

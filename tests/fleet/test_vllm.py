@@ -88,7 +88,7 @@ def test_the_router_sends_a_prompt_where_its_prefix_is_and_survives_an_instance_
             owner = next(iter(held))
             # The same prefix, another ending: sent to the owner by its events, and served from its cache.
             order, why, promised = router.choose(prompt[:640] + [5, 6, 7])
-            assert (order[0].url, why, promised) == (owner, "prefix", 640)
+            assert (order[0].url, why, promised) == (owner, "cost", 640)      # the default policy
             again = await client.post("/v1/completions", json={"model": model, "prompt": prompt[:640] + [5, 6, 7],
                                                                "max_tokens": 4, "stream": True,
                                                                "stream_options": {"include_usage": True}})

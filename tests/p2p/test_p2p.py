@@ -531,7 +531,12 @@ def test_a_stopped_peer_costs_a_request_at_most_remote_timeout(fleet: Fleet, tra
     finally:
         os.kill(pid, signal.SIGCONT)
         cache.close()
-    assert served == CHUNK and chunks == []                      # what came before the stop, no more
+    # What came before the stop; over zmq no more (the stopped peer sends nothing).  NIXL's reads are
+    # one-sided (UCX over shared memory here): chunks whose pins were taken before the stop can still
+    # be read from a stopped peer's memory, sealed and verified as any load, so more may come.
+    assert served >= CHUNK and served % CHUNK == 0
+    if transport == "zmq":
+        assert served == CHUNK and chunks == []
     assert took_request < bound + 2.5, f"a stopped peer held a request {took_request:.2f} s"
     assert took_stack < 2 * bound + 2.5, f"a stopped peer held a lookup and a load {took_stack:.2f} s"
     b.check()
