@@ -54,7 +54,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Generator, Iterable, Sequence
 
 __all__ = ["Fleet", "SimRequest", "fit_vllm_cpu", "ideal_hits", "ideal_work", "scale_to_load", "simulate", "workload"]
 
@@ -217,7 +217,9 @@ class _Instance:
             fleet.index.apply(name, self.seq, EventBatch(ts=fleet.env.now, events=events))
             self.seq += 1
 
-        self.cache.observers.add(KVEvents(sink, namespace=fleet.namespace, chunk_size=1))
+        # the namespace the cache makes its chunk keys in (as ``radixkv.fleet.publish`` takes it)
+        self.namespace = self.cache.stack.namespace if self.cache.stack is not None else self.cache.namespace
+        self.cache.observers.add(KVEvents(sink, namespace=self.namespace, chunk_size=1))
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.wake = fleet.env.event()
@@ -305,7 +307,7 @@ class _Instance:
         self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens)
         self.served += 1
 
-    def run(self) -> Iterable[Any]:
+    def run(self) -> Generator[Any, Any, None]:
         env, model, f = self.fleet.env, self.fleet.model, self.fleet
         while True:
             if not self.waiting and not self.running:
@@ -382,7 +384,8 @@ class Fleet:
         self.blob_bytes = self._blob_bytes()
         self.index = Index()
         self._shared: set[Any] = set()
-        self.chooser = Chooser(policy, block_size=block_tokens, lookup=self.index.lookup, model=model,
+        self.chooser = Chooser(policy, block_size=block_tokens, lookup=self.index.lookup,
+                               spread=self.index.lookup_spread, model=model,
                                affinity=affinity, p2p=p2p, shared=self._shared_run if shared else None, seed=seed)
         self.instances = [_Instance(self, f"i{k}") for k in range(instances)]
         self.backends = [Backend(inst.name, inst.name) for inst in self.instances]
@@ -401,6 +404,7 @@ class Fleet:
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16, page_size=1)
         probe = PrefixCache(layout, num_pages=2, chunk_size=1, namespace=self.namespace, tiers=[MemoryTier()])
         try:
+            assert probe.stack is not None
             return encoded_size(probe.stack.shape, layout.dtype)
         finally:
             probe.close()
@@ -411,8 +415,7 @@ class Fleet:
         from radixkv.fleet.hashing import external_hash
 
         full = r.blocks[:full_blocks(r, self.block_tokens)]
-        ns = self.instances[0].cache.namespace
-        return [external_hash(k) for k in chunk_keys(full, 1, ns)] if full else []
+        return [external_hash(k) for k in chunk_keys(full, 1, self.instances[0].namespace)] if full else []
 
     def shared_blocks(self, r: SimRequest) -> int:
         n = 0
@@ -449,7 +452,7 @@ class Fleet:
         for inst in self.instances:
             self.env.process(inst.run())
 
-        def arrivals() -> Iterable[Any]:
+        def arrivals() -> Generator[Any, Any, None]:
             for r in sorted(requests, key=lambda r: (r.arrival, r.rid)):
                 if r.arrival > self.env.now:
                     yield self.env.timeout(r.arrival - self.env.now)

@@ -82,6 +82,13 @@ class Follower:
         with self.lock:
             return self.index.lookup(hashes)
 
+    def lookup_spread(self, block_hashes: Iterable[Hashable]) -> dict[str, Any]:
+        """``Index.lookup_spread`` under the lock (stale instances left out).  O(matched blocks x
+        instances)."""
+        hashes = list(block_hashes)
+        with self.lock:
+            return self.index.lookup_spread(hashes)
+
     def poll(self, timeout: float = 0.0) -> int:
         """Apply what every stream has now (waiting up to ``timeout`` seconds in all for the first
         message); the number of batches applied.  What the thread does each round; call it

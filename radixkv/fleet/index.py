@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Hashable, Iterable, NamedTuple, Sequence
 
-__all__ = ["MEDIA", "Index", "Match"]
+__all__ = ["MEDIA", "Index", "Match", "Spread"]
 
 #: The media vLLM names, fastest first.
 MEDIA = ("GPU", "CPU", "STORAGE")
@@ -68,6 +68,14 @@ class Match(NamedTuple):
 
     blocks: int
     medium: Medium
+
+
+class Spread(NamedTuple):
+    """An instance's answer to ``Index.lookup_spread``: ``blocks`` leading blocks each held on some
+    medium, and how many of them each medium is the fastest holder of (``by_medium``)."""
+
+    blocks: int
+    by_medium: tuple[tuple[Medium, int], ...]
 
 
 def medium_key(medium: object) -> Medium:
@@ -305,6 +313,42 @@ class Index:
                     blocks == now.blocks and medium_rank(medium) < medium_rank(now.medium)):
                 best[inst.name] = Match(blocks, medium)
         return best
+
+    def lookup_spread(self, block_hashes: Iterable[BlockHash], include_stale: bool = False) -> dict[str, Spread]:
+        """For each instance, the longest leading run of ``block_hashes`` it holds on *any* of its
+        media (a prefix whose head is in the GPU pool and whose tail went down to the CPU tier is
+        one run, as the instance's cache would match it), with how many blocks each medium is the
+        fastest holder of: what it costs that instance to serve the prefix.  Instances matching
+        nothing are left out.  O(matched blocks x instances)."""
+        alive = [(inst, inst.bits) for inst in self._instances.values()
+                 if inst.bits and (include_stale or not inst.pending)]
+        counts: dict[str, dict[Medium, int]] = {}
+        get = self._holders.get
+        for h in block_hashes:
+            held = get(h, 0)
+            if not held:
+                break
+            still = []
+            for inst, mask in alive:
+                bits = held & mask
+                if not bits:
+                    continue
+                fastest: Medium = None
+                first = True
+                while bits:
+                    low = bits & -bits
+                    medium = self._owner[low.bit_length() - 1][1]
+                    if first or medium_rank(medium) < medium_rank(fastest):
+                        fastest, first = medium, False
+                    bits ^= low
+                c = counts.setdefault(inst.name, {})
+                c[fastest] = c.get(fastest, 0) + 1
+                still.append((inst, mask))
+            alive = still
+            if not alive:
+                break
+        return {name: Spread(sum(c.values()), tuple(sorted(c.items(), key=lambda kv: medium_rank(kv[0]))))
+                for name, c in counts.items()}
 
     def instances(self) -> list[str]:
         """The instances the index knows, in the order it first heard of them."""

@@ -108,7 +108,8 @@ class Router:
             raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
         self.clock = clock
         self.chooser = Chooser(policy, block_size=block_size,
-                               lookup=None if follower is None else follower.lookup, model=PROFILES[profile],
+                               lookup=None if follower is None else follower.lookup,
+                               spread=getattr(follower, "lookup_spread", None), model=PROFILES[profile],
                                affinity=affinity, p2p=p2p, balance_abs=balance_abs, balance_rel=balance_rel,
                                seed=seed)
         self._session: Any = None

@@ -234,11 +234,13 @@ class Choice:
 class Chooser:
     """The policies of the module docstring over a list of ``Backend``.  ``lookup(names)`` is the
     fleet index's lookup (``{instance: Match}``), ``block_size`` tokens a name; ``model`` the
-    ``CostModel`` of ``cost``; ``p2p``: a prefix any instance holds can be loaded by every
-    other (``PEER`` cost); ``shared``: ``names -> blocks`` held by a tier every instance reads.
+    ``CostModel`` of ``cost``; ``spread(names)``: the index's ``lookup_spread`` (``cost`` then
+    credits a prefix split across an instance's media, e.g. its head in the pool and its tail in
+    the CPU tier, at each medium's cost); ``p2p``: a prefix any instance holds can be loaded by
+    every other (``PEER`` cost); ``shared``: ``names -> blocks`` held by a tier every instance reads.
     """
 
-    def __init__(self, policy: str = "cost", *, block_size: int = 16, lookup: Any = None,
+    def __init__(self, policy: str = "cost", *, block_size: int = 16, lookup: Any = None, spread: Any = None,
                  model: CostModel | None = None, affinity: float | None = None, p2p: bool = False,
                  shared: Any = None, balance_abs: int = 16, balance_rel: float = 1.5,
                  cache_threshold: float = 0.3, overlap_weight: float = 1.0, recent: Recent | None = None,
@@ -249,7 +251,7 @@ class Chooser:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if affinity is not None and not affinity >= 1.0:
             raise ValueError(f"affinity must be >= 1 or None (by load), got {affinity!r}")
-        self.policy, self.block_size, self.lookup = policy, block_size, lookup
+        self.policy, self.block_size, self.lookup, self.spread = policy, block_size, lookup, spread
         self.model = model or PROFILES["h100-8b"]
         self.affinity, self.p2p, self.shared = (None if affinity is None else float(affinity)), p2p, shared
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
@@ -350,26 +352,41 @@ class Chooser:
             return Choice([best] + [b for b in by_load if b is not best], "prefix", tok(held[best.name]), names)
         return self._cost(up, tokens, names, held, now)
 
-    def own(self, tokens: int, mine: Match | None, best_peer: int, shared: int) -> tuple[float, int]:
-        """(seconds of the request's own prefill on an instance holding ``mine``, the prefix tokens
-        it reuses) with ``best_peer`` tokens on a peer and ``shared`` in a shared tier: the
-        fastest of loading from each place, or computing everything.  O(1)."""
+    def own(self, tokens: int, offers: Sequence[tuple[int, float]]) -> tuple[float, int]:
+        """(seconds of the request's own prefill on an instance, the prefix tokens it reuses), the
+        fastest of computing everything and of each offer ``(tokens reused, seconds to load
+        them)``.  O(offers)."""
         m = self.model
         options = [(m.fixed_s + m.prefill(tokens), 0)]
-        if mine is not None:
-            h = min(mine.blocks * self.block_size, tokens)
-            options.append((m.fixed_s + m.load(mine.medium, h) + m.prefill(tokens - h), h))
-        if best_peer:
-            options.append((m.fixed_s + m.load("PEER", best_peer) + m.prefill(tokens - best_peer), best_peer))
-        if shared:
-            options.append((m.fixed_s + m.load("SHARED", shared) + m.prefill(tokens - shared), shared))
+        options += [(m.fixed_s + load + m.prefill(tokens - h), h) for h, load in offers if h > 0]
         return min(options, key=lambda o: (o[0], -o[1]))
+
+    def _spread_cost(self, spread: Any, tokens: int) -> tuple[int, float]:
+        """(tokens reused, seconds to load them) of an instance's ``Spread``: each medium's blocks at
+        its cost, fastest first, never past the prompt."""
+        left, load = tokens, 0.0
+        for medium, blocks in spread.by_medium:
+            n = min(blocks * self.block_size, left)
+            load += self.model.load(medium, n)
+            left -= n
+        return tokens - left, load
 
     def _cost(self, up: list[Backend], tokens: int, names: list[Hashable], held: dict[str, Match],
               now: float) -> Choice:
-        bs = self.block_size
+        bs, m = self.block_size, self.model
+        spreads = self.spread(names) if self.spread is not None and names else {}
+        reach: dict[str, int] = {}           # what each instance holds, by the index on any medium or lately sent
+        offers: dict[str, list[tuple[int, float]]] = {}
+        for inst, match in held.items():
+            h = min(match.blocks * bs, tokens)
+            offers.setdefault(inst, []).append((h, m.load(match.medium, h)))
+            reach[inst] = h
+        for inst, spread in spreads.items():
+            h, load = self._spread_cost(spread, tokens)
+            offers.setdefault(inst, []).append((h, load))
+            reach[inst] = max(reach.get(inst, 0), h)
         shared = min(self.shared(names) * bs, tokens) if self.shared is not None and names else 0
-        peers = sorted(((min(m.blocks * bs, tokens), inst) for inst, m in held.items()), reverse=True)
+        peers = sorted(((h, inst) for inst, h in reach.items()), reverse=True)
         scored = []
         turn = next(self._rr)
         affinity = self.affinity
@@ -377,9 +394,14 @@ class Chooser:
             busy = sum(1 for b in up if b.queued_tokens) / len(up)
             affinity = 1.0 + (AUTO_MAX - 1.0) * busy
         for i, b in enumerate(up):
-            best_peer = next((t for t, inst in peers if inst != b.name), 0) if self.p2p else 0
-            own_s, reused = self.own(tokens, held.get(b.name), best_peer, shared)
-            queue_s = self.model.prefill(b.queued_tokens)
+            mine = list(offers.get(b.name, ()))
+            if self.p2p:
+                best_peer = next((h for h, inst in peers if inst != b.name), 0)
+                mine.append((best_peer, m.load("PEER", best_peer)))
+            if shared:
+                mine.append((shared, m.load("SHARED", shared)))
+            own_s, reused = self.own(tokens, mine)
+            queue_s = m.prefill(b.queued_tokens)
             scored.append((queue_s + affinity * own_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
         return Choice([s[4] for s in scored], "cost", scored[0][5], names)

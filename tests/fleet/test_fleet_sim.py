@@ -121,3 +121,23 @@ def test_bad_input_names_the_argument() -> None:
     with pytest.raises(ValueError, match="trace"):
         workload("mooncake", 10, 0)
     assert isinstance(MODEL, CostModel)
+
+
+def test_the_index_the_router_reads_holds_what_the_pools_hold() -> None:
+    """The instances' KV events reach the index under the names the router computes: after a run,
+    for every prompt and instance, the index's run (any medium) covers what that pool holds."""
+    from radixkv.bench.fleet_sim import Fleet
+
+    reqs, bt = workload("tenants", 200, seed=2)
+    scale_to_load(reqs, bt, MODEL, 3, 0.7)
+    fleet = Fleet(3, "prefix", MODEL, bt, pool_tokens=8_192, cpu_tokens=4_096, budget=8192)
+    fleet.run(reqs)
+    fleet.check()
+    seen = 0
+    for r in reqs:
+        spread = fleet.index.lookup_spread(fleet.names(r))
+        for inst in fleet.instances:
+            pool = inst.resident(r)
+            assert spread.get(inst.name, (0,))[0] >= pool, (r.rid, inst.name)
+            seen += pool
+    assert seen > 0, "no pool held anything: the check checked nothing"

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 pytest.importorskip("msgspec")
 
 from radixkv.fleet.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch  # noqa: E402
-from radixkv.fleet.index import Index, Match, medium_key, medium_rank  # noqa: E402
+from radixkv.fleet.index import Index, Match, Spread, medium_key, medium_rank  # noqa: E402
 
 
 class Reference:
@@ -99,6 +99,22 @@ class Reference:
                 out[name] = best
         return out
 
+    def spread(self, hashes: list[int], include_stale: bool) -> dict[str, Spread]:
+        """Per instance the leading run held on any medium, and the fastest medium of each block."""
+        out = {}
+        for name, st_ in self.inst.items():
+            if st_["pending"] and not include_stale:
+                continue
+            counts: dict[Any, int] = {}
+            for h in hashes:
+                if h not in st_["held"]:
+                    break
+                fastest = min(st_["held"][h][1], key=medium_rank)
+                counts[fastest] = counts.get(fastest, 0) + 1
+            if counts:
+                out[name] = Spread(sum(counts.values()), tuple(sorted(counts.items(), key=lambda kv: medium_rank(kv[0]))))
+        return out
+
 
 INSTANCES = ["a", "b", "c"]
 hashes = st.lists(st.integers(0, 9), min_size=1, max_size=5)
@@ -139,6 +155,7 @@ def test_index_matches_reference(ops: list[tuple], max_blocks: int, max_pending:
                 ref.skip(o[1])
         else:
             assert idx.lookup(o[1], include_stale=o[2]) == ref.lookup(o[1], o[2])
+            assert idx.lookup_spread(o[1], include_stale=o[2]) == ref.spread(o[1], o[2])
         idx.check()
         for name, st_ in ref.inst.items():
             assert idx.stale(name) == bool(st_["pending"])

@@ -207,3 +207,31 @@ def test_bad_arguments_name_what_is_wrong() -> None:
         Chooser("cost", affinity=0.5)
     with pytest.raises(ValueError, match="block_size"):
         Chooser("cost", block_size=0)
+
+
+def test_a_prefix_split_across_media_is_credited_whole_at_each_mediums_cost() -> None:
+    """Its head in the pool, its tail in the CPU tier: by one medium the index sees only the head;
+    by ``lookup_spread`` the cost policy sees the whole prefix, the tail at the CPU tier's cost."""
+    from radixkv.fleet.events import BlockStored, EventBatch
+    from radixkv.fleet.index import Index
+
+    idx = Index()
+
+    def stored(seq: int, medium: str, hashes: list[int], parent: int | None) -> None:
+        idx.apply("a", seq, EventBatch(ts=0.0, events=[BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                  token_ids=[], block_size=16, lora_id=None, medium=medium, lora_name=None)]))
+
+    stored(0, "GPU", [1, 2], None)
+    stored(1, "CPU", [3, 4, 5, 6], 2)
+    idx.apply("b", 0, EventBatch(ts=0.0, events=[BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None,
+              token_ids=[], block_size=16, lora_id=None, medium="GPU", lora_name=None)]))
+    names = [1, 2, 3, 4, 5, 6]
+    assert idx.lookup(names)["a"].blocks == 2
+    assert idx.lookup_spread(names)["a"].blocks == 6 and dict(idx.lookup_spread(names)["a"].by_medium) == {"GPU": 2, "CPU": 4}
+    fleet = backends(2)
+    fleet[0].name, fleet[1].name = "a", "b"
+    chooser = Chooser("cost", block_size=16, lookup=idx.lookup, spread=idx.lookup_spread, model=MODEL, affinity=1.0)
+    choice = chooser.choose(fleet, 6 * 16 + 8, names, now=0.0)
+    assert choice.order[0].name == "a" and choice.promised == 96      # 96 tokens reused, 64 of them loaded
+    blind = Chooser("cost", block_size=16, lookup=idx.lookup, model=MODEL, affinity=1.0)
+    assert blind.choose(fleet, 6 * 16 + 8, names, now=0.0).order[0].name == "b"   # 48 on b's GPU > 32 on a's
