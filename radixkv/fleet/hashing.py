@@ -41,7 +41,7 @@ from typing import Any, Callable, Literal, Sequence, overload
 
 import xxhash
 
-__all__ = ["ALGOS", "DEFAULT_SEED", "external_hash", "none_hash", "vllm_block_hashes"]
+__all__ = ["ALGOS", "DEFAULT_SEED", "external_hash", "none_hash", "request_extra_keys", "vllm_block_hashes"]
 
 #: vLLM's ``--prefix-caching-hash-algo`` values, its default first.
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -118,6 +118,22 @@ def vllm_block_hashes(tokens: Sequence[int], block_size: int, parent: bytes | No
 def vllm_block_hashes(tokens: Sequence[int], block_size: int, parent: bytes | None = ...,
                       extra_keys: Sequence[tuple[Any, ...] | None] | None = ..., *,
                       algo: Algo = ..., seed: str | None = ..., as_int: Literal[True]) -> list[int]: ...
+
+
+def request_extra_keys(num_blocks: int, cache_salt: str | None = None,
+                       lora: tuple[str, str] | None = None) -> list[tuple[Any, ...] | None] | None:
+    """The per-block extra keys vLLM hashes into a text request's blocks: a LoRA request's
+    ``("lora", name, path)`` in every block, then the ``("cache_salt", salt)`` of block 0
+    (vLLM's ``generate_block_hash_extra_keys``); ``None`` when there are none.  O(num_blocks).
+
+    >>> request_extra_keys(2, "t", ("sql", "/a/sql"))
+    [(('lora', 'sql', '/a/sql'), ('cache_salt', 't')), (('lora', 'sql', '/a/sql'),)]
+    """
+    if num_blocks <= 0 or not (cache_salt or lora):
+        return None
+    base: tuple[Any, ...] = (("lora", lora[0], lora[1]),) if lora else ()
+    first = base + ((("cache_salt", cache_salt),) if cache_salt else ())
+    return [first or None] + [base or None] * (num_blocks - 1)
 
 
 def vllm_block_hashes(tokens: Sequence[int], block_size: int, parent: bytes | None = None,

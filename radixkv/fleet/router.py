@@ -23,7 +23,8 @@ Contract:
   to the idlest.  ``cache_aware``: sglang-router's rule; ``dynamo``: Dynamo's KV-router cost;
   ``least_loaded``, ``round_robin`` and ``random`` for comparison.  The prompt's block names are
   vLLM's block hashes of ``--block-size`` tokens (``--hash-algo``; a ``cache_salt`` in the body
-  names block 0 as vLLM does).
+  names block 0 as vLLM does; a request whose ``model`` is a LoRA adapter of ``--lora-modules``
+  has vLLM's LoRA key in every block, so LoRA requests route by prefix too).
 * **Failures.**  Instances that fail a health check (``GET /health`` every
   ``health_interval_s``, ``health_timeout_s``) or a connection are left out until a check
   passes.  A request whose instance cannot be reached, or fails before the router sent the client
@@ -53,7 +54,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from radixkv.fleet.hashing import vllm_block_hashes
+from radixkv.fleet.hashing import request_extra_keys, vllm_block_hashes
 from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser
 
 __all__ = ["Backend", "Router", "add_arguments", "main", "model_limits"]
@@ -67,7 +68,8 @@ class Router:
     ``backends``: base URLs (``http://127.0.0.1:8000``); ``follower``: a started
     ``radixkv.fleet.Follower`` following their streams under the backends' URLs as instance names
     (``None``: no index, every prompt a miss); ``names``: the prompt's block names for the index
-    (default: vLLM's block hashes of ``block_size`` tokens); ``tokenize``: ``(body, chat) ->
+    (default: vLLM's block hashes of ``block_size`` tokens; a request on a LoRA adapter of
+    ``lora_modules``, name -> path, is always named so); ``tokenize``: ``(body, chat) ->
     token ids`` for text and chat prompts (``None``: token-id prompts only).
     """
 
@@ -79,7 +81,8 @@ class Router:
                  health_timeout_s: float = 2.0, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 600.0, seed: int = 0, vocab_size: int | None = None,
                  max_model_len: int | None = None, profile: str = "h100-8b", affinity: float | None = None,
-                 p2p: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 p2p: bool = False, lora_modules: dict[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not backends:
             raise ValueError("backends: give at least one instance URL")
         if policy not in POLICIES:
@@ -107,6 +110,9 @@ class Router:
         if profile not in PROFILES:
             raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
         self.clock = clock
+        #: The LoRA adapters the instances serve (``--lora-modules NAME=PATH``, as vLLM was started):
+        #: a request naming one as its ``model`` has vLLM's LoRA key in every block's hash.
+        self.lora_modules = dict(lora_modules or {})
         self.chooser = Chooser(policy, block_size=block_size,
                                lookup=None if follower is None else follower.lookup,
                                spread=getattr(follower, "lookup_spread", None), model=PROFILES[profile],
@@ -118,22 +124,27 @@ class Router:
 
     # -- choosing ------------------------------------------------------------------------------
 
-    def _vllm_names(self, tokens: list[int], salt: str | None) -> list[Any]:
-        n = len(tokens) // self.block_size
-        extra = None if not salt or n == 0 else [(("cache_salt", salt),), *([None] * (n - 1))]
+    def _vllm_names(self, tokens: list[int], salt: str | None, lora: tuple[str, str] | None = None) -> list[Any]:
+        """vLLM's block hashes of ``tokens`` for a request with ``cache_salt`` ``salt`` on the LoRA
+        adapter ``lora`` (name, path).  O(tokens)."""
+        extra = request_extra_keys(len(tokens) // self.block_size, salt, lora)
         return vllm_block_hashes(tokens, self.block_size, extra_keys=extra,  # type: ignore[call-overload]
                                  algo=self.hash_algo, seed=self.hash_seed, as_int=True)
 
-    def choose(self, tokens: list[int] | None, salt: str | None = None) -> tuple[list[Backend], str, int]:
+    def choose(self, tokens: list[int] | None, salt: str | None = None,
+               model: str | None = None) -> tuple[list[Backend], str, int]:
         """The healthy instances in the order to try them, why the first was chosen (``"cost"``,
         ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``, ``"least_loaded"``,
         ``"round_robin"``, ``"random"``) and the prefix tokens the first holds, as the router
         believes.  O(instances) plus the lookup."""
-        choice = self._choice(tokens, salt)
+        choice = self._choice(tokens, salt, model)
         return choice.order, choice.why, choice.promised
 
-    def _choice(self, tokens: list[int] | None, salt: str | None) -> Any:
-        names = self.names(tokens, salt) if tokens and self.policy not in ("round_robin", "random") else []
+    def _choice(self, tokens: list[int] | None, salt: str | None, model: str | None = None) -> Any:
+        names: list[Any] = []
+        if tokens and self.policy not in ("round_robin", "random"):
+            lora = (model, self.lora_modules[model]) if model in self.lora_modules else None
+            names = self.names(tokens, salt) if lora is None else self._vllm_names(tokens, salt, lora)
         return self.chooser.choose(self.backends, len(tokens or ()), names, self.clock())
 
     def check(self) -> None:
@@ -233,7 +244,8 @@ class Router:
         if problem is not None:
             return self._refuse(web, problem)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        choice = self._choice(tokens, salt)
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        choice = self._choice(tokens, salt, model)
         self._metrics.routed(choice.why, choice.promised)
         stream = bool(body.get("stream"))
         length = len(tokens or ())
@@ -450,6 +462,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "directory's config.json, when there is one)")
     ap.add_argument("--vocab-size", type=int, default=None, help="overrides --model-config's vocab_size")
     ap.add_argument("--max-model-len", type=int, default=None, help="overrides the model's context length")
+    ap.add_argument("--lora-modules", action="append", default=[], metavar="NAME=PATH",
+                    help="a LoRA adapter the instances serve, as given to vllm serve --lora-modules (repeat for each): "
+                         "a request whose model is NAME is routed by the block hashes vLLM gives it")
     ap.add_argument("--balance-abs", type=int, default=16)
     ap.add_argument("--balance-rel", type=float, default=1.5)
 
@@ -483,11 +498,17 @@ def build(args: argparse.Namespace) -> Router:
             return list(tok(body["prompt"]).input_ids)
 
     vocab, context = model_limits(args.model_config or args.tokenizer, required=args.model_config is not None)
+    lora = {}
+    for item in args.lora_modules:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: give NAME=PATH, got {item!r}")
+        lora[name] = path
     return Router(args.backend, follower=follower, policy=args.policy, block_size=args.block_size,
                   hash_algo=args.hash_algo, tokenize=tokenize, balance_abs=args.balance_abs,
                   balance_rel=args.balance_rel, vocab_size=args.vocab_size or vocab,
                   max_model_len=args.max_model_len or context, profile=args.cost_profile,
-                  affinity=args.affinity, p2p=args.p2p)
+                  affinity=args.affinity, p2p=args.p2p, lora_modules=lora)
 
 
 def model_limits(path: str | None, required: bool = False) -> tuple[int | None, int | None]:

@@ -98,3 +98,20 @@ def test_bad_arguments_name_themselves() -> None:
         vllm_block_hashes([1], 1, algo="md5")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="block_hash"):
         external_hash(5)  # type: ignore[arg-type]
+
+
+@given(n=st.integers(0, 5), salt=st.one_of(st.none(), st.text(max_size=4)),
+       lora=st.one_of(st.none(), st.tuples(st.text(min_size=1, max_size=4), st.text(min_size=1, max_size=6))))
+def test_request_extra_keys_are_vllms(n: int, salt: str | None, lora: tuple[str, str] | None) -> None:
+    """The extra keys of a text request equal vLLM's ``generate_block_hash_extra_keys`` block by
+    block (a LoRA request's adapter in every block, the salt in block 0)."""
+    from types import SimpleNamespace
+
+    kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    from radixkv.fleet.hashing import request_extra_keys
+
+    req = SimpleNamespace(mm_features=[], prompt_embeds=None, cache_salt=salt,
+                          lora_request=None if lora is None else SimpleNamespace(lora_name=lora[0], lora_path=lora[1]))
+    theirs = [kcu.generate_block_hash_extra_keys(req, i * 16, (i + 1) * 16, 0)[0] for i in range(n)]
+    ours = request_extra_keys(n, salt, lora)
+    assert (ours or [None] * n) == theirs

@@ -81,6 +81,28 @@ def test_the_router_runs_the_chooser_of_its_policy_with_its_index() -> None:
         Router(URLS, profile="tpu")
 
 
+def test_a_lora_request_is_named_with_its_adapter_and_routes_by_its_own_prefix() -> None:
+    """A request whose model is a served LoRA adapter gets vLLM's LoRA key in every block: its
+    names differ from the base model's and are what an instance serving it publishes."""
+    from radixkv.fleet.hashing import request_extra_keys, vllm_block_hashes
+
+    seen: list[list[Any]] = []
+
+    class Recording(FakeFollower):
+        def lookup(self, names: Any) -> dict[str, Match]:
+            seen.append(list(names))
+            return {}
+
+    router = Router(URLS, follower=Recording({}), lora_modules={"sql": "/adapters/sql"})
+    tokens = list(range(64))
+    router.choose(tokens, model="base-model")
+    router.choose(tokens, model="sql")
+    base, lora = seen
+    assert base == router.names(tokens, None) and lora != base
+    assert lora == vllm_block_hashes(tokens, 16, extra_keys=request_extra_keys(4, None, ("sql", "/adapters/sql")),
+                                     algo="sha256", as_int=True)
+
+
 def test_round_robin_and_random_cover_every_instance() -> None:
     rr = Router(URLS, policy="round_robin")
     assert [rr.choose([1])[0][0].url for _ in range(6)] == URLS * 2
