@@ -1,5 +1,7 @@
 """Shared test settings: radixkv's hypothesis profiles (``HYPOTHESIS_PROFILE=ci`` is what CI uses),
-and this directory on ``sys.path`` for the helper modules the tests share (``hf_cases``)."""
+this directory on ``sys.path`` for the helper modules the tests share (``hf_cases``), and the
+longest test files first (``pytest -n 2 --dist loadfile`` hands out files in collection order:
+a long file started last is the run's tail while the other worker idles)."""
 
 import sys
 from pathlib import Path
@@ -12,6 +14,26 @@ from radixkv.testing import settings
 
 settings.load_profile()
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))   # --import-mode=importlib does not add it
+
+
+#: The test files that take minutes each on the CI machine, longest first (see the durations CI prints).
+LONGEST_FIRST = ("integrations/test_vllm.py", "test_typing.py", "testing/test_mutations.py", "fleet/test_vllm.py",
+                 "tools/test_cli.py", "integrations/test_vllm_metrics.py", "core/test_capacity.py",
+                 "core/test_policy_replay.py", "p2p/test_vllm_p2p.py", "tools/test_notebooks.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Move the ``LONGEST_FIRST`` files to the front, in that order; the rest keep theirs."""
+    here = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        try:
+            rel = Path(str(item.fspath)).relative_to(here).as_posix()
+        except ValueError:
+            return len(LONGEST_FIRST)
+        return LONGEST_FIRST.index(rel) if rel in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)      # stable: the order within a file and among the rest is kept
 
 
 @pytest.fixture(scope="module")
