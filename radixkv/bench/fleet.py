@@ -13,11 +13,14 @@ question, ``--requests`` requests arriving as a Poisson process of ``--rate`` pe
 streamed with ``max_tokens=--max-tokens``.  The pools are too small for every tenant's prefix,
 so where a tenant's requests go decides what stays cached.
 
-Per policy (``prefix``, ``cost``, ``round_robin``, ``random``; each on prompts of its own, so no run
-inherits another's cache): the **prefix hit rate** from vLLM's own counters summed over the
+Per policy (``--policies``, default ``cost`` (the router's default, with ``--cost-profile
+vllm-cpu``), ``prefix``, ``cache_aware``, ``round_robin``; each on prompts of its own, so no run
+inherits another's cache; ``--burst N`` sends one tenant's requests N at once, each burst a
+Poisson arrival): the **prefix hit rate** from vLLM's own counters summed over the
 instances (``vllm:prefix_cache_hits`` / ``queries``: the GPU pool; ``+ tiers`` adds the
-connector's, ``vllm:external_prefix_cache_hits``), TTFT p50/p95 at the client (first streamed
-chunk), requests/s, and the router's decisions.  Then ``prefix`` again with the first instance
+connector's, ``vllm:external_prefix_cache_hits``), TTFT p50/p95/p99 at the client (first streamed
+chunk), requests/s, the requests each instance served, and the router's decisions.  Then the
+first policy again with the first instance
 killed (SIGKILL) after half the requests were sent: every request is counted as served, answered
 with an error, or lost (no answer at all); the claim is none lost.
 """
@@ -40,7 +43,7 @@ from typing import Any
 
 from radixkv.bench import Report
 
-POLICIES = ("prefix", "cost", "round_robin", "random")
+POLICIES = ("cost", "prefix", "cache_aware", "round_robin")
 BLOCK = 128
 
 
@@ -58,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-abs", type=int, default=2, help="the router's --balance-abs (in flight per instance)")
     p.add_argument("--balance-rel", type=float, default=1.5, help="the router's --balance-rel")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default=",".join(POLICIES), help="the router policies to run, in order")
+    p.add_argument("--burst", type=int, default=1, help="requests of one tenant sent at once, per arrival")
     p.add_argument("--no-kill", action="store_true", help="skip the run with an instance killed")
     p.add_argument("--out", default=None)
     return p
@@ -77,11 +82,14 @@ def _workload(args: argparse.Namespace, run: int) -> list[tuple[float, list[int]
     """(arrival time, prompt) per request: prompts of their own for each run."""
     rng = random.Random(args.seed * 1000 + run)
     systems = [[rng.randrange(1, 999) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
-    t, out = 0.0, []
-    for _ in range(args.requests):
-        t += rng.expovariate(args.rate)
-        question = [rng.randrange(1, 999) for _ in range(args.question_tokens)]
-        out.append((t, systems[rng.randrange(args.tenants)] + question))
+    t, out = 0.0, []  # type: float, list[tuple[float, list[int]]]
+    burst = max(1, args.burst)
+    while len(out) < args.requests:
+        t += rng.expovariate(args.rate / burst)
+        tenant = rng.randrange(args.tenants)
+        for _ in range(min(burst, args.requests - len(out))):
+            question = [rng.randrange(1, 999) for _ in range(args.question_tokens)]
+            out.append((t, systems[tenant] + question))
     return out
 
 
@@ -132,7 +140,7 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
 def _start_router(args: argparse.Namespace, urls: list[str], events: list[str], policy: str,
                   port: int, log_path: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "radixkv", "route", "--port", str(port), "--policy", policy,
-           "--block-size", str(BLOCK), "--balance-abs", str(args.balance_abs), "--balance-rel", str(args.balance_rel)]
+           "--cost-profile", "vllm-cpu", "--block-size", str(BLOCK), "--balance-abs", str(args.balance_abs), "--balance-rel", str(args.balance_rel)]
     for url, ep in zip(urls, events):
         cmd += ["--backend", url, "--events", ep]
     with open(log_path, "ab") as log:
@@ -171,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
            f"{args.cpu_tier_mb:g} MB each, KV events on) behind python -m radixkv route "
            f"(--balance-abs {args.balance_abs} --balance-rel {args.balance_rel:g})")
     report(f"# workload: {args.tenants} tenants x {args.system_tokens}-token system prompt + "
-           f"{args.question_tokens}-token question, {args.requests} requests, Poisson {args.rate:g}/s, "
+           f"{args.question_tokens}-token question, {args.requests} requests, Poisson {args.rate:g}/s"
+           f"{f' in bursts of {args.burst}' if args.burst > 1 else ''}, "
            f"max_tokens {args.max_tokens}, streamed")
     t0 = time.perf_counter()
     for s in servers:
@@ -179,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     report(f"# servers up in {time.perf_counter() - t0:.0f} s")
     urls = [s.url for s in servers]
     rows: list[dict[str, Any]] = []
-    runs = [(p, False) for p in POLICIES] + ([] if args.no_kill or args.instances < 2 else [("prefix", True)])
+    policies = args.policies.split(",")
+    runs = [(p, False) for p in policies] + ([] if args.no_kill or args.instances < 2 else [(policies[0], True)])
     try:
         for run, (policy, kill) in enumerate(runs):
             port = free_port()
@@ -215,30 +225,37 @@ def _row(name: str, results: list[dict[str, Any]], before: dict[str, str], after
     outcomes = {k: sum(r.get("outcome") == k for r in results) for k in ("served", "error", "lost")}
     reasons = {m.group(1): float(m.group(2)) for m in
                re.finditer(r'^radixkv_router_routed_total\{reason="([^"]+)"\} (\S+)$', routed, re.M)}
+    per_instance = {m.group(1): float(m.group(2)) for m in
+                    re.finditer(r'^radixkv_router_requests_total\{backend="([^"]+)",outcome="ok"\} (\S+)$', routed, re.M)}
     return {"name": name, "gpu_hit": hits / queries if queries else 0.0,
             "all_hit": (hits + external) / queries if queries else 0.0,
             "p50": statistics.median(ttfts) if ttfts else float("nan"),
             "p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else float("nan"),
+            "p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else float("nan"),
+            "served_by": sorted(int(v) for v in per_instance.values()),
             "rps": len(results) / results[0]["_wall"], "outcomes": outcomes, "reasons": reasons,
             "partial": bool(set(before) - set(after))}
 
 
 def _table(report: Report, rows: list[dict[str, Any]]) -> None:
     report()
-    report(f"{'policy':<28} {'GPU hit':>8} {'+ tiers':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>6}  "
-           f"served/error/lost  routed")
+    report(f"{'policy':<28} {'GPU hit':>8} {'+ tiers':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'TTFT p99':>9} "
+           f"{'req/s':>6}  served/error/lost  per instance  routed")
     for r in rows:
         o = r["outcomes"]
         reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["reasons"].items()))
         note = " (hit rates: the surviving instance)" if r["partial"] else ""
         report(f"{r['name']:<28} {r['gpu_hit']:>8.1%} {r['all_hit']:>8.1%} {r['p50'] * 1e3:>7.0f}ms "
-               f"{r['p95'] * 1e3:>7.0f}ms {r['rps']:>6.2f}  {o['served']}/{o['error']}/{o['lost']}  {reasons}{note}")
+               f"{r['p95'] * 1e3:>7.0f}ms {r['p99'] * 1e3:>7.0f}ms {r['rps']:>6.2f}  "
+               f"{o['served']}/{o['error']}/{o['lost']}  {'/'.join(map(str, r['served_by']))}  {reasons}{note}")
     base = {r["name"]: r for r in rows}
     if "round_robin" in base:
         rr = base["round_robin"]
         report()
-        for name in ("prefix", "cost"):
+        for name in ("cost", "prefix", "cache_aware"):
             if name in base:
                 p = base[name]
-                report(f"{name} vs round_robin: GPU hit rate {p['gpu_hit']:.1%} vs {rr['gpu_hit']:.1%}, TTFT p50 "
-                       f"{rr['p50'] / p['p50']:.2f}x lower, p95 {rr['p95'] / p['p95']:.2f}x lower")
+                report(f"{name} vs round_robin: GPU hit rate {p['gpu_hit']:.1%} vs {rr['gpu_hit']:.1%} "
+                       f"({p['gpu_hit'] / rr['gpu_hit'] if rr['gpu_hit'] else float('inf'):.2f}x), TTFT p50 "
+                       f"{rr['p50'] / p['p50']:.2f}x lower, p95 {rr['p95'] / p['p95']:.2f}x lower, "
+                       f"p99 {rr['p99'] / p['p99']:.2f}x lower")
