@@ -575,10 +575,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=None, help="prompt tokens a step computes (default: the profile's)")
     ap.add_argument("--affinity", type=float, default=None, help="the cost policy's affinity (default: by load)")
     ap.add_argument("--p2p", action="store_true")
+    ap.add_argument("--summarize", default=None, metavar="TABLE",
+                    help="read a table this command wrote and print the goals' check (also printed after a run)")
     ap.add_argument("--calibrate", default=None, metavar="VLLM_TABLE",
                     help="print the fit of bench vllm's table (benchmarks/results/vllm_cpu.txt) and exit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.summarize:
+        print("\n".join(goals(Path(args.summarize).read_text().splitlines())))
+        return 0
     if args.calibrate:
         text = calibration_text(args.calibrate)
         print(text)
@@ -624,9 +629,54 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
                 f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}")
     say(f"# {time.perf_counter() - started:.0f} s")
+    for line in goals(out):
+        say(line)
     if args.out:
         Path(args.out).write_text("\n".join(out) + "\n")
     return 0
+
+
+#: "Within noise" for the goals: the default's mean over seeds may exceed the reference's by this.
+NOISE = 0.10
+
+
+def goals(lines: Sequence[str], default: str = "cost") -> list[str]:
+    """The goals' check over a table's rows (means over seeds per workload, size and load): the
+    default policy's TTFT p50, p95 and p99 each at most the best reference policy's (every other
+    policy in the table) plus ``NOISE``, never above round-robin's, and its hit rate at least 90%
+    of ``prefix``'s.  One line per miss and a count.  O(rows)."""
+    rows: dict[tuple[str, int, float], dict[str, list[tuple[float, float, float, float]]]] = {}
+    for line in lines:
+        f = line.split()
+        if len(f) < 9 or line.startswith("#") or f[0] == "workload" or not f[1].isdigit():
+            continue
+        key = (f[0], int(f[1]), float(f[2]))
+        rows.setdefault(key, {}).setdefault(f[4], []).append(
+            (float(f[5].rstrip("%")) / 100, float(f[6]), float(f[7]), float(f[8])))
+    out, misses, checked = [], 0, 0
+    for key, by_policy in sorted(rows.items()):
+        if default not in by_policy or len(by_policy) < 2:
+            continue
+        mean = {p: [statistics.fmean(v[i] for v in vals) for i in range(4)] for p, vals in by_policy.items()}
+        mine = mean[default]
+        refs = {p: m for p, m in mean.items() if p != default}
+        checked += 1
+        problems = []
+        for i, name in ((1, "p50"), (2, "p95"), (3, "p99")):
+            best = min(refs, key=lambda p: refs[p][i])
+            if mine[i] > refs[best][i] * (1 + NOISE):
+                problems.append(f"{name} {mine[i]:.3f} s > {best}'s {refs[best][i]:.3f} s")
+            if "round_robin" in refs and mine[i] > refs["round_robin"][i]:
+                problems.append(f"{name} above round_robin's")
+        if "prefix" in refs and mine[0] < 0.9 * refs["prefix"][0]:
+            problems.append(f"hit {mine[0]:.1%} < 90% of prefix's {refs['prefix'][0]:.1%}")
+        if problems:
+            misses += 1
+            out.append(f"MISSED {key[0]} n={key[1]} load={key[2]:.2f}: " + "; ".join(problems))
+    out.append(f"goals: {checked - misses} of {checked} (workload, size, load) cells met by {default} "
+               f"(means over seeds; p50/p95/p99 within {NOISE:.0%} of the best other policy and not above "
+               f"round_robin's, hit rate >= 90% of prefix's)")
+    return out
 
 
 def calibration_text(path: str) -> str:

@@ -141,3 +141,20 @@ def test_the_index_the_router_reads_holds_what_the_pools_hold() -> None:
             assert spread.get(inst.name, (0,))[0] >= pool, (r.rid, inst.name)
             seen += pool
     assert seen > 0, "no pool held anything: the check checked nothing"
+
+
+def test_the_goals_check_reads_the_table_and_names_each_miss() -> None:
+    from radixkv.bench.fleet_sim import goals
+
+    table = """workload     n  load seed policy           hit    p50 s    p95 s    p99 s  served min/max
+tenants      4  0.50    0 cost           90.0%    0.100    0.300    0.400  10/12
+tenants      4  0.50    0 prefix         80.0%    0.200    0.500    0.600  10/12
+tenants      4  0.50    0 round_robin    50.0%    0.400    0.900    1.000  11/11
+hot          8  0.95    0 cost           70.0%    0.500    0.800    0.900  10/12
+hot          8  0.95    1 cost           70.0%    0.500    0.800    0.900  10/12
+hot          8  0.95    0 prefix         90.0%    0.300    0.900    1.000  10/12
+hot          8  0.95    1 prefix         90.0%    0.300    0.900    1.000  10/12""".splitlines()
+    out = goals(table)
+    assert out[-1].startswith("goals: 1 of 2")
+    assert len(out) == 2 and out[0].startswith("MISSED hot n=8 load=0.95") and "p50 0.500 s > prefix's 0.300 s" in out[0]
+    assert "hit 70.0% < 90% of prefix's 90.0%" in out[0]
