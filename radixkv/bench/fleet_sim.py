@@ -267,7 +267,7 @@ class _Instance:
         extra = 0
         peer = max((inst.resident(r) for inst in f.instances if inst is not self), default=0) if f.p2p else 0
         shared = f.shared_blocks(r) if f.shared else 0
-        best, source = max((peer, "PEER"), (shared, "SHARED"))
+        best, source = max((peer, "PEER"), (shared, "SHARED"), key=lambda o: (o[0], o[1] == "PEER"))
         best = min(best, len(r.blocks) - 1)
         if best > hit:
             extra = best - hit
@@ -299,6 +299,8 @@ class _Instance:
                 self.cache.insert(r.blocks[:full], [*m.pages.tolist(), *r.pages.tolist()])
             r.hold, r.pages = self.cache.match(r.blocks[:full], leave_last=False), None
             self.cache.release(m)
+        if self.fleet.shared:                     # written through to the shared tier once computed
+            self.fleet._shared.update(r.names)
 
     def end(self, r: SimRequest) -> None:
         with self._held_writer():
@@ -440,8 +442,6 @@ class Fleet:
         backend = choice.order[0]
         r.instance, r.why = backend.name, choice.why
         r.charge = self.chooser.sent(backend, r.tokens, choice.promised, r.names, now)
-        if self.shared:
-            self._shared.update(r.names)
         inst = self.by_name[backend.name]
         inst.waiting.append(r)
         if not inst.wake.triggered:
@@ -574,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-tokens", type=int, default=None, help="CPU tier per instance (default: as the pool)")
     ap.add_argument("--budget", type=int, default=None, help="prompt tokens a step computes (default: the profile's)")
     ap.add_argument("--affinity", type=float, default=None, help="the cost policy's affinity (default: by load)")
-    ap.add_argument("--p2p", action="store_true")
+    ap.add_argument("--p2p", action="store_true", help="an instance loads a prefix another's pool holds (PEER cost)")
+    ap.add_argument("--shared", action="store_true",
+                    help="a shared tier (S3-like, unbounded) holds every block once computed (SHARED cost)")
     ap.add_argument("--summarize", default=None, metavar="TABLE",
                     help="read a table this command wrote and print the goals' check (also printed after a run)")
     ap.add_argument("--calibrate", default=None, metavar="VLLM_TABLE",
@@ -614,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         f"fixed {model.fixed_s * 1000:.1f} ms, decode step {model.decode_step_s * 1000:.2f} ms + "
         f"{model.decode_s_per_seq * 1000:.3f} ms/seq; pool {args.pool_tokens or 'by workload'}, "
         f"CPU tier {args.cpu_tokens if args.cpu_tokens is not None else 'as the pool'}, budget {budget}"
-        f"{', p2p' if args.p2p else ''}, affinity {args.affinity}")
+        f"{', p2p' if args.p2p else ''}{', shared tier' if args.shared else ''}, affinity {args.affinity}")
     started = time.perf_counter()
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
         f"{'p99 s':>8}  served min/max")
@@ -625,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         scale_to_load(reqs, bt, model, n, load)
         for policy in policies:
             s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,
-                         budget=budget, p2p=args.p2p, affinity=args.affinity, seed=seed)
+                         budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed)
             say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
                 f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}")
     say(f"# {time.perf_counter() - started:.0f} s")

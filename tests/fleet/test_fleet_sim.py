@@ -158,3 +158,17 @@ hot          8  0.95    1 prefix         90.0%    0.300    0.900    1.000  10/12
     assert out[-1].startswith("goals: 1 of 2")
     assert len(out) == 2 and out[0].startswith("MISSED hot n=8 load=0.95") and "p50 0.500 s > prefix's 0.300 s" in out[0]
     assert "hit 70.0% < 90% of prefix's 90.0%" in out[0]
+
+
+@pytest.mark.parametrize("where", ["p2p", "shared"])
+def test_a_prefix_another_instance_computed_is_loaded_not_recomputed(where: str) -> None:
+    """Round-robin sends a repeated prompt to the other instance: with p2p (the other pool) or a
+    shared tier it loads the prefix at that medium's cost; without, it recomputes it."""
+    bt = 64
+    reqs = [SimRequest(i, 100.0 * i, list(range(1, 33)), 32 * bt, 1) for i in range(2)]
+    base = run(reqs, bt, instances=2, policy="round_robin")
+    other = run(reqs, bt, instances=2, policy="round_robin", **{where: True})
+    assert base["ttft"][1] == pytest.approx(MODEL.fixed_s + MODEL.prefill(32 * bt))
+    medium = "PEER" if where == "p2p" else "SHARED"
+    want = MODEL.fixed_s + MODEL.load(medium, 31 * bt) + MODEL.prefill(bt)
+    assert other["ttft"][1] == pytest.approx(want) and other["hit"] == 31 / 64
