@@ -110,16 +110,6 @@ def external_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, "big") & _MASK64
 
 
-@overload
-def vllm_block_hashes(tokens: Sequence[int], block_size: int, parent: bytes | None = ...,
-                      extra_keys: Sequence[tuple[Any, ...] | None] | None = ..., *,
-                      algo: Algo = ..., seed: str | None = ..., as_int: Literal[False] = ...) -> list[bytes]: ...
-@overload
-def vllm_block_hashes(tokens: Sequence[int], block_size: int, parent: bytes | None = ...,
-                      extra_keys: Sequence[tuple[Any, ...] | None] | None = ..., *,
-                      algo: Algo = ..., seed: str | None = ..., as_int: Literal[True]) -> list[int]: ...
-
-
 def request_extra_keys(num_blocks: int, cache_salt: str | None = None,
                        lora: tuple[str, str] | None = None) -> list[tuple[Any, ...] | None] | None:
     """The per-block extra keys vLLM hashes into a text request's blocks: a LoRA request's
@@ -134,6 +124,16 @@ def request_extra_keys(num_blocks: int, cache_salt: str | None = None,
     base: tuple[Any, ...] = (("lora", lora[0], lora[1]),) if lora else ()
     first = base + ((("cache_salt", cache_salt),) if cache_salt else ())
     return [first or None] + [base or None] * (num_blocks - 1)
+
+
+@overload
+def vllm_block_hashes(tokens: Sequence[int], block_size: int, parent: bytes | None = ...,
+                      extra_keys: Sequence[tuple[Any, ...] | None] | None = ..., *,
+                      algo: Algo = ..., seed: str | None = ..., as_int: Literal[False] = ...) -> list[bytes]: ...
+@overload
+def vllm_block_hashes(tokens: Sequence[int], block_size: int, parent: bytes | None = ...,
+                      extra_keys: Sequence[tuple[Any, ...] | None] | None = ..., *,
+                      algo: Algo = ..., seed: str | None = ..., as_int: Literal[True]) -> list[int]: ...
 
 
 def vllm_block_hashes(tokens: Sequence[int], block_size: int, parent: bytes | None = None,
