@@ -27,7 +27,9 @@ Contract:
     instance has prefill queued to ``AUTO_MAX`` when every one has: on an idle fleet a request
     goes where it starts soonest, on a busy one the work it adds (which every later request
     waits behind) counts more, so a prefix is computed once rather than on every instance.
-    Ties go to the longer prefix, then fewer requests in flight, then round-robin.
+    An instance with nothing in flight weighs its work at 1 whatever the load: work on an idle
+    instance delays nobody, so a hot prefix spreads to idle instances instead of queueing on its
+    holder.  Ties go to the longer prefix, then fewer requests in flight, then round-robin.
   - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
     imbalance first (``balance_abs``/``balance_rel``, on requests in flight); no match goes to
     the least loaded.
@@ -402,7 +404,8 @@ class Chooser:
                 mine.append((shared, m.load("SHARED", shared)))
             own_s, reused = self.own(tokens, mine)
             queue_s = m.prefill(b.queued_tokens)
-            scored.append((queue_s + affinity * own_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
+            weight = affinity if b.in_flight else 1.0        # an idle instance's work delays nobody
+            scored.append((queue_s + weight * own_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
         return Choice([s[4] for s in scored], "cost", scored[0][5], names)
 
