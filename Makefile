@@ -64,7 +64,7 @@ docs: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) lint docs
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 	$(PY) -m radixkv build-ext >/dev/null
-	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests radixkv backends
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests radixkv backends
 
 bench: $(STAMP)
 	$(PY) -m radixkv build-ext >/dev/null

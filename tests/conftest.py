@@ -1,7 +1,8 @@
 """Shared test settings: radixkv's hypothesis profiles (``HYPOTHESIS_PROFILE=ci`` is what CI uses),
 this directory on ``sys.path`` for the helper modules the tests share (``hf_cases``), and the
-longest test files first (``pytest -n 2 --dist loadfile`` hands out files in collection order:
-a long file started last is the run's tail while the other worker idles)."""
+longest test files first (``pytest -n 2 --dist loadfile --no-loadscope-reorder``, as ``make test``
+runs it, hands out files in collection order; without the flag xdist orders them by their number
+of tests, and a long file of one test, such as mypy's, started last is the run's tail)."""
 
 import sys
 from pathlib import Path
