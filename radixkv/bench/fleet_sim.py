@@ -420,12 +420,8 @@ class Fleet:
         return [external_hash(k) for k in chunk_keys(full, 1, self.instances[0].namespace)] if full else []
 
     def shared_blocks(self, r: SimRequest) -> int:
-        n = 0
-        for name in r.names:
-            if name not in self._shared:
-                break
-            n += 1
-        return min(n, len(r.blocks) - 1)
+        """Leading blocks of ``r`` the shared tier holds (never its last block)."""
+        return min(self._shared_run(r.names), len(r.blocks) - 1)
 
     def _shared_run(self, names: Sequence[Any]) -> int:
         n = 0
