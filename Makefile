@@ -8,7 +8,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
-EXTRAS ?= test,lmdb,s3,yaml,hf,notebooks,redis,crypto,fleet,metrics,router,p2p
+EXTRAS ?= test,lmdb,s3,yaml,hf,notebooks,redis,crypto,fleet,metrics,router,p2p,codec
 PY := $(VENV)/bin/python
 # pip compiles bytecode one file at a time; instead it installs without, and compileall writes the
 # .pyc of every installed file on all cores (where PYTHONDONTWRITEBYTECODE is set, as on these

@@ -25,6 +25,9 @@ that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's wh
     secret: ...                  # deployment secret: every chunk carries a MAC (prefer RADIXKV_SECRET)
     previous_secret: ...         # the secret before a rotation, still accepted on read
     encrypt: false               # AES-GCM for the remote tier's chunks (needs secret)
+    codec: none                  # how the disk and remote tiers write chunks: none, zstd (lossless),
+                                 # int8 or cachegen (lossy, opt-in, counted apart); the CPU tier stays raw
+    local_disk_codec: cachegen   # per tier, overriding codec (remote_codec likewise)
     p2p_enabled: false           # true: read other instances' CPU tiers, and serve ours (radixkv.p2p.node) ...
     p2p_controller: tcp://10.0.0.2:5600   # ... the controller (python -m radixkv controller); needs secret
     p2p_address: tcp://10.0.0.5:5601      # this instance's request channel (bound; port 0: any); none: serve nothing
@@ -112,6 +115,9 @@ class CacheConfig:
     p2p_address: str | None = None
     p2p_instance: str | None = None
     p2p_transport: str = "nixl"
+    codec: str = "none"
+    local_disk_codec: str | None = None
+    remote_codec: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size"):
@@ -176,6 +182,7 @@ class CacheConfig:
         if self.encrypt and self.secret is None and not os.environ.get("RADIXKV_SECRET"):
             raise ValueError("encrypt: needs secret (or RADIXKV_SECRET): the key is derived from it")
         self._check_p2p()
+        self._check_codecs()
         if self.write_policy not in ("write_through", "write_back"):
             raise ValueError(f"write_policy must be write_through or write_back, got {self.write_policy!r}")
         if not isinstance(self.namespace, Mapping) or set(self.namespace) - _NAMESPACE_KEYS:
@@ -208,6 +215,33 @@ class CacheConfig:
         if self.secret is None and not os.environ.get("RADIXKV_SECRET"):
             raise ValueError("p2p_enabled: needs secret (or RADIXKV_SECRET): peers and the controller "
                              "authenticate every message with it")
+
+    def _check_codecs(self) -> None:
+        from radixkv.core.codec import get_codec
+
+        for name in ("codec", "local_disk_codec", "remote_codec"):
+            value = getattr(self, name)
+            if value is None and name != "codec":
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a codec name, got {value!r}")
+            try:
+                get_codec(value)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        if self.local_disk_codec is not None and not self.local_disk:
+            raise ValueError("local_disk_codec: set, but local_disk is not")
+        if self.remote_codec is not None and not self.remote_url:
+            raise ValueError("remote_codec: set, but remote_url is not")
+
+    def codec_of(self, tier: Tier) -> str:
+        """The codec ``tier`` (one of ``make_tiers``' or the peer tier) writes with: raw for the
+        CPU tier and peers, ``local_disk_codec`` or ``codec`` for the disk, ``remote_codec`` or
+        ``codec`` for the remote tier.  O(1)."""
+        if tier.victim or tier.peer:
+            return "none"
+        own = self.local_disk_codec if tier.local else self.remote_codec
+        return own if own is not None else self.codec
 
     def without_p2p(self) -> CacheConfig:
         """This config with peer-to-peer sharing off (its ``p2p_*`` keys cleared): for tools that
@@ -314,7 +348,8 @@ class CacheConfig:
                           timeout_s=self.remote_timeout, secret=self.secret, previous_secret=self.previous_secret,
                           encrypt=self.encrypt, queue_size=queue_size,
                           queue_bytes=int(self.max_write_queue_size * _GB),
-                          exclusive=self.exclusive if exclusive is None else exclusive)
+                          exclusive=self.exclusive if exclusive is None else exclusive,
+                          codecs=[self.codec_of(tier) for tier in tiers])
         if node is not None:
             node.watch(stack)
             node.start()

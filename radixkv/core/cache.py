@@ -133,6 +133,9 @@ class _Host:
     def move_hold(self, req: Request, node: RadixNode) -> None:
         self._cache._move_hold(req, node)
 
+    def approximate(self, req: Request, ids: np.ndarray) -> None:
+        self._cache._approximate(req, ids)
+
     def usable_match(self, data: bytes, size: int) -> MatchResult:
         return self._cache._usable_match(data, size)
 
@@ -166,7 +169,8 @@ class PrefixCache:
                  namespace: Namespace | None = None, tiers: Sequence[Tier] | TierStack = (),
                  chunk_size: int = 256, write_policy: str = "write_through", promote: bool = True,
                  write_queue: int | None = None, load_timeout: float = 5.0, load_workers: int = 4,
-                 exclusive: bool = True, window_pages: int | None = None, write_queue_bytes: int = 1 << 30) -> None:
+                 exclusive: bool = True, window_pages: int | None = None, write_queue_bytes: int = 1 << 30,
+                 codecs: Sequence[Any] | None = None) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if check_int(chunk_size, "chunk_size", 1) % layout.page_size:
@@ -208,6 +212,10 @@ class PrefixCache:
             self.pool = KVPool(layout, num_pages, device)
         self.tree = RadixTree(layout.page_size)
         self._state = np.zeros(num_pages, dtype=np.uint8)   # _FREE / _ENGINE / _TREE per page
+        # Pages whose KV a lossy codec approximated (a load from a coded tier): never stored down as
+        # exact, and a request that reuses one is counted in ``requests_approximate``.
+        self._approx = np.zeros(num_pages, dtype=bool)
+        self._num_approx = 0
         self._live: dict[int, Request] = {}
         self._host = _Host(self)             # what each Request and the loads call back
         self._pins: dict[bytes, Request] = {}       # pinned token prefixes, held like requests
@@ -219,18 +227,19 @@ class PrefixCache:
         self._counters = dict.fromkeys(
             ("matches", "query_tokens", "hit_tokens", "pool_hit_tokens", "tier_hit_tokens", "inserts",
              "inserted_tokens", "duplicate_pages", "allocs", "allocated_pages", "evicted_pages", "evictions",
-             "chunks_stored", "chunks_not_queued", "tails_stored", "late_loads", "load_errors"), 0)
+             "chunks_stored", "chunks_not_queued", "tails_stored", "late_loads", "load_errors",
+             "requests_approximate", "approximate_not_stored"), 0)
         #: One ``TierStack`` per KV group over the same tiers (``layout.groups`` order; each group's
         #: chunks have keys of their own namespace); ``stack`` is the first (the only one without groups).
         self.stacks: list[TierStack] = self._make_stacks(tiers, namespace, promote, write_queue, write_queue_bytes,
-                                                         exclusive)
+                                                         exclusive, codecs)
         self.stack = self.stacks[0] if self.stacks else None
         #: The way down (pool -> tiers, ``radixkv.core.stores``); ``None`` without tiers.
         self._stores: Stores | None = None
         if self.stack is not None:
             self._stores = Stores(tree=self.tree, pool=self.pool, groups=self.groups, stacks=self.stacks,
                                   layout=layout, chunk_size=chunk_size, write_policy=write_policy,
-                                  counters=self._counters)
+                                  counters=self._counters, approximate=self._approx)
             for stack in self.stacks:
                 flush_at_exit(stack)
                 for listener in stack.observers:       # what listened to the stack goes on listening
@@ -255,7 +264,7 @@ class PrefixCache:
                                 counters=self._counters, tier_hits=self._tier_hit_tokens, host=self._host)
 
     def _make_stacks(self, tiers: Any, namespace: Namespace | None, promote: bool, write_queue: int | None,
-                     write_queue_bytes: int, exclusive: bool) -> list[TierStack]:
+                     write_queue_bytes: int, exclusive: bool, codecs: Sequence[Any] | None) -> list[TierStack]:
         from radixkv.core.stack import TierStack   # here, so that a cache without tiers needs no backend
 
         if isinstance(tiers, TierStack):
@@ -264,6 +273,8 @@ class PrefixCache:
                                  "pass the tiers themselves")
             if (tiers.namespace, tiers.layout, tiers.chunk_size) != (self.namespace, self.layout, self.chunk_size):
                 raise ValueError("tiers: the TierStack's namespace, layout or chunk_size differ from the cache's")
+            if codecs is not None:
+                raise ValueError("codecs: give them to the TierStack passed as tiers")
             return [tiers]
         tiers = list(tiers)
         if not tiers:
@@ -271,11 +282,11 @@ class PrefixCache:
         if self.groups is None:
             return [TierStack(tiers, namespace=self.namespace, layout=self.layout, chunk_size=self.chunk_size,
                               promote=promote, queue_size=write_queue, queue_bytes=write_queue_bytes,
-                              exclusive=exclusive)]
+                              exclusive=exclusive, codecs=codecs)]
         base = namespace or Namespace(model="unnamed")
         return [TierStack(tiers, namespace=base.bind(self.layout, group), layout=self.layout.group_layout(group),
                           chunk_size=self.chunk_size, promote=promote, queue_size=write_queue,
-                          queue_bytes=write_queue_bytes, exclusive=exclusive)
+                          queue_bytes=write_queue_bytes, exclusive=exclusive, codecs=codecs)
                 for group in self.layout.groups]
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -341,6 +352,10 @@ class PrefixCache:
         if self.groups is not None:
             self.groups.hold(result.node, 1)
         req = Request(self._host, data, usable, result.node, result.pages, result.num_tokens)
+        if self._num_approx and self._approx[result.pages].any():
+            req.approximate = True
+            if count:
+                self._counters["requests_approximate"] += 1
         self._live[req.id] = req
         if count:
             c = self._counters
@@ -552,11 +567,24 @@ class PrefixCache:
         if self.observers.wants("span"):
             self.observers.span("pool", data, start, stop, held > 0)
 
+    def _approximate(self, req: Request, ids: np.ndarray) -> None:
+        """Pages ``ids`` (just filled for ``req`` by a load) hold KV a lossy codec approximated:
+        marked, and ``req`` counted once in ``requests_approximate``."""
+        fresh = ids[~self._approx[ids]]
+        self._approx[fresh] = True
+        self._num_approx += int(fresh.size)
+        if not req.approximate:
+            req.approximate = True
+            self._counters["requests_approximate"] += 1
+
     def _free_pages(self, ids: np.ndarray) -> None:
         """Give pages (validated, not free) back to the pool, with their sliding groups' pages."""
         if ids.size:
             self.pool._give_back(ids)
             self._state[ids] = _FREE
+            if self._num_approx:
+                self._num_approx -= int(np.count_nonzero(self._approx[ids]))
+                self._approx[ids] = False
             if self.groups is not None:
                 self.groups.detach(ids)
 
@@ -823,6 +851,8 @@ class PrefixCache:
             stack.check()
         state = self._state
         assert np.array_equal(self.pool._is_free, state == _FREE), "pool free list != pages marked free"
+        assert not self._approx[state == _FREE].any(), "a free page marked approximate"
+        assert self._num_approx == int(np.count_nonzero(self._approx)), "approximate page count off"
         tree_pages = np.sort(self.tree.all_pages())
         assert np.array_equal(tree_pages, np.flatnonzero(state == _TREE)), "tree pages != pages marked cached"
         expected: dict[int, int] = {}

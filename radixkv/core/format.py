@@ -18,7 +18,9 @@ C-contiguous, little-endian), so that the payload can be viewed or copied withou
         56   20  shape, five uint32
         76    8  payload length in bytes (of the plaintext)
         84    1  seal: 0 checksum, 1 keyed MAC, 2 AEAD (encrypted)
-        85    3  zero
+        85    1  codec (0: raw; see radixkv.core.codec)
+        86    1  the codec's parameter (0 for raw)
+        87    1  zero
         88    8  key id (seals 1 and 2: which secret sealed it; 0 for seal 0)
         96   32  seal 0: xxh3-64 (8 bytes, then zeros); seal 1: HMAC-SHA256; seal 2: 12-byte nonce, zeros
        128  4*n  token ids, little-endian int32 (seal 2: ciphertext)
@@ -42,6 +44,12 @@ each namespace has its own MAC and AEAD keys; the key id is the first 8 bytes of
 ``HMAC(mac key, "key id")`` — it tells a reader which of its secrets to use (a ``Seal`` holds the
 current one and, for rotation, a previous one), never anything about the key.
 
+**Codecs.**  A chunk's payload is raw (codec 0) or coded (``radixkv.core.codec``: lossless
+``zstd``, lossy ``int8`` and ``cachegen``); the codec and its parameter are header bytes 85 and 86,
+under the seal, and the payload length field is then the coded length, below the raw one.  A
+reader decodes whatever codec the blob names, whatever its own tier writes; a codec it does not
+know is a ``ChunkFormatError`` (a miss).  ``chunk_codec`` tells which codec a verified blob used.
+
 Decoding trusts nothing in the blob: every field is checked against what the caller expects (the
 key it asked for, its parent, the tokens, dtype and shape), every length against the blob's size,
 and the checksum or MAC over all of it, before a single payload byte is copied.  Any mismatch
@@ -64,14 +72,16 @@ import numpy as np
 import torch
 import xxhash
 
+from radixkv.core.codec import Codec, codec_by_code, get_codec
+
 __all__ = ["FORMAT_VERSION", "MAGIC", "SEAL_AEAD", "SEAL_CHECKSUM", "SEAL_MAC", "ChunkAuthError",
-           "ChunkFormatError", "Seal", "VerifiedChunk", "decode_chunk", "encode_chunk", "encoded_size", "hkdf_sha256",
-           "verify_chunk"]
+           "ChunkFormatError", "Seal", "VerifiedChunk", "chunk_codec", "decode_chunk", "encode_chunk", "encoded_size",
+           "hkdf_sha256", "verify_chunk"]
 
 MAGIC = b"RKVC"
 FORMAT_VERSION = 2
 SEAL_CHECKSUM, SEAL_MAC, SEAL_AEAD = 0, 1, 2
-_HEADER = struct.Struct("<4sHBBI8s16s16sI5IQB3x8s32s")
+_HEADER = struct.Struct("<4sHBBI8s16s16sI5IQBBBx8s32s")
 _SEALED_AT = 96  # header bytes [0, 96) are covered by the checksum / MAC, or are the AEAD's associated data
 _TAG_AT = 96
 _GCM_TAG = 16
@@ -274,9 +284,11 @@ def encoded_size(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, seal: 
 
 
 def encode_chunk(namespace_id: bytes, key: bytes, parent_key: bytes, tokens: bytes, kv: torch.Tensor,
-                 seal: Seal | None = None) -> bytes:
+                 seal: Seal | None = None, codec: Codec | str | None = None) -> bytes:
     """Encode one chunk's KV (``[num_layers, 2, chunk_tokens, num_kv_heads, head_dim]``) to bytes,
-    sealed by ``seal`` (``None``: the checksum seal).
+    sealed by ``seal`` (``None``: the checksum seal), its payload coded by ``codec`` (a name or a
+    ``radixkv.core.codec.Codec``; ``None``: raw).  A codec that does not apply to ``kv``, or whose
+    payload would not be smaller than the raw one, leaves it raw.
 
     ``tokens`` are the chunk's token ids as little-endian int32 bytes (``as_token_bytes``), one per
     position of ``kv``'s third axis.  The tensor may live on any device; it is copied to the CPU
@@ -290,6 +302,7 @@ def encode_chunk(namespace_id: bytes, key: bytes, parent_key: bytes, tokens: byt
     """
     _check_args(namespace_id, key, parent_key, tokens)
     seal = _check_seal(seal)
+    codec = get_codec(codec)
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     code = _dtype_code(kv.dtype)
@@ -300,10 +313,16 @@ def encode_chunk(namespace_id: bytes, key: bytes, parent_key: bytes, tokens: byt
     if any(d >= 2**32 for d in kv.shape):
         raise ValueError(f"kv dimensions must be below 2**32, got {tuple(kv.shape)}")
     flat = kv.detach().to("cpu").contiguous().reshape(-1)
-    payload = (flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)).data
+    payload: Any = (flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)).data
+    codec_code, param = 0, 0
+    coded = codec.encode(kv) if codec.code else None
+    if coded is not None and len(coded[1]) < payload.nbytes:
+        codec_code, (param, payload) = codec.code, coded
+        payload = memoryview(payload)
     offset = _payload_offset(num_tokens)
     covered = _HEADER.pack(MAGIC, FORMAT_VERSION, code, _NDIM, offset, namespace_id, key, parent_key,
-                           num_tokens, *kv.shape, payload.nbytes, seal.mode, seal.key_id, bytes(32))[:_SEALED_AT]
+                           num_tokens, *kv.shape, payload.nbytes, seal.mode, codec_code, param, seal.key_id,
+                           bytes(32))[:_SEALED_AT]
     padding = bytes(offset - _HEADER.size - len(tokens))
     if seal.mode == SEAL_AEAD:
         assert seal._write is not None
@@ -365,8 +384,18 @@ def decode_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, parent_key: byt
                                f"expected {MAGIC!r} version {FORMAT_VERSION}")
     (_, _, got_code, ndim, got_offset, got_ns, got_key, got_parent, got_tokens,
      *rest) = _HEADER.unpack_from(view)
-    got_shape, got_len, got_seal, key_id, tag = tuple(rest[:_NDIM]), *rest[_NDIM:]
+    got_shape, got_len, got_seal, got_codec, param, key_id, tag = tuple(rest[:_NDIM]), *rest[_NDIM:]
     overhead = _GCM_TAG if got_seal == SEAL_AEAD else 0
+    if got_codec:                      # a coded payload: any length below the raw one
+        try:
+            codec = codec_by_code(got_codec)
+        except ValueError as exc:
+            raise ChunkFormatError(str(exc)) from None
+        if not 0 < got_len < payload_len:
+            raise ChunkFormatError(f"chunk coded payload length {got_len} is not below the raw {payload_len}")
+        payload_len = got_len
+    elif param:
+        raise ChunkFormatError(f"chunk raw payload with a codec parameter {param}")
     expected = (("namespace id", got_ns, namespace_id), ("key", got_key, key),
                 ("parent key", got_parent, parent_key), ("number of tokens", got_tokens, num_tokens),
                 ("dtype", _DTYPE_NAMES.get(got_code, got_code), _DTYPE_NAMES[code]),
@@ -376,8 +405,8 @@ def decode_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, parent_key: byt
     for name, got, want in expected:
         if got != want:
             raise ChunkFormatError(f"chunk {name} mismatch: blob has {got!r}, expected {want!r}")
-    if bytes(view[85:88]) != bytes(3):
-        raise ChunkFormatError("chunk reserved header bytes are not zero")
+    if view[87]:
+        raise ChunkFormatError("chunk reserved header byte is not zero")
     covered = view[:_SEALED_AT]
     if got_seal not in (SEAL_CHECKSUM, SEAL_MAC, SEAL_AEAD):
         raise ChunkFormatError(f"chunk seal {got_seal} unknown")
@@ -393,7 +422,7 @@ def decode_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, parent_key: byt
         digest.update(view[_HEADER.size:])
         if digest.digest() != tag[:8]:
             raise ChunkFormatError("chunk checksum mismatch: the blob is corrupt")
-        return _copy_payload(view[offset:], dtype, shape, out)
+        return _payload(view[offset:], got_codec, param, dtype, shape, out)
     if got_seal == SEAL_CHECKSUM:
         raise ChunkAuthError("chunk has no MAC: written without the deployment secret (forged or foreign)")
     keys = seal._accept.get(bytes(key_id))
@@ -406,7 +435,7 @@ def decode_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, parent_key: byt
             raise ChunkAuthError("chunk MAC mismatch: the blob was forged or altered")
         if view[_HEADER.size:_HEADER.size + len(tokens)] != tokens:
             raise ChunkFormatError("chunk tokens mismatch: the blob holds KV of other tokens")
-        return _copy_payload(view[offset:], dtype, shape, out)
+        return _payload(view[offset:], got_codec, param, dtype, shape, out)
     if tag[_NONCE:] != bytes(32 - _NONCE):
         raise ChunkFormatError("chunk AEAD seal with stray tag bytes")
     from cryptography.exceptions import InvalidTag
@@ -419,7 +448,7 @@ def decode_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, parent_key: byt
     body = memoryview(plain)
     if body[:len(tokens)] != tokens:
         raise ChunkFormatError("chunk tokens mismatch: the blob holds KV of other tokens")
-    return _copy_payload(body[offset - _HEADER.size:], dtype, shape, out)
+    return _payload(body[offset - _HEADER.size:], got_codec, param, dtype, shape, out)
 
 
 class VerifiedChunk(NamedTuple):
@@ -453,7 +482,7 @@ def verify_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, seal: Seal | No
     if len(view) < _HEADER.size or bytes(view[:4]) != MAGIC:
         raise ChunkFormatError("not a radixkv chunk (no magic)")
     (_, _, code, _, _, _, _, parent, num_tokens, *rest) = _HEADER.unpack_from(view)
-    shape, got_seal, key_id, tag = tuple(rest[:_NDIM]), rest[_NDIM + 1], rest[_NDIM + 2], rest[_NDIM + 3]
+    shape, got_seal, key_id, tag = tuple(rest[:_NDIM]), rest[_NDIM + 1], rest[_NDIM + 4], rest[_NDIM + 5]
     if code not in _DTYPES or len(view) < _HEADER.size + 4 * num_tokens:
         raise ChunkFormatError(f"chunk dtype code {code} or token count {num_tokens} does not fit the blob")
     if got_seal == SEAL_AEAD and seal.keyed:
@@ -480,6 +509,32 @@ def verify_chunk(blob: Blob, *, namespace_id: bytes, key: bytes, seal: Seal | No
     if xxhash.xxh3_128_digest(parent + tokens) != key:
         raise ChunkFormatError("chunk key mismatch: the key is not the digest of the blob's parent and tokens")
     return VerifiedChunk(parent, tokens, kv)
+
+
+def chunk_codec(blob: Blob) -> int:
+    """The codec code a blob's header names (``radixkv.core.codec``; 0: raw), read without
+    verifying anything: ask it of a blob ``decode_chunk`` accepted.  O(1).
+
+    >>> kv = torch.randn(1, 2, 64, 1, 8)
+    >>> chunk_codec(encode_chunk(bytes(8), bytes(16), bytes(16), bytes(256), kv, codec="int8"))
+    2
+    >>> chunk_codec(encode_chunk(bytes(8), bytes(16), bytes(16), bytes(4), kv[:, :, :1], codec="int8"))  # no smaller
+    0
+    """
+    view = memoryview(blob).cast("B")
+    return view[85] if len(view) > 85 else 0
+
+
+def _payload(payload: memoryview, codec: int, param: int, dtype: torch.dtype, shape: tuple[int, ...],
+             out: torch.Tensor | None) -> torch.Tensor:
+    """The verified payload's KV: a copy of a raw one, the decode of a coded one (a payload its
+    codec refuses is a ``ChunkFormatError``)."""
+    if not codec:
+        return _copy_payload(payload, dtype, shape, out)
+    try:
+        return codec_by_code(codec).decode(payload, param, dtype, shape, out)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ChunkFormatError(f"chunk coded payload does not decode: {exc}") from None
 
 
 def _copy_payload(payload: memoryview, dtype: torch.dtype, shape: tuple[int, ...],

@@ -75,6 +75,10 @@ class LoadHost(Protocol):
         """Free the sliding-window pages above ``node`` that no held prefix needs any more."""
         ...
 
+    def approximate(self, req: Request, ids: np.ndarray) -> None:
+        """Pages ``ids`` now hold, for ``req``, KV a lossy codec approximated (mark and count)."""
+        ...
+
 log = logging.getLogger("radixkv.core.cache")
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
@@ -204,6 +208,8 @@ class Loads:
                     k = sizes[i] // ps - (skip if i == 0 else 0)
                     ops.scatter_pages(chunk.to(self.pool.device), self.pool, new[start:start + k],
                                       skip_pages=skip if i == 0 else 0)
+                    if self.stacks[0].approximate(chunk):
+                        self._host.approximate(req, new[start:start + k])
                     start += k
             except BaseException:
                 self._host.free_pages(new)
@@ -243,13 +249,13 @@ class Loads:
         result = self.tree.match_bytes(data)
         self.tree.lock(result.node)                     # what the tree has stays while pages are taken
         try:
-            end = self._land_group_chunks(data, result, load)
+            end = self._land_group_chunks(data, result, load, req)
         finally:
             self.tree.unlock(result.node)
         self._settle(req, held, load)
         self._host.trim(end)                   # after the hold moved: the window it needs stays
 
-    def _land_group_chunks(self, data: bytes, result: MatchResult, load: GroupLoad) -> RadixNode:
+    def _land_group_chunks(self, data: bytes, result: MatchResult, load: GroupLoad, req: Request) -> RadixNode:
         """``land_groups``' copies; returns the node that ends what the tree now holds of ``data``."""
         assert self.groups is not None
         ps, per_chunk = self.page_size, self.chunk_size // self.page_size
@@ -265,7 +271,10 @@ class Loads:
         pages = np.concatenate([result.pages, new])
         covered = [np.zeros(total, dtype=bool) for _ in self.groups.sliding]
         try:
-            for group, (need, _, chunks) in zip(self.layout.groups, load.parts):
+            for g, (group, (need, _, chunks)) in enumerate(zip(self.layout.groups, load.parts)):
+                for j, chunk in zip(need, chunks):
+                    if self.stacks[g].approximate(chunk):        # the token pages of an approximate chunk
+                        self._host.approximate(req, pages[j * per_chunk:(j + 1) * per_chunk])
                 if group.sliding:
                     s = self.groups.sliding.index(group)
                     pool, table = self.groups.pools[s], self.groups.maps[s]

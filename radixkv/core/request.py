@@ -132,7 +132,7 @@ class Request:
     """
 
     __slots__ = ("_host", "_data", "_usable", "node", "_pages", "num_cached", "pool_tokens", "tier_tokens",
-                 "tier_tokens_by_tier", "_pending", "id", "released")
+                 "tier_tokens_by_tier", "_pending", "id", "released", "approximate")
 
     def __init__(self, host: RequestHost, data: bytes, usable: int, node: RadixNode, pages: np.ndarray,
                  num_cached: int) -> None:
@@ -144,6 +144,9 @@ class Request:
         self.num_cached = num_cached
         self.pool_tokens = num_cached      # of num_cached, how many were resident when opened
         self.tier_tokens = 0
+        #: Whether some of its cached KV was approximated by a lossy codec (a load from a coded
+        #: tier, now or by an earlier request whose pages it reuses); see ``radixkv.core.codec``.
+        self.approximate = False
         self.tier_tokens_by_tier: tuple[int, ...] = ()
         self._pending: PendingLoad | None = None
         self.id = next(_ids)

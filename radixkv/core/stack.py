@@ -51,6 +51,14 @@ blobs of remote tiers (``Tier.local`` false: S3, Redis) with AES-256-GCM instead
 store reveals tokens or KV; local tiers keep the (cheaper) MAC.  See ``radixkv.core.format``.  The
 secrets are never stored on the stack, logged or shown in a ``repr``.
 
+**Codecs.**  ``codecs`` names, per tier, how its chunks' payloads are written
+(``radixkv.core.codec``: ``none``, the default; lossless ``zstd``; lossy ``int8`` and
+``cachegen``), encoded on the writer thread.  Every tier decodes every codec on the way up,
+within the load's deadline, whatever it writes.  The CPU tier (a victim tier: ``Tier.victim``)
+and peer tiers stay raw.  A chunk decoded from a lossy codec is approximate: counted per tier in
+``lossy_loaded``, told by ``approximate(chunk)``, and promoted only into tiers that write it with
+the same codec (as the same blob), never into a raw tier, where it would pass for exact.
+
 **Peers.**  A tier with ``Tier.peer`` set (``PeerTier``: other instances' CPU tiers) is read, never
 written: stores and promotions skip it, and its blobs are verified with the local tiers' seal.
 """
@@ -61,6 +69,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
@@ -71,7 +80,9 @@ from radixkv.core.deadline import DeadlineExceeded, OversizeBlob, bounded
 from radixkv.core.tier import Tier, redact
 from radixkv.core.writer import WriteQueue
 from radixkv.core.observe import Observers
-from radixkv.core.format import ChunkAuthError, ChunkFormatError, Seal, decode_chunk, encode_chunk, encoded_size
+from radixkv.core.codec import Codec, get_codec, lossy_code
+from radixkv.core.format import (ChunkAuthError, ChunkFormatError, Seal, chunk_codec, decode_chunk, encode_chunk,
+                                 encoded_size)
 from radixkv.core.hashing import Namespace, as_token_bytes, keys_from_token_bytes, tail_key
 from radixkv.core.pool import KVLayout
 
@@ -149,7 +160,8 @@ class TierStack:
                  write_batch: int = 32,
                  log_interval: float = 60.0, timeout_s: float = 2.0, write_timeout_s: float = 30.0,
                  secret: bytes | str | None = None, previous_secret: bytes | str | None = None,
-                 encrypt: bool = False, exclusive: bool = False) -> None:
+                 encrypt: bool = False, exclusive: bool = False,
+                 codecs: Sequence[str | Codec | None] | None = None) -> None:
         if not all(isinstance(t, Tier) for t in tiers):
             raise TypeError("tiers must be radixkv.backends.Tier instances")
         if not isinstance(namespace, Namespace):
@@ -171,6 +183,8 @@ class TierStack:
         remote_seal = Seal(secret, previous_secret, namespace_id=namespace.id, encrypt=True) if encrypt else local_seal
         del secret, previous_secret  # only the derived keys are kept, inside the seals
         self.tiers: tuple[Tier, ...] = tuple(tiers)
+        #: Per tier, the codec its chunks are written with (``radixkv.core.codec``).
+        self.codecs: tuple[Codec, ...] = _codecs(self.tiers, codecs)
         self.encrypt = bool(encrypt)
         self.timeout_s = float(timeout_s)
         self.write_timeout_s = float(write_timeout_s)
@@ -200,7 +214,11 @@ class TierStack:
         n = len(self.tiers)
         self._per_tier = {k: [0] * n for k in ("tier_lookups", "hits", "corrupt", "forged", "errors", "timeouts",
                                                "stored", "touched", "refreshed", "refresh_misses", "released",
-                                               "tier_bytes_loaded", "tier_bytes_stored")}
+                                               "tier_bytes_loaded", "tier_bytes_stored", "lossy_loaded")}
+        # The chunks last decoded from a lossy codec, by id (a tensor's == is elementwise, so no
+        # WeakSet): each entry goes when its tensor does.
+        self._lossy: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._lossy_lock = threading.RLock()     # a weakref callback may run inside it (a collection)
         self._counts = dict.fromkeys(("lookups", "lookup_keys", "lookup_found", "misses", "load_misses",
                                       "promoted", "dropped_writes", "bytes_loaded", "bytes_stored",
                                       "pending_hits"), 0)
@@ -222,8 +240,15 @@ class TierStack:
 
     def __repr__(self) -> str:
         seal = {0: "checksum", 1: "mac", 2: "aead"}
-        return (f"TierStack([{', '.join(f'{t.name}:{seal[s.mode]}' for t, s in zip(self.tiers, self.seals))}], "
+        return (f"TierStack([{', '.join(f'{t.name}:{seal[s.mode]}' + (f':{c.name}' if c.code else '') for t, s, c in zip(self.tiers, self.seals, self.codecs))}], "
                 f"chunk_size={self.chunk_size})")
+
+    def approximate(self, chunk: torch.Tensor) -> bool:
+        """Whether ``chunk``, as returned by the last ``load`` that returned it, was decoded from a
+        lossy codec (its KV approximates the exact one).  O(1)."""
+        with self._lossy_lock:
+            ref = self._lossy.get(id(chunk))
+        return ref is not None and ref() is chunk
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -443,9 +468,28 @@ class TierStack:
         return min(check_int(tiers, "tiers"), len(self.tiers))
 
     def _decode(self, t: int, ref: ChunkRef, blob: Any, out: torch.Tensor | None) -> torch.Tensor:
-        return decode_chunk(blob, namespace_id=self._prefix, key=ref.key, parent_key=ref.parent,
-                            tokens=ref.tokens, dtype=self.layout.dtype, shape=self._shape_of(ref), out=out,
-                            seal=self.seals[t])
+        chunk = decode_chunk(blob, namespace_id=self._prefix, key=ref.key, parent_key=ref.parent,
+                             tokens=ref.tokens, dtype=self.layout.dtype, shape=self._shape_of(ref), out=out,
+                             seal=self.seals[t])
+        self._mark(chunk, lossy_code(chunk_codec(blob)))
+        return chunk
+
+    def _mark(self, chunk: torch.Tensor, lossy: bool) -> None:
+        """Remember whether ``chunk`` (just returned by a decode or a pending copy) is approximate."""
+        key = id(chunk)
+        with self._lossy_lock:
+            if not lossy:
+                self._lossy.pop(key, None)
+                return
+            lossy_map = self._lossy
+
+            def gone(_: object, key: int = key) -> None:
+                with self._lossy_lock:
+                    entry = lossy_map.get(key)
+                    if entry is not None and entry() is None:
+                        del lossy_map[key]
+
+            self._lossy[key] = weakref.ref(chunk, gone)
 
     def _bad_blob(self, t: int, ref: ChunkRef, exc: Exception) -> None:
         """A blob that did not verify (or was too large to read): counted, logged and deleted —
@@ -475,17 +519,22 @@ class TierStack:
         """Count a chunk delivered by tier ``t`` (read in ``seconds``: a local tier's read and
         decode; 0 for a remote one, whose fetch was told already) and queue its promotion."""
         nbytes = chunk.numel() * chunk.element_size()
+        lossy = self.approximate(chunk)
         with self._stats_lock:
             self._per_tier["hits"][t] += 1
             self._per_tier["tier_bytes_loaded"][t] += nbytes
+            self._per_tier["lossy_loaded"][t] += lossy
             self._counts["bytes_loaded"] += nbytes
         if self.observers:
             self.observers.io(self.tiers[t].name, "load", seconds, nbytes, 1, "ok")
         upper = [u for u in range(t) if u not in self.victims and not self.tiers[u].peer] if self.promote else []
+        if lossy:     # approximate KV goes up only as the same coded blob, never re-encoded as if exact
+            upper = [u for u in upper if self.codecs[u] == self.codecs[t] and self.seals[u] == self.seals[t]]
         if upper:
-            if all(self.seals[u] == self.seals[t] for u in upper) and blob is not None:
+            if all(self.seals[u] == self.seals[t] and self.codecs[u] == self.codecs[t] for u in upper) \
+                    and blob is not None:
                 self._enqueue(("promote", upper, ref, bytes(blob), None))
-            else:  # sealed differently above (e.g. encrypted below, MAC above): re-encoded by the writer
+            elif not lossy:  # sealed or coded differently above: re-encoded by the writer
                 self._enqueue(("promote", upper, ref, None, chunk.detach().to("cpu", copy=True)))
         return chunk
 
@@ -499,6 +548,7 @@ class TierStack:
         if kv is None or tuple(kv.shape) != self._shape_of(ref) or kv.dtype != self.layout.dtype:
             return None
         chunk = out.copy_(kv) if out is not None else kv.clone()
+        self._mark(chunk, False)
         nbytes = chunk.numel() * chunk.element_size()
         with self._stats_lock:
             self._per_tier["hits"][t] += 1
@@ -726,12 +776,14 @@ class TierStack:
         deletes: list[list[bytes]] = [[] for _ in self.tiers]
         stores: list[tuple[ChunkRef, torch.Tensor, frozenset[int]]] = []
         touches: list[tuple[bytes, frozenset[int]]] = []
-        encoded: dict[tuple[bytes, Seal], bytes] = {}
+        encoded: dict[tuple[bytes, Seal, Codec], bytes] = {}
 
-        def blob_for(ref: ChunkRef, kv: torch.Tensor, seal: Seal) -> bytes:
-            if (ref.key, seal) not in encoded:  # once per seal: local and remote tiers may differ
-                encoded[(ref.key, seal)] = encode_chunk(self._prefix, ref.key, ref.parent, ref.tokens, kv, seal=seal)
-            return encoded[(ref.key, seal)]
+        def blob_for(ref: ChunkRef, kv: torch.Tensor, i: int) -> bytes:
+            seal, codec = self.seals[i], self.codecs[i]
+            if (ref.key, seal, codec) not in encoded:  # once per seal and codec: tiers may differ
+                encoded[(ref.key, seal, codec)] = encode_chunk(self._prefix, ref.key, ref.parent, ref.tokens, kv,
+                                                               seal=seal, codec=codec)
+            return encoded[(ref.key, seal, codec)]
 
         for item in batch:
             if item[0] == "touch":
@@ -748,7 +800,7 @@ class TierStack:
                 _, upper, ref, blob, kv = item
                 for i in upper:
                     per_tier[i].append((self._prefix + ref.key, blob if blob is not None
-                                        else blob_for(ref, kv, self.seals[i])))
+                                        else blob_for(ref, kv, i)))
                 self._add("promoted")
             else:
                 stores.append((item[1], item[2], item[3]))
@@ -772,7 +824,7 @@ class TierStack:
                         continue
                     key = self._prefix + ref.key
                     if self._call(i, 0, tier.contains_prefix, [key]) == 0:
-                        fresh.append((key, blob_for(ref, kv, self.seals[i])))
+                        fresh.append((key, blob_for(ref, kv, i)))
                     elif tier.local and self._call(i, None, tier.read, key, len) is not None:
                         self._add("refreshed", tier=i)
                 writes = per_tier[i] + fresh
@@ -851,7 +903,8 @@ class TierStack:
         chunk the tier evicted while the pool still had it), ``refreshed`` (stores of chunks the
         tier held already, read instead to refresh their recency), ``released`` (chunks deleted from
         a victim tier after they moved up into the pool),
-        ``tier_bytes_loaded`` (KV bytes decoded from it),
+        ``tier_bytes_loaded`` (KV bytes decoded from it), ``lossy_loaded`` (chunks decoded from a
+        lossy codec: approximate KV),
         ``tier_bytes_stored`` (blob bytes written to it); and
         ``lookups``, ``lookup_keys``, ``lookup_found``, ``misses`` (lookups that stopped on a key no
         tier holds), ``load_misses`` (loads that stopped early), ``promoted``, ``dropped_writes``,
@@ -897,6 +950,12 @@ class TierStack:
             assert all(t <= e for t, e in zip(self._per_tier["timeouts"], self._per_tier["errors"])), \
                 "a timeout not counted as an error"
         assert len(self.seals) == len(self.tiers), "one seal per tier"
+        assert len(self.codecs) == len(self.tiers), "one codec per tier"
+        for tier, codec in zip(self.tiers, self.codecs):
+            assert not codec.code or not (tier.victim or tier.peer), f"{tier.name}: a CPU or peer tier coded"
+        with self._stats_lock:
+            assert all(x <= h for x, h in zip(self._per_tier["lossy_loaded"], self._per_tier["hits"])), \
+                "more lossy chunks than chunks loaded"
         for tier, seal in zip(self.tiers, self.seals):
             assert (seal.mode == 2) == (self.encrypt and not tier.local and not tier.peer), \
                 f"{tier.name}: sealed against `encrypt`"
@@ -914,6 +973,23 @@ def _write_cost(item: tuple[Any, ...]) -> int:
         blob, kv = item[3], item[4]
         return len(blob) if blob is not None else int(kv.numel() * kv.element_size())
     return 64
+
+
+def _codecs(tiers: tuple[Tier, ...], codecs: Sequence[str | Codec | None] | None) -> tuple[Codec, ...]:
+    """One codec per tier from the ``codecs`` argument (``None``: raw everywhere); ``ValueError``
+    for a wrong count or a codec on the CPU tier (a victim tier) or a peer tier."""
+    if codecs is None:
+        return tuple(get_codec(None) for _ in tiers)
+    if isinstance(codecs, (str, Codec)) or len(codecs) != len(tiers):
+        raise ValueError(f"codecs must name one codec per tier ({len(tiers)}), got {codecs!r}")
+    out = tuple(get_codec(c) for c in codecs)
+    for codec in set(out):
+        codec.ready()                 # a missing library fails here, naming the extra, not at the first write
+    for i, (tier, codec) in enumerate(zip(tiers, out)):
+        if codec.code and (tier.victim or tier.peer):
+            raise ValueError(f"codecs: tier {i} ({tier.name}) is {'a peer' if tier.peer else 'the CPU'} tier, "
+                             f"which stays raw; got {codec.name!r}")
+    return out
 
 
 def _chunk_keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -19,7 +19,8 @@ A chunk's pages are copied out synchronously and the copy is queued (``TierStack
 write takes no lock on the tree and nothing is left locked by a write that fails or is dropped.
 Stores from an eviction wait up to ``SPILL_WAIT_S`` in all for room in the write queue (those
 chunks exist nowhere else); others never wait.  Counters (``chunks_stored``, ``chunks_not_queued``,
-``tails_stored``) go into the cache's counter dict.  Everything runs on the engine's thread.
+``tails_stored``, ``approximate_not_stored``: chunks left out because a lossy codec approximated
+their KV) go into the cache's counter dict.  Everything runs on the engine's thread.
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ class Stores:
     """Pool -> tiers for one cache (see the module docstring).  ``stacks`` is non-empty."""
 
     def __init__(self, *, tree: RadixTree, pool: KVPool, groups: KVGroups | None, stacks: list[TierStack],
-                 layout: KVLayout, chunk_size: int, write_policy: str, counters: dict[str, int]) -> None:
+                 layout: KVLayout, chunk_size: int, write_policy: str, counters: dict[str, int],
+                 approximate: np.ndarray | None = None) -> None:
         self.tree, self.pool, self.groups, self.stacks = tree, pool, groups, stacks
+        #: Per token page, whether its KV is approximate (a lossy codec's): such pages are never
+        #: stored down, where they would pass for exact (the coded tier they came from has them).
+        self.approximate = np.zeros(pool.num_pages, dtype=bool) if approximate is None else approximate
         self.layout, self.chunk_size, self.page_size = layout, chunk_size, layout.page_size
         self.write_policy = write_policy
         self._counters = counters
@@ -143,6 +148,9 @@ class Stores:
                 chunk_ids = ids[i * per_chunk:(i + 1) * per_chunk]
                 if chunk_ids.size and chunk_ids.min() < 0:
                     continue                       # dropped: outside every window
+                if self.approximate[pages[i * per_chunk:(i + 1) * per_chunk]].any():
+                    self._counters["approximate_not_stored"] += 1
+                    continue
                 buf = torch.empty(stack.shape, dtype=self.layout.dtype)
                 items.append((ref, ops.gather_pages(pool, chunk_ids, buf)))
             queued = stack.store(items, tiers=tiers, wait=wait, chain=True)
@@ -167,6 +175,9 @@ class Stores:
         stack = self.stacks[0]
         tiers = [i for i in (range(len(stack.tiers)) if into is None else into) if stack.tiers[i].local]
         if end == start or not tiers:
+            return
+        if self.approximate[self.tree.prefix_pages(node)[start // ps:]].any():
+            self._counters["approximate_not_stored"] += 1
             return
         ref = stack.tail_ref(refs[-1].key if refs else stack.namespace.root, data[start * 4:])
         buf = torch.empty(self.layout.chunk_shape(end - start), dtype=self.layout.dtype)

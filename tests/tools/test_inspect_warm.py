@@ -195,3 +195,28 @@ def test_precompute_makes_a_system_prompt_hit_in_the_paged_engine() -> None:
         precompute(object(), [system])
     engine.close()
     cache.close()
+
+
+@pytest.mark.parametrize("codec", ["zstd", "int8", "cachegen"])
+def test_inspect_verifies_coded_chunks_and_finds_a_corrupt_one(tmp_path: Any, capsys: Any, codec: str) -> None:
+    pytest.importorskip("zstandard")
+    layout = {**LAYOUT, "head_dim": 32, "dtype": "float16"}
+    cfg = config(tmp_path, secret=SECRET, codec=codec, layout=layout, chunk_size=32)
+    path = write(tmp_path, cfg)
+    with rk.from_config(cfg) as cache:
+        replay(cache, prompts(2, length=161))              # 2 x 5 chunks of 32 tokens, coded
+        cache.flush()
+        keys = [cache.namespace.id + r.key for r in cache.stack.refs(prompts(2, length=161)[0])]
+        assert cache.stack.codecs[0].name == codec
+    disk = LmdbTier(tmp_path / "disk", 10**7)
+    assert all(disk.get(k)[85] == rk.core.codec.get_codec(codec).code for k in keys)  # coded, all of them
+    assert main(["inspect", "--config", path, "--verify", "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verify"][0]["ok"] == 10 and out["verify"][0]["corrupt"] == 0
+    blob = bytearray(disk.get(keys[2]))                    # a flipped bit in a coded payload
+    blob[-3] ^= 0x10
+    disk.put(keys[2], bytes(blob))
+    disk.close()
+    assert main(["inspect", "--config", path, "--verify", "--json", "--no-progress"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["verify"][0]["ok"] == 9 and out["verify"][0]["forged"] + out["verify"][0]["corrupt"] == 1
