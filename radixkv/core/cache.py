@@ -252,9 +252,9 @@ class PrefixCache:
             for i, tier in enumerate(self.stack.tiers):
                 tier.expect(max(encoded_size(st.shape, layout.dtype, st.seals[i]) for st in self.stacks))
             if self.groups is not None:
-                # A tier match ends on a chunk boundary: keep up to a chunk more of each window, so
-                # that the chunks a tier match needs are whole in the pool when they are stored.
-                self.groups.keep = self.groups.keep_for(chunk_size)
+                # The tiers hold whole chunks: keep a chunk more of each window, and match only
+                # where each sliding group holds the chunk a match ends in (``use_chunks``).
+                self.groups.use_chunks(chunk_size)
         self._tier_hit_tokens = [0] * (len(self.stack.tiers) if self.stack else 0)
         #: The way up (tiers -> pool, ``radixkv.core.loads``); ``None`` without tiers.
         self._loads: Loads | None = None

@@ -22,6 +22,11 @@ is dropped (vLLM's hybrid KV cache manager frees sliding blocks outside the wind
   one per page.
 * A match of ``n`` tokens is a hit when the full groups hold the prefix (the tree) and each sliding
   group holds the pages of its last ``w - 1`` tokens; the cache serves the longest such ``n``.
+  With tiers each sliding group must also hold the pages from the last chunk boundary at or
+  before ``n`` (``use_chunks``): the request completes that chunk with tokens of its own, a chunk
+  no tier holds yet, and a chunk is stored whole or not at all.  (A match may end where no reuse
+  point was, inside a run of pages that a reuse point further on let go: its window may be
+  there, but not the rest of its chunk.)
 * A request that computes tokens whose KV the tree has dropped gives the dropped pages back:
   ``fill`` moves its pages into the tombstones instead of freeing them as duplicates.
 * With tiers, a sliding page that leaves every window goes the way an evicted page goes: before it
@@ -82,8 +87,11 @@ class KVGroups:
         self.need = [-(-(g.window - 1) // ps) for g in self.sliding]
         #: Pages kept before each reuse point: a page more than ``need``, so that a match that stops
         #: a page short of it (one that leaves the last token to compute) finds its window; with
-        #: tiers ``PrefixCache`` keeps a chunk more instead (see ``keep_for``).
+        #: tiers a chunk more instead (``use_chunks``).
         self.keep = self.keep_for(ps)
+        #: Pages per chunk of the tiers below (1: no tiers): a match must find the pages of the
+        #: chunk it ends in whole, from the chunk's start, in every sliding group (``use_chunks``).
+        self.chunk_pages = 1
         self.ends: dict[RadixNode, int] = {}      # requests whose held prefix ends at the node
         self.dropped_pages = 0                    # pages freed outside every window (a counter)
 
@@ -92,6 +100,15 @@ class KVGroups:
         before it still finds its window: ``ceil((w - 1 + margin) / page_size)`` per group."""
         ps = self.layout.page_size
         return [-(-(g.window - 1 + margin) // ps) for g in self.sliding]
+
+    def use_chunks(self, chunk_size: int) -> None:
+        """Tiers below store every group's KV in chunks of ``chunk_size`` tokens (each group's
+        chunk whole, or not at all).  Keep a chunk more of each window (a tier match ends on a chunk
+        boundary: the chunks it needs are then whole in the pool when they are stored), and serve
+        a match only where every sliding group holds its pages from the last chunk boundary
+        (``usable``), so that the chunk the request completes can be stored whole.  O(groups)."""
+        self.keep = self.keep_for(chunk_size)
+        self.chunk_pages = chunk_size // self.layout.page_size
 
     # ------------------------------------------------------------- pages
 
@@ -134,15 +151,18 @@ class KVGroups:
     def usable(self, pages: np.ndarray) -> int:
         """The longest ``n <= len(pages)`` such that every sliding group holds the pages of the
         last ``w - 1`` tokens of ``pages[:n]`` (all of them when ``n`` pages are fewer): how many of
-        a tree match's pages can be served.  O(len(pages)), vectorised."""
+        a tree match's pages (from the root) can be served.  With tiers (``use_chunks``) each also
+        holds the pages of ``pages[:n]`` from the last chunk boundary at or before ``n``.
+        O(len(pages)), vectorised."""
         m = len(pages)
         if m == 0:
             return 0
         ok = np.ones(m + 1, dtype=bool)
         ends = np.arange(m + 1)
+        chunk_starts = ends - ends % self.chunk_pages
         for table, need in zip(self.maps, self.need):
             absent = np.concatenate(([0], np.cumsum(table[pages] < 0)))
-            ok &= absent[ends] == absent[np.maximum(0, ends - need)]
+            ok &= absent[ends] == absent[np.minimum(np.maximum(0, ends - need), chunk_starts)]
         return int(np.flatnonzero(ok)[-1])
 
     # ------------------------------------------------------------- holds and the window rule
@@ -239,8 +259,8 @@ class KVGroups:
         """Assert the groups' invariants: each sliding pool's handed-out pages are exactly the
         mapped ones, once each, and only for live tree pages (``live_pages``: not free); ``ends``
         counts exactly the live requests' held nodes and each one's window (``held``: node and
-        held pages per request) is present; no tree page outside every reuse point's window keeps
-        a sliding page.  O(nodes + num_pages)."""
+        held pages per request) is present, with tiers from its last chunk boundary; no tree page
+        outside every reuse point's window keeps a sliding page.  O(nodes + num_pages)."""
         free = np.ones(len(self.maps[0]) if self.maps else 0, dtype=bool)
         free[live_pages] = False
         for group, pool, table in zip(self.sliding, self.pools, self.maps):
@@ -257,10 +277,12 @@ class KVGroups:
                 counts[node] = counts.get(node, 0) + 1
         assert counts == self.ends, "the requests' ends differ from the held prefixes"
         for _, pages in held:
+            chunk_start = len(pages) - len(pages) % self.chunk_pages
             for group, table, need in zip(self.sliding, self.maps, self.need):
-                window = pages[max(0, len(pages) - need):]
+                window = pages[min(max(0, len(pages) - need), chunk_start):]
                 assert (table[window] >= 0).all(), \
-                    f"group {group.tag()}: a page a live request holds in its window was dropped"
+                    f"group {group.tag()}: a page a live request holds in its window was dropped (with tiers, " \
+                    "its window runs from the last chunk boundary)"
         # Nothing kept outside every window: walk the tree, nearest reuse point below each node.
         stack: list[tuple[RadixNode, int]] = [(c, 0) for c in tree.root.children.values()]
         order: list[tuple[RadixNode, int]] = []

@@ -19,6 +19,7 @@ import tempfile
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -136,6 +137,24 @@ def workloads(draw: st.DrawFn) -> dict[str, Any]:
 
 @given(workloads())
 def test_every_chunk_boundary_is_served_exactly_from_the_tiers(w: dict[str, Any]) -> None:
+    serve_and_probe(w)
+
+
+@pytest.mark.parametrize("windows", [(2, 2), (0, 2)], ids=["every layer sliding", "full and sliding"])
+def test_a_match_ends_where_the_chunk_it_completes_can_be_stored(windows: tuple[int, ...]) -> None:
+    """Two of the property's examples, checked in every run.  22 tokens are cached first (a leaf:
+    a sliding group of window 2 keeps its last 4 pages, tokens 14-21), then a prompt that parts
+    from them at token 17 would match 16: its window (token 15) is there, but not the start of the
+    chunk it completes (tokens 12-13).  Served from there, that chunk (tokens 12-17, new) could not
+    be stored whole in the sliding group and the tiers missed it; the match must end where each
+    sliding group holds its pages from the last chunk boundary (here: 12 tokens, from the tiers)."""
+    serve_and_probe({"windows": windows, "page": 2, "chunk": 6, "prompts": [[0], [0] * 17 + [1, 0], [0] * 22],
+                     "num_pages": 12, "write_policy": "write_through", "exclusive": False, "tiers": "cpu"})
+
+
+def serve_and_probe(w: dict[str, Any]) -> None:
+    """Serve a workload's prompts (``workloads``) in a fixed order, then ``probe`` them; with LMDB
+    again from a cache restarted over the same directory."""
     layout = KVLayout(num_layers=len(w["windows"]) if w["windows"] else 1, num_kv_heads=1, head_dim=2,
                       dtype=torch.float32, page_size=w["page"], windows=w["windows"])
     with tempfile.TemporaryDirectory() as tmp:
