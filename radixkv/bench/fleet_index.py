@@ -1,28 +1,36 @@
-"""Fleet index benchmark: lookups/s of a 32K-token prompt over 8 instances, events applied/s, and
-the memory a million blocks cost.
+"""Fleet index benchmark: lookups of a 32K-token prompt over a fleet, events applied/s, and the
+bytes a held block costs; the prompt's vLLM block hashes timed beside the lookup.
 
-    python -m radixkv.bench fleet_index --out benchmarks/results/fleet_index_cpu.txt
+    python -m radixkv.bench fleet_index --instances 16 --blocks 1000000 --out benchmarks/results/fleet_index_cpu.txt
 
 The prompt is 2,048 blocks (32K tokens at block size 16) of one chain of 64-bit hashes, as vLLM's
-events carry them.  Instance i (of 8) holds its first (i + 1) / 8 on GPU, the odd ones the whole
-chain on CPU too, and every instance ``--background`` other blocks in chains of 64 (applied as
-``BlockStored`` batches of 64 blocks: the events/s row).  Lookups: the whole prompt (every instance
-matches, one up to the end: the longest walk), a prompt whose first block nobody holds, and one
-that diverges half-way.  Memory: tracemalloc's count of what the index keeps after the events
-are gone, for 1M distinct blocks in one instance and for 125K blocks that all 8 instances hold
-(1M holdings: the holder entry is shared).
+events carry them.  Each of ``--instances`` instances holds ``--blocks`` distinct blocks: instance
+i the first (i + 1) / n of the prompt on GPU, the odd ones the whole prompt on CPU too, and the
+rest random chains of 64 (applied as ``BlockStored`` batches of ``--batch`` blocks: the events/s
+row; the hashes are made before the clock starts, the index's queued events are applied before
+it stops).  Lookups (median of ``--repeat``): the whole prompt (every instance matches, one to the
+end), a prompt that diverges half-way, one whose first block nobody holds; each from a list of
+ints and from a ``numpy.uint64`` array (the list's conversion is the difference).  Hashing: the
+same prompt's tokens through ``vllm_block_hashes`` (vLLM's default sha256, and xxhash), apart
+from the lookup.  Memory: the full fleet's arrays (``Index.nbytes``) and the process's resident
+growth, per held block; and tracemalloc's count of everything the index keeps, for
+``--memory-blocks`` blocks in one instance and for the same blocks held by every instance.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 import tracemalloc
 from typing import Callable
 
+import numpy as np
+
 from radixkv.bench import Report, median_seconds
 from radixkv.fleet.events import BlockStored, EventBatch
+from radixkv.fleet.hashing import vllm_block_hashes
 from radixkv.fleet.index import Index
 
 
@@ -34,10 +42,9 @@ def stored(hashes: list[int], parent: int | None, medium: str) -> EventBatch:
 
 def chains(rng: random.Random, blocks: int, length: int = 64) -> list[list[int]]:
     """``blocks`` random 64-bit hashes in chains of ``length``."""
-    out = []
-    for start in range(0, blocks, length):
-        out.append([rng.getrandbits(64) for _ in range(min(length, blocks - start))])
-    return out
+    flat = np.random.default_rng(rng.getrandbits(32)).integers(0, 2**64, blocks, dtype=np.uint64, endpoint=False)
+    hs = flat.tolist()
+    return [hs[i:i + length] for i in range(0, blocks, length)]
 
 
 def feed(idx: Index, instance: str, seq: int, chain_list: list[list[int]], medium: str) -> int:
@@ -55,6 +62,7 @@ def memory(build: Callable[[], Index]) -> int:
     try:
         base = tracemalloc.get_traced_memory()[0]
         idx = build()
+        len(idx)                                   # its queued events applied
         kept = tracemalloc.get_traced_memory()[0] - base
         del idx
     finally:
@@ -62,53 +70,78 @@ def memory(build: Callable[[], Index]) -> int:
     return kept
 
 
+def rss() -> int:
+    """The process's resident bytes (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m radixkv.bench fleet_index", description=__doc__.split("\n")[0])
-    ap.add_argument("--instances", type=int, default=8)
+    ap.add_argument("--instances", type=int, default=16)
+    ap.add_argument("--blocks", type=int, default=100_000, help="distinct blocks per instance (1000000: the headline)")
     ap.add_argument("--prompt-blocks", type=int, default=2048)
-    ap.add_argument("--background", type=int, default=100_000, help="other blocks per instance")
+    ap.add_argument("--batch", type=int, default=64, help="blocks a BlockStored batch")
     ap.add_argument("--memory-blocks", type=int, default=1_000_000)
-    ap.add_argument("--repeat", type=int, default=21)
+    ap.add_argument("--repeat", type=int, default=201)
     ap.add_argument("--out", help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("fleet_index", argv)
     rng = random.Random(0)
-    n, k = args.prompt_blocks, args.instances
+    n, k, b = args.prompt_blocks, args.instances, args.batch
+    if args.blocks < n:
+        ap.error("--blocks must be at least --prompt-blocks")
     prompt = [rng.getrandbits(64) for _ in range(n)]
     idx = Index()
-    background = [chains(rng, args.background) for _ in range(k)]     # made outside the timing
-    applied, t0 = 0, time.perf_counter()
+    rss0 = rss()
+    applied, spent = 0, 0.0
     for i in range(k):
-        name = f"engine-{i}"
-        seq = feed(idx, name, 0, background[i], "GPU")
+        name, seq = f"engine-{i}", 0
         cut = n * (i + 1) // k
-        for start in range(0, cut, 64):                      # the prompt's chain, in batches of 64
-            part = prompt[start:min(start + 64, cut)]
-            idx.apply(name, seq, stored(part, prompt[start - 1] if start else None, "GPU"))
-            seq += 1
-        applied += args.background + cut
+        batches = [stored(c, None, "GPU") for c in chains(rng, args.blocks - cut, b)]     # made off the clock
+        batches += [stored(prompt[s:min(s + b, cut)], prompt[s - 1] if s else None, "GPU") for s in range(0, cut, b)]
         if i % 2:
-            for start in range(0, n, 64):
-                idx.apply(name, seq, stored(prompt[start:start + 64], prompt[start - 1] if start else None, "CPU"))
-                seq += 1
-            applied += n
-    build_s = time.perf_counter() - t0
-    del background
-    idx.check()
-    say(f"{k} instances, {len(idx):,} distinct blocks, {applied:,} blocks stored in batches of 64: "
-        f"{applied / build_s / 1e6:.2f} M blocks/s applied")
+            batches += [stored(prompt[s:s + b], prompt[s - 1] if s else None, "CPU") for s in range(0, n, b)]
+        t0 = time.perf_counter()
+        for batch in batches:
+            idx.apply(name, seq, batch)
+            seq += 1
+        len(idx)                                   # the queued events applied, on the clock
+        spent += time.perf_counter() - t0
+        applied += sum(len(getattr(bt.events[0], "block_hashes", ())) for bt in batches)
+        del batches
+    grown = rss() - rss0
+    holdings = sum(idx.blocks(name) for name in idx.instances())
+    say(f"{k} instances x {args.blocks:,} blocks: {holdings:,} held blocks, {len(idx):,} distinct; "
+        f"{applied:,} blocks stored in batches of {b}: {applied / spent / 1e6:.2f} M blocks/s applied")
+    say(f"memory: {idx.nbytes() / holdings:.1f} bytes a held block in the index's arrays "
+        f"({idx.nbytes() / 2**20:,.0f} MiB); the process grew {grown / holdings:.1f} bytes a held block")
     say(f"prompt: {n} blocks ({n * 16:,} tokens at block size 16)")
     full = idx.lookup(prompt)
     assert len(full) == k and max(m.blocks for m in full.values()) == n, full
-    say(f"answer for the whole prompt: {', '.join(f'{name}={m.blocks}/{m.medium}' for name, m in sorted(full.items()))}")
+    assert all(full[f"engine-{j}"].blocks == (n if j % 2 else n * (j + 1) // k) for j in range(k)), full
+    say(f"answer for the whole prompt: {', '.join(f'{name}={m.blocks}/{m.medium}' for name, m in full.items())}")
     miss = [rng.getrandbits(64)] + prompt[1:]
     half = prompt[:n // 2] + [rng.getrandbits(64) for _ in range(n - n // 2)]
-    say(f"{'lookup':<34} {'lookups/s':>10} {'us each':>9}")
+    say(f"{'lookup (median)':<34} {'from a list':>12} {'from an array':>14}")
     for label, query in (("whole prompt (all match, 1 to end)", prompt),
                          ("diverges half-way", half),
                          ("first block unknown", miss)):
-        s = median_seconds(lambda: idx.lookup(query), args.repeat)
-        say(f"{label:<34} {1 / s:>10,.0f} {s * 1e6:>9.1f}")
+        arr = np.array(query, dtype=np.uint64)
+        assert idx.lookup(arr) == idx.lookup(query)
+        s_list = median_seconds(lambda: idx.lookup(query), args.repeat)
+        s_arr = median_seconds(lambda: idx.lookup(arr), args.repeat)
+        say(f"{label:<34} {s_list * 1e6:>9.1f} us {s_arr * 1e6:>11.1f} us")
+    tokens = [rng.randrange(32_000) for _ in range(n * 16)]
+    assert vllm_block_hashes(tokens, 16, seed="0", as_int=True)[:1] != prompt[:1]
+    for algo in ("sha256", "xxhash"):
+        s = median_seconds(lambda: vllm_block_hashes(tokens, 16, algo=algo, seed="0", as_int=True),  # type: ignore[arg-type]
+                           max(3, args.repeat // 20))
+        say(f"hashing the prompt (vllm_block_hashes, {algo}, as_int): {s * 1e6:,.0f} us "
+            f"({s * 1e9 / n:,.0f} ns a block)")
     del idx
 
     m = args.memory_blocks
@@ -127,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
     per_block = memory(one_instance) / m
     per_holding = memory(all_instances) / (m // k * k)
-    say(f"memory: {per_block:.0f} bytes a block ({per_block * 1e6 / 2**20:.0f} MiB per million blocks), "
-        f"1M distinct blocks in one instance; {per_holding:.0f} bytes a holding "
+    say(f"tracemalloc: {per_block:.0f} bytes a block ({per_block * 1e6 / 2**20:.0f} MiB per million blocks), "
+        f"{m:,} distinct blocks in one instance; {per_holding:.0f} bytes a holding "
         f"({per_holding * 1e6 / 2**20:.0f} MiB per million) when {k} instances hold the same {m // k:,} blocks")
     say.save(args.out)
     return 0

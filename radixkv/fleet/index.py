@@ -30,14 +30,36 @@ Contract:
   counts as new).  Chains are stored root first, so eviction cuts the oldest chains at their root;
   the rest of a cut chain can no longer match (``lookup`` walks from the root) and is next in line.
   Plus ``max_pending`` waiting batches per instance.  ``bench fleet_index`` measures the bytes a
-  block costs.
+  block costs (about 55 a held block with 64-bit hashes; hashes of other types cost a Python dict
+  entry more).
+* **Queued events.**  ``apply`` checks a batch and queues its events; they are applied, runs of
+  consecutive ``BlockStored`` (or ``BlockRemoved`` of one medium) events of an instance at once,
+  by the next read (``lookup``, ``held``, ``blocks``, ``len``, ``check``) or once 64K blocks wait.
+  What a read sees is what applying every batch in order gives; a read after many batches pays
+  for applying them.
 * **Lookup.**  ``lookup(block_hashes)`` -> ``{instance: Match(blocks, medium)}``: for each instance
   the longest leading run of ``block_hashes`` it holds on one medium, and that medium; where two
   media hold runs of the same length, the faster (GPU, CPU, STORAGE, others by name, ``None``).
   Instances matching nothing are left out; stale instances too unless ``include_stale=True``.
-  Cost: O(matched blocks + instances): one dict probe a block for the whole fleet (holders are
-  bitmasks), not one per instance.
-* Hashes are compared as given (ints or bytes): feed the index the form your engines publish.
+  Cost: O(prompt blocks + instances), vectorised: one probe of one fleet-wide table a block
+  (holders are bitmasks), not one per instance.
+* Hashes are compared as given: ints in [0, 2**64) (vLLM's default external form) live in numpy
+  arrays; anything else (bytes, other ints) in a dict beside them.  A ``numpy.uint64`` array is
+  taken as is; a list of ints is converted once per call.
+
+Layout (every array grows by a factor, so appends are amortised O(1)):
+
+* ``_Map``: an open-addressing table (linear probing, at most 70% full) from a 64-bit hash to a
+  block *id*; lookups and inserts probe whole arrays of hashes at once.
+* Per id: ``_mask`` (which (instance, medium) pairs hold it, one bit each, in the narrowest
+  unsigned dtype that fits the pairs allocated), the parent of the chain that first stored it
+  (``_pk`` kind, ``_par`` value), its ``_slot`` in the table, and the log position of one holder,
+  its *primary* (``_prim``, ``_stamp``).
+* Per instance: a log of ids in store order (a block stored again is appended again, its old
+  entry dead), the log positions of the blocks it holds but is not primary of (``over``), and the
+  parents that differ from the block's first one (``parents``).  An entry is live when its
+  position is the holder's position of that block; dead entries are dropped when the log is
+  rebuilt, which happens once appends fill it (amortised O(1)).
 
 >>> from radixkv.fleet.events import BlockStored, EventBatch
 >>> idx = Index()
@@ -50,8 +72,10 @@ Contract:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
 from typing import Any, Hashable, Iterable, NamedTuple, Sequence
+
+import numpy as np
 
 __all__ = ["MEDIA", "Index", "Match", "Spread"]
 
@@ -61,6 +85,12 @@ _RANK = {m: i for i, m in enumerate(MEDIA)}
 
 Medium = str | None
 BlockHash = Hashable                                      # int (the default) or bytes
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)                      # Fibonacci hashing multiplier
+_EMPTY, _TOMB = -1, -2                                    # table slot states (values are >= 0)
+_NONE, _INT, _OBJ = 0, 1, 2                               # parent kinds: None, a uint64, a Python object
+_MAX_INSTANCES = 32767                                    # _prim is int16
+_QUEUE_BLOCKS = 1 << 16                                   # queued blocks that force a flush
 
 
 class Match(NamedTuple):
@@ -79,7 +109,7 @@ class Spread(NamedTuple):
 
 
 def medium_key(medium: object) -> Medium:
-    """The index's name for an event's ``medium``: upper-cased; ``None`` stays ``None``."""
+    """The index's name for an event's ``medium``: upper-cased; ``None`` stays ``None``.  O(1)."""
     if medium is None:
         return None
     if not isinstance(medium, str):
@@ -88,24 +118,169 @@ def medium_key(medium: object) -> Medium:
 
 
 def medium_rank(medium: Medium) -> tuple[int, str]:
-    """Sort key of media, fastest first: GPU, CPU, STORAGE, others by name, ``None``."""
+    """Sort key of media, fastest first: GPU, CPU, STORAGE, others by name, ``None``.  O(1)."""
     if medium is None:
         return (len(MEDIA) + 1, "")
     return (_RANK.get(medium, len(MEDIA)), medium)
 
 
+def _codes(hashes: Sequence[Any]) -> tuple[np.ndarray, list[tuple[int, Any]]]:
+    """``hashes`` as a uint64 array, and the (position, hash) of those that are not ints in
+    [0, 2**64) (their array entry is 0).  O(len(hashes)), in C when all are such ints."""
+    if isinstance(hashes, np.ndarray) and hashes.dtype == np.uint64:
+        return hashes, []
+    try:
+        return np.frombuffer(array("Q", hashes), np.uint64), []
+    except (TypeError, OverflowError):
+        pass
+    out = np.zeros(len(hashes), np.uint64)
+    other = []
+    for i, h in enumerate(hashes):
+        if isinstance(h, int) and 0 <= h < 1 << 64:
+            out[i] = h
+        else:
+            other.append((i, h))
+    return out, other
+
+
+class _Map:
+    """Open addressing with linear probing from uint64 keys to int32 values >= 0, probed for whole
+    arrays of keys at once.  Deleted slots become tombstones until the next rebuild; the table is
+    rebuilt (amortised O(1) a key) once live and dead slots pass 70% of it."""
+
+    __slots__ = ("keys", "vals", "bits", "size", "used", "moved")
+
+    def __init__(self, moved: Any = None) -> None:
+        self.moved = moved                        # called with (vals, slots) after a rebuild
+        self._alloc(4)
+
+    def _alloc(self, bits: int) -> None:
+        self.bits = bits
+        self.keys = np.zeros(1 << bits, np.uint64)
+        self.vals = np.full(1 << bits, _EMPTY, np.int32)
+        self.size = self.used = 0                 # live slots; live and dead
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys * _MIX) >> np.uint64(64 - self.bits)).astype(np.intp)
+
+    def _scan(self, keys: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each key, the first slot from ``slot`` on that holds it (hit) or is empty (miss):
+        (slots, hits).  The first slot of every key is read at once, then windows of the next
+        slots for the keys still unresolved (windows, not one step at a time: a batch's longest
+        probe sets the number of rounds).  O(len(keys)) reads, expected."""
+        last = len(self.vals) - 1
+        v = self.vals[slot]
+        hit = (self.keys[slot] == keys) & (v >= 0)
+        out = slot.copy()
+        rest = np.flatnonzero(~hit & (v != _EMPTY))
+        width = 8
+        while len(rest):
+            win = (slot[rest, None] + np.arange(1, width + 1)) & last
+            vv = self.vals[win]
+            hh = (self.keys[win] == keys[rest, None]) & (vv >= 0)
+            stop = hh | (vv == _EMPTY)
+            first = stop.argmax(axis=1)
+            found = stop[np.arange(len(rest)), first]
+            done = rest[found]
+            out[done] = win[found, first[found]]
+            hit[done] = hh[found, first[found]]
+            slot = slot.copy()
+            slot[rest] = win[:, -1]
+            rest = rest[~found]
+            width *= 2
+        return out, hit
+
+    def locate(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each key, -1 where absent.  O(len(keys)) reads, expected."""
+        if not self.size or not len(keys):
+            return np.full(len(keys), -1, np.intp)
+        slots, hit = self._scan(keys, self._home(keys))
+        return np.where(hit, slots, -1)
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The value of each key, -1 where absent.  O(len(keys)) reads, expected."""
+        if not self.size or not len(keys):
+            return np.full(len(keys), -1, np.int32)
+        slots, hit = self._scan(keys, self._home(keys))
+        return np.where(hit, self.vals[slots], -1)
+
+    def put(self, keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+        """Set ``keys`` (distinct) to ``vals``; returns their slots.  O(len(keys)) reads,
+        expected, plus a rebuild when the table is full (amortised)."""
+        n = len(keys)
+        if self.used + n > 0.7 * len(self.vals):
+            self._rebuild(self.size + n)
+        out = np.empty(n, np.intp)
+        slot, todo, last = self._home(keys), np.arange(n), len(self.vals) - 1
+        while len(todo):
+            at, hit = self._scan(keys[todo], slot[todo])
+            self.vals[at[hit]] = vals[todo[hit]]
+            out[todo[hit]] = at[hit]
+            miss, free = todo[~hit], at[~hit]     # claim the empty slot: its last writer wins it
+            self.keys[free] = keys[miss]
+            won = self.keys[free] == keys[miss]
+            self.vals[free[won]] = vals[miss[won]]
+            out[miss[won]] = free[won]
+            self.size += int(won.sum())
+            self.used += int(won.sum())
+            todo = miss[~won]
+            slot[todo] = (free[~won] + 1) & last
+        return out
+
+    def drop(self, slots: np.ndarray) -> None:
+        """Delete the keys in ``slots`` (live, distinct).  O(len(slots))."""
+        self.vals[slots] = _TOMB
+        self.size -= len(slots)
+
+    def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(slots, keys, values) of the live entries.  O(table)."""
+        live = np.flatnonzero(self.vals >= 0)
+        return live, self.keys[live], self.vals[live]
+
+    def _rebuild(self, n: int) -> None:
+        _, keys, vals = self.items()
+        bits = 4
+        while n > 0.5 * (1 << bits):              # at most half full right after a rebuild
+            bits += 1
+        self._alloc(bits)
+        slots = self.put(keys, vals)
+        if self.moved is not None:
+            self.moved(vals, slots)
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.vals.nbytes
+
+    def check(self) -> None:
+        """Sizes add up; every live key is found where it lives (no empty slot on its path)."""
+        assert self.used <= 0.7 * len(self.vals) or self.used <= 1, (self.used, len(self.vals))
+        slots, keys, _vals = self.items()
+        assert len(slots) == self.size, (len(slots), self.size)
+        assert int((self.vals == _TOMB).sum()) + self.size == self.used
+        assert len(np.unique(keys)) == len(keys), "a key is in the table twice"
+        assert np.array_equal(self.locate(keys), slots), "a live key is not on its probe path"
+
+
 class _Instance:
-    """One instance's state: its blocks (hash -> parent, oldest first), media bits, sequence."""
+    """One instance's state: its media bits, its store log, sequence numbers (see ``Index``)."""
 
-    __slots__ = ("name", "blocks", "bits", "media", "next_seq", "pending")
+    __slots__ = ("name", "ix", "bits", "media", "next_seq", "pending", "log", "head", "tail",
+                 "count", "over", "parents", "queue")
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.blocks: OrderedDict[BlockHash, BlockHash | None] = OrderedDict()
+    def __init__(self, name: str, ix: int) -> None:
+        self.name, self.ix = name, ix
         self.bits = 0                                  # OR of this instance's medium bits
         self.media: dict[Medium, int] = {}             # medium -> its bit
         self.next_seq: int | None = None
         self.pending: dict[int, Any] = {}              # seq -> batch waiting for a gap
+        self.log = np.zeros(16, np.int32)              # ids in store order; live in [head, tail)
+        self.head = self.tail = 0
+        self.count = 0                                 # distinct blocks held
+        self.over = _Map()                             # id -> log position, where not primary
+        self.parents: dict[int, Any] = {}              # id -> parent, where not the block's first
+        self.queue: list[Any] = []                     # events not applied yet
 
 
 class Index:
@@ -120,17 +295,167 @@ class Index:
         self.max_blocks = max_blocks
         self.max_pending = max_pending
         self._instances: dict[str, _Instance] = {}
-        self._holders: dict[BlockHash, int] = {}       # hash -> bits of the (instance, medium) holding it
-        self._owner: dict[int, tuple[_Instance, Medium]] = {}   # bit index -> (instance, medium)
+        self._free_ix: list[int] = []
+        self._owner: dict[int, tuple[_Instance, Medium]] = {}   # bit -> (instance, medium)
         self._free_bits: list[int] = []
         self._next_bit = 0
+        self._map = _Map(self._moved)                 # uint64 hash -> id
+        self._obj: dict[Any, int] = {}                # any other hash -> id
+        self._okey: dict[int, Any] = {}               # id -> that hash
+        self._pobj: dict[int, Any] = {}               # id -> its parent, where a Python object
+        self._wbits, self._words = 8, 1               # mask: words of wbits bits each
+        self._top = 0                                 # ids below it have been handed out
+        self._free = np.zeros(0, np.int32)            # ids freed, a stack of _nfree
+        self._nfree = 0
+        self._dirty: list[_Instance] = []             # instances with queued events
+        self._queued = 0                              # blocks (and events) queued
+        self._mask = np.zeros((0, 1), np.uint8)       # per id: the bits of the pairs holding it
+        self._slot = np.zeros(0, np.int32)            # per id: its slot in _map (-1: in _obj)
+        self._par = np.zeros(0, np.uint64)            # per id: its first parent, where an int
+        self._pk = np.zeros(0, np.int8)               # per id: that parent's kind
+        self._prim = np.zeros(0, np.int16)            # per id: its primary holder's ix (-1: none)
+        self._stamp = np.zeros(0, np.int32)           # per id: the primary's log position
+        self._grow_ids(16)
+
+    # ---- storage ------------------------------------------------------------------------------
+
+    def _grow_ids(self, need: int) -> None:
+        """Room for ``need`` ids, and at least a quarter more than now.  O(ids)."""
+        old = len(self._slot)
+        cap = max(need, old + old // 4, 16)
+
+        def grown(a: np.ndarray, fill: int) -> np.ndarray:
+            new = np.full((cap, *a.shape[1:]), fill, a.dtype)
+            new[:old] = a
+            return new
+        self._mask = grown(self._mask, 0)
+        self._slot = grown(self._slot, -1)
+        self._par = grown(self._par, 0)
+        self._pk = grown(self._pk, _NONE)
+        self._prim = grown(self._prim, -1)
+        self._stamp = grown(self._stamp, 0)
+
+    def _mask_dtype(self) -> Any:
+        return {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[self._wbits]
+
+    def _widen(self, bit: int) -> None:
+        """Make room in the masks for ``bit``.  O(ids)."""
+        while bit >= self._wbits * self._words:
+            if self._wbits < 64:
+                self._wbits *= 2
+                self._mask = self._mask.astype(self._mask_dtype())
+            else:
+                self._words += 1
+                self._mask = np.hstack([self._mask, np.zeros((len(self._mask), 1), np.uint64)])
+
+    def _vec(self, bits: int) -> np.ndarray:
+        """``bits`` as one mask row."""
+        w, full = self._wbits, (1 << self._wbits) - 1
+        return np.array([(bits >> (w * j)) & full for j in range(self._words)], self._mask_dtype())
+
+    def _int(self, row: Any) -> int:
+        """One mask row (a list of words) as an int."""
+        out = 0
+        for j, word in enumerate(row):
+            out |= int(word) << (self._wbits * j)
+        return out
+
+    def _moved(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        self._slot[ids] = slots
+
+    def _alloc(self, n: int) -> np.ndarray:
+        """``n`` fresh ids (rows zeroed).  Amortised O(n)."""
+        take = min(n, self._nfree)
+        ids = self._free[self._nfree - take:self._nfree][::-1].copy()
+        self._nfree -= take
+        if take < n:
+            if self._top + n - take > len(self._slot):
+                self._grow_ids(self._top + n - take)
+            ids = np.concatenate([ids, np.arange(self._top, self._top + n - take, dtype=np.int32)])
+            self._top += n - take
+        return ids
+
+    def _release(self, ids: np.ndarray) -> None:
+        """Forget ids no instance holds any more (their masks are 0).  O(len(ids))."""
+        if not len(ids):
+            return
+        slots = self._slot[ids]
+        self._map.drop(slots[slots >= 0].astype(np.intp))
+        for i in ids[slots < 0].tolist():
+            del self._obj[self._okey.pop(i)]
+        if self._pobj:
+            for i in ids[self._pk[ids] == _OBJ].tolist():
+                del self._pobj[i]
+        self._slot[ids] = -1
+        self._pk[ids] = _NONE
+        self._par[ids] = 0
+        self._prim[ids] = -1
+        if self._nfree + len(ids) > len(self._free):
+            self._free = np.concatenate([self._free[:self._nfree], np.zeros(self._nfree + 2 * len(ids), np.int32)])
+        self._free[self._nfree:self._nfree + len(ids)] = ids
+        self._nfree += len(ids)
+
+    def _find(self, hashes: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, list[tuple[int, Any]]]:
+        """(ids or -1, the uint64 codes, the other hashes) of ``hashes``.  O(len(hashes))."""
+        codes, other = _codes(hashes)
+        ids = self._map.find(codes).astype(np.int32) if len(self._map) else np.full(len(codes), -1, np.int32)
+        for i, h in other:
+            ids[i] = self._obj.get(h, -1)
+        return ids, codes, other
+
+    # ---- the log ------------------------------------------------------------------------------
+
+    def _stamps(self, inst: _Instance, ids: np.ndarray) -> np.ndarray:
+        """``inst``'s log position of each id (-1 where it is not primary and has none)."""
+        mine = self._prim[ids] == inst.ix
+        if not len(inst.over):
+            return np.where(mine, self._stamp[ids], -1)
+        return np.where(mine, self._stamp[ids], inst.over.find(ids.astype(np.uint64)))
+
+    def _holds(self, inst: _Instance, ids: np.ndarray) -> np.ndarray:
+        return (self._mask[ids] & self._vec(inst.bits)).any(axis=1)
+
+    def _live(self, inst: _Instance, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, ids) of the live log entries in [start, stop)."""
+        ids = inst.log[start:stop]
+        pos = np.arange(start, stop, dtype=np.int32)
+        live = self._holds(inst, ids) & (self._stamps(inst, ids) == pos)
+        return pos[live], ids[live]
+
+    def _set_stamps(self, inst: _Instance, ids: np.ndarray, pos: np.ndarray) -> None:
+        """Record ``pos`` as ``inst``'s log positions of ``ids`` (distinct; it holds them or is
+        about to)."""
+        prim = self._prim[ids]
+        free = prim == -1
+        if len(inst.over):
+            back = free & self._holds(inst, ids)   # it held them as a secondary: now primary
+            if back.any():
+                inst.over.drop(inst.over.locate(ids[back].astype(np.uint64)))
+        mine = free | (prim == inst.ix)
+        self._prim[ids[mine]] = inst.ix
+        self._stamp[ids[mine]] = pos[mine]
+        if not mine.all():
+            inst.over.put(ids[~mine].astype(np.uint64), pos[~mine])
+
+    def _append(self, inst: _Instance, ids: np.ndarray) -> None:
+        """Append ``ids`` (distinct) to ``inst``'s log as its newest holdings.  Amortised O(len(ids))."""
+        n = len(ids)
+        if inst.tail + n > len(inst.log):         # rebuild: live entries only, renumbered from 0
+            pos, live = self._live(inst, inst.head, inst.tail)
+            inst.log = np.zeros(max(16, (len(live) + n) * 3 // 2), np.int32)
+            inst.log[:len(live)] = live
+            inst.head, inst.tail = 0, len(live)
+            self._set_stamps(inst, live, np.arange(len(live), dtype=np.int32))
+        inst.log[inst.tail:inst.tail + n] = ids
+        self._set_stamps(inst, ids, np.arange(inst.tail, inst.tail + n, dtype=np.int32))
+        inst.tail += n
 
     # ---- events -------------------------------------------------------------------------------
 
     def apply(self, instance: str, seq: int, batch: Any) -> None:
         """Apply ``batch`` (an ``EventBatch``, ours or vLLM's) of ``instance`` numbered ``seq``.
-        Cost: O(blocks in the batch), plus the waiting batches a filled gap releases; a restart
-        or a clear O(blocks the instance held)."""
+        Cost: O(blocks in the batch), vectorised, plus the waiting batches a filled gap releases;
+        a restart or a clear O(blocks the instance held)."""
         if not isinstance(instance, str):
             raise TypeError(f"instance must be a str, got {type(instance).__name__}")
         if isinstance(seq, bool) or not isinstance(seq, int):
@@ -140,7 +465,10 @@ class Index:
             raise TypeError(f"batch must be an EventBatch, got {type(batch).__name__}")
         inst = self._instances.get(instance)
         if inst is None:
-            inst = self._instances[instance] = _Instance(instance)
+            if not self._free_ix and len(self._instances) >= _MAX_INSTANCES:
+                raise ValueError(f"the index holds at most {_MAX_INSTANCES} instances")
+            ix = self._free_ix.pop() if self._free_ix else len(self._instances)
+            inst = self._instances[instance] = _Instance(instance, ix)
         if inst.next_seq is None or seq < inst.next_seq:
             if inst.next_seq is not None:             # a restart
                 self._drop_all(inst)
@@ -172,6 +500,7 @@ class Index:
         for bit in inst.media.values():
             del self._owner[bit]
             self._free_bits.append(bit)
+        self._free_ix.append(inst.ix)
         del self._instances[instance]
 
     def _drain(self, inst: _Instance) -> None:
@@ -187,126 +516,253 @@ class Index:
                 bit = self._free_bits.pop()
             else:
                 bit, self._next_bit = self._next_bit, self._next_bit + 1
+                self._widen(bit)
             inst.media[medium] = bit
             inst.bits |= 1 << bit
             self._owner[bit] = (inst, medium)
         return bit
 
-    def _apply_events(self, inst: _Instance, events: Iterable[Any]) -> None:
+    def _apply_events(self, inst: _Instance, events: list[Any]) -> None:
+        """Queue ``events`` for ``inst``: they are applied, consecutive ones of a kind together,
+        before the next read or once ``_QUEUE_BLOCKS`` blocks wait."""
         for ev in events:
-            kind = type(ev).__name__
-            if kind == "BlockStored":
-                self._stored(inst, ev.block_hashes, ev.parent_block_hash, medium_key(ev.medium))
-            elif kind == "BlockRemoved":
-                self._removed(inst, ev.block_hashes, medium_key(ev.medium))
-            elif kind == "AllBlocksCleared":
-                self._cleared(inst)
-            else:
-                raise TypeError(f"batch holds an unknown event {kind}")
+            if type(ev).__name__ not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+                raise TypeError(f"batch holds an unknown event {type(ev).__name__}")
+        if not inst.queue:
+            self._dirty.append(inst)
+        inst.queue.extend(events)
+        for ev in events:
+            self._queued += len(getattr(ev, "block_hashes", ())) + 1
+        if self._queued > _QUEUE_BLOCKS:
+            self._flush()
 
-    def _stored(self, inst: _Instance, hashes: Sequence[BlockHash], parent: BlockHash | None,
-                medium: Medium) -> None:
-        mask = 1 << self._bit(inst, medium)
-        blocks, holders = inst.blocks, self._holders
-        for h in hashes:
-            if h in blocks:
-                blocks.move_to_end(h)
-            blocks[h] = parent
-            holders[h] = holders.get(h, 0) | mask
-            parent = h
-        over = len(blocks) - self.max_blocks
-        if over > 0:
-            keep = ~inst.bits
-            for _ in range(over):
-                h, _parent = blocks.popitem(last=False)
-                left = holders[h] & keep
-                if left:
-                    holders[h] = left
+    def _flush(self) -> None:
+        """Apply every queued event.  O(their blocks), vectorised over runs of events."""
+        dirty, self._dirty, self._queued = self._dirty, [], 0
+        for inst in dirty:
+            q, inst.queue = inst.queue, []
+            i = 0
+            while i < len(q):
+                kind, j = type(q[i]).__name__, i + 1
+                if kind == "BlockStored":
+                    total = len(q[i].block_hashes)
+                    while j < len(q) and type(q[j]).__name__ == kind:
+                        total += len(q[j].block_hashes)
+                        j += 1
+                    if inst.count + total <= self.max_blocks:     # no eviction on the way: one run
+                        self._stored(inst, q[i:j])
+                    else:
+                        for ev in q[i:j]:
+                            self._stored(inst, [ev])
+                elif kind == "BlockRemoved":
+                    medium, hs = medium_key(q[i].medium), list(q[i].block_hashes)
+                    while j < len(q) and type(q[j]).__name__ == kind and medium_key(q[j].medium) == medium:
+                        hs.extend(q[j].block_hashes)
+                        j += 1
+                    self._removed(inst, hs, medium)
                 else:
-                    del holders[h]
+                    self._cleared(inst)
+                i = j
+
+    def _stored(self, inst: _Instance, events: list[Any]) -> None:
+        """Apply consecutive ``BlockStored`` events of ``inst`` (during which it evicts nothing)
+        as one: each block's last store sets its place and parent, every store adds its medium."""
+        hs: list[Any] = []
+        pars: list[Any] = []
+        runs: list[tuple[int, int]] = []                 # (medium bit, blocks), in order
+        starts: list[int] = []
+        for ev in events:
+            bit = self._bit(inst, medium_key(ev.medium))
+            h = list(ev.block_hashes)
+            if h:
+                starts.append(len(hs))
+                hs.extend(h)
+                pars.append(ev.parent_block_hash)
+                pars.extend(h[:-1])
+                runs.append((bit, len(h)))
+        if not hs:
+            return
+        n = len(hs)
+        unique = len(set(hs)) == n
+        where: np.ndarray | None = None                  # each store's place among the blocks kept
+        if not unique:                                   # a hash twice: its last place and parent count
+            last = {h: i for i, h in enumerate(hs)}
+            keep = sorted(last.values())
+            rank = {k: r for r, k in enumerate(keep)}
+            where = np.array([rank[last[h]] for h in hs], np.intp)
+            hs, pars = [hs[i] for i in keep], [pars[i] for i in keep]
+        ids, codes, other = self._find(hs)
+        pk, pv, pobj = self._parent_codes(pars, codes if unique and not other else None, starts)
+        new = np.flatnonzero(ids < 0)
+        if len(new):
+            fresh = self._alloc(len(new))
+            ids[new] = fresh
+            is_obj = np.zeros(len(hs), bool)
+            for i, _h in other:
+                is_obj[i] = True
+            ints = new[~is_obj[new]]
+            if len(ints):
+                self._slot[ids[ints]] = self._map.put(codes[ints], ids[ints])
+            for i in new[is_obj[new]].tolist():
+                self._obj[hs[i]] = int(ids[i])
+                self._okey[int(ids[i])] = hs[i]
+            self._pk[fresh], self._par[fresh] = pk[new], pv[new]
+            for i in new[pk[new] == _OBJ].tolist():
+                self._pobj[int(ids[i])] = pobj[i]
+        old = np.ones(len(hs), bool)
+        old[new] = False
+        if old.any():                                # parents that differ from the block's first
+            at = np.flatnonzero(old)
+            oi = ids[at]
+            differ = (self._pk[oi] != pk[at]) | ((pk[at] == _INT) & (self._par[oi] != pv[at]))
+            for j in np.flatnonzero((pk[at] == _OBJ) & (self._pk[oi] == _OBJ)).tolist():
+                differ[j] = self._pobj[int(oi[j])] != pobj[int(at[j])]
+            if differ.any() or inst.parents:
+                for j, d in zip(at.tolist(), differ.tolist()):
+                    if d:
+                        inst.parents[int(ids[j])] = pars[j]
+                    else:
+                        inst.parents.pop(int(ids[j]), None)
+        held = self._holds(inst, ids)
+        self._append(inst, ids)
+        bits = {bit for bit, _n in runs}
+        for bit in bits:
+            w, b = divmod(bit, self._wbits)
+            if len(bits) == 1 and where is None:
+                these = ids
+            else:
+                per = np.repeat([r[0] for r in runs], [r[1] for r in runs]) == bit
+                these = np.unique(ids[where[per] if where is not None else per])
+            self._mask[these, w] |= self._mask.dtype.type(1 << b)
+        inst.count += len(ids) - int(held.sum())
+        if inst.count > self.max_blocks:
+            self._evict(inst, inst.count - self.max_blocks)
+
+    @staticmethod
+    def _parent_codes(pars: list[Any], chain: np.ndarray | None,
+                      starts: list[int]) -> tuple[np.ndarray, np.ndarray, dict[int, Any]]:
+        """Kinds, uint64 values and Python objects of the parents ``pars``; ``chain``: the codes
+        of the hashes when each parent but those at ``starts`` is the hash before it."""
+        n = len(pars)
+        pk, pv, pobj = np.full(n, _INT, np.int8), np.zeros(n, np.uint64), {}
+        rest: Iterable[int]
+        if chain is not None:
+            pv[1:] = chain[:-1]
+            rest = starts
+        else:
+            rest = range(n)
+        for i in rest:
+            p = pars[i]
+            if p is None:
+                pk[i], pv[i] = _NONE, 0
+            elif isinstance(p, int) and 0 <= p < 1 << 64:
+                pv[i] = p
+            else:
+                pk[i], pv[i], pobj[i] = _OBJ, 0, p
+        return pk, pv, pobj
+
+    def _drop(self, inst: _Instance, ids: np.ndarray, bits: int) -> None:
+        """Clear ``bits`` (some of ``inst``'s) from ``ids`` (distinct); forget the blocks no
+        one holds any more.  O(len(ids))."""
+        if not len(ids):
+            return
+        mine = self._vec(inst.bits)
+        m = self._mask[ids]
+        had = (m & mine).any(axis=1)
+        m &= ~self._vec(bits)
+        self._mask[ids] = m
+        gone = ids[had & ~(m & mine).any(axis=1)]
+        if len(gone):
+            inst.count -= len(gone)
+            prim = self._prim[gone] == inst.ix
+            self._prim[gone[prim]] = -1
+            if not prim.all():
+                inst.over.drop(inst.over.locate(gone[~prim].astype(np.uint64)))
+            if inst.parents:
+                for i in gone.tolist():
+                    inst.parents.pop(i, None)
+        self._release(ids[~m.any(axis=1)])
+
+    def _evict(self, inst: _Instance, n: int) -> None:
+        """Drop ``inst``'s ``n`` oldest holdings.  O(n + dead log entries passed)."""
+        while n > 0 and inst.head < inst.tail:
+            stop = min(inst.tail, inst.head + max(2 * n, 256))
+            pos, ids = self._live(inst, inst.head, stop)
+            pos, ids = pos[:n], ids[:n]
+            self._drop(inst, ids, inst.bits)
+            n -= len(ids)
+            inst.head = int(pos[-1]) + 1 if n == 0 else stop
 
     def _removed(self, inst: _Instance, hashes: Sequence[BlockHash], medium: Medium) -> None:
         bit = inst.media.get(medium)
-        if bit is None:
+        if bit is None or not len(hashes):
             return
-        mask, holders = 1 << bit, self._holders
-        for h in hashes:
-            held = holders.get(h, 0)
-            if not held & mask:
-                continue
-            held &= ~mask
-            if held:
-                holders[h] = held
-            else:
-                del holders[h]
-            if not held & inst.bits:
-                del inst.blocks[h]
+        ids = self._find(list(hashes))[0]
+        ids = np.unique(ids[ids >= 0])
+        w, b = divmod(bit, self._wbits)
+        ids = ids[(self._mask[ids, w] >> b) & 1 == 1]
+        self._drop(inst, ids, 1 << bit)
 
     def _cleared(self, inst: _Instance) -> None:
         """``AllBlocksCleared``: the instance's GPU medium (named ``GPU`` or not named) is empty."""
-        bits = [inst.media[m] for m in ("GPU", None) if m in inst.media]
-        if not bits:
-            return
         drop = 0
-        for bit in bits:
-            drop |= 1 << bit
-        holders, gone = self._holders, []
-        for h in inst.blocks:
-            held = holders[h]
-            if not held & drop:
-                continue
-            held &= ~drop
-            if held:
-                holders[h] = held
-            else:
-                del holders[h]
-            if not held & inst.bits:
-                gone.append(h)
-        for h in gone:
-            del inst.blocks[h]
+        for m in ("GPU", None):
+            if m in inst.media:
+                drop |= 1 << inst.media[m]
+        if drop:
+            self._drop(inst, self._live(inst, inst.head, inst.tail)[1], drop)
 
     def _drop_all(self, inst: _Instance) -> None:
-        keep, holders = ~inst.bits, self._holders
-        for h in inst.blocks:
-            left = holders[h] & keep
-            if left:
-                holders[h] = left
-            else:
-                del holders[h]
-        inst.blocks.clear()
+        if inst.queue:                                 # applying them would only be undone
+            inst.queue.clear()
+            self._dirty.remove(inst)
+        self._drop(inst, self._live(inst, inst.head, inst.tail)[1], inst.bits)
+        inst.head = inst.tail = 0
 
     # ---- queries ------------------------------------------------------------------------------
 
+    def _rows(self, block_hashes: Iterable[BlockHash]) -> np.ndarray:
+        """The mask rows of the leading blocks that someone holds (up to the first no one does)."""
+        hs: Any = block_hashes if isinstance(block_hashes, (list, tuple, np.ndarray)) else list(block_hashes)
+        if not len(hs):
+            return self._mask[:0]
+        ids = self._find(hs)[0]
+        miss = np.flatnonzero(ids < 0)
+        return self._mask[ids[:miss[0]] if len(miss) else ids]
+
     def lookup(self, block_hashes: Iterable[BlockHash], include_stale: bool = False) -> dict[str, Match]:
         """For each instance, the longest leading run of ``block_hashes`` it holds on one medium
-        (see the module docstring).  O(matched blocks + instances)."""
+        (see the module docstring).  This operation does not change the index.  O(prompt blocks
+        + instances), vectorised: one table probe a block and one pass over their holder masks."""
+        if self._dirty:
+            self._flush()
         active = 0
         for inst in self._instances.values():
             if include_stale or not inst.pending:
                 active |= inst.bits
+        if not active:
+            return {}
+        rows = self._rows(block_hashes)
+        if not len(rows):
+            return {}
+        acc = np.bitwise_and.accumulate(rows & self._vec(active), axis=0)
+        ends = np.flatnonzero((acc[1:] != acc[:-1]).any(axis=1))
         runs: dict[int, int] = {}
-        get = self._holders.get
-        n = 0
-        for h in block_hashes:
-            if not active:
-                break
-            held = get(h, 0) & active
-            if held != active:
-                gone = active & ~held
-                while gone:
-                    low = gone & -gone
-                    runs[low.bit_length() - 1] = n
-                    gone ^= low
-                active = held
-            n += 1
-        while active:
-            low = active & -active
-            runs[low.bit_length() - 1] = n
-            active ^= low
+        cur = self._int(acc[0])
+        for i, row in zip(ends.tolist(), acc[ends + 1].tolist()):
+            nxt = self._int(row)
+            gone = cur & ~nxt
+            while gone:
+                low = gone & -gone
+                runs[low.bit_length() - 1] = i + 1
+                gone ^= low
+            cur = nxt
+        while cur:
+            low = cur & -cur
+            runs[low.bit_length() - 1] = len(acc)
+            cur ^= low
         best: dict[str, Match] = {}
         for bit, blocks in runs.items():
-            if not blocks:
-                continue
             inst, medium = self._owner[bit]
             now = best.get(inst.name)
             if now is None or blocks > now.blocks or (
@@ -319,67 +775,87 @@ class Index:
         media (a prefix whose head is in the GPU pool and whose tail went down to the CPU tier is
         one run, as the instance's cache would match it), with how many blocks each medium is the
         fastest holder of: what it costs that instance to serve the prefix.  Instances matching
-        nothing are left out.  O(matched blocks x instances)."""
-        alive = [(inst, inst.bits) for inst in self._instances.values()
-                 if inst.bits and (include_stale or not inst.pending)]
-        counts: dict[str, dict[Medium, int]] = {}
-        get = self._holders.get
-        for h in block_hashes:
-            held = get(h, 0)
-            if not held:
-                break
-            still = []
-            for inst, mask in alive:
-                bits = held & mask
-                if not bits:
-                    continue
-                fastest: Medium = None
-                first = True
-                while bits:
-                    low = bits & -bits
-                    medium = self._owner[low.bit_length() - 1][1]
-                    if first or medium_rank(medium) < medium_rank(fastest):
-                        fastest, first = medium, False
-                    bits ^= low
-                c = counts.setdefault(inst.name, {})
-                c[fastest] = c.get(fastest, 0) + 1
-                still.append((inst, mask))
-            alive = still
-            if not alive:
-                break
-        return {name: Spread(sum(c.values()), tuple(sorted(c.items(), key=lambda kv: medium_rank(kv[0]))))
-                for name, c in counts.items()}
+        nothing are left out.  This operation does not change the index.  O(prompt blocks x
+        instances), vectorised per instance."""
+        if self._dirty:
+            self._flush()
+        alive = [inst for inst in self._instances.values() if inst.bits and (include_stale or not inst.pending)]
+        if not alive:
+            return {}
+        rows = self._rows(block_hashes)
+        out: dict[str, Spread] = {}
+        for inst in alive:
+            held = (rows & self._vec(inst.bits)).any(axis=1)
+            stop = np.flatnonzero(~held)
+            run = int(stop[0]) if len(stop) else len(rows)
+            if not run:
+                continue
+            left = np.ones(run, bool)
+            counts = []
+            for medium, bit in sorted(inst.media.items(), key=lambda mb: medium_rank(mb[0])):
+                has = left & (rows[:run] & self._vec(1 << bit)).any(axis=1)
+                if has.any():
+                    counts.append((medium, int(has.sum())))
+                    left &= ~has
+            out[inst.name] = Spread(run, tuple(counts))
+        return out
 
     def instances(self) -> list[str]:
-        """The instances the index knows, in the order it first heard of them."""
+        """The instances the index knows, in the order it first heard of them.  O(instances)."""
         return list(self._instances)
 
     def stale(self, instance: str) -> bool:
-        """Whether ``instance`` has batches waiting for a gap to be filled."""
+        """Whether ``instance`` has batches waiting for a gap to be filled.  O(1)."""
         return bool(self._get(instance).pending)
 
     def next_seq(self, instance: str) -> int | None:
-        """The sequence number ``instance``'s next batch should have."""
+        """The sequence number ``instance``'s next batch should have.  O(1)."""
         return self._get(instance).next_seq
 
     def blocks(self, instance: str) -> int:
-        """How many distinct block hashes ``instance`` holds (on any medium).  O(1)."""
-        return len(self._get(instance).blocks)
+        """How many distinct block hashes ``instance`` holds (on any medium).  O(1), after the
+        queued events are applied."""
+        if self._dirty:
+            self._flush()
+        return self._get(instance).count
 
     def held(self, instance: str) -> dict[BlockHash, tuple[BlockHash | None, list[Medium]]]:
         """Every block ``instance`` holds: ``hash -> (parent, media fastest first)``, oldest first.
-        O(blocks it holds); for tests and inspection."""
+        O(blocks it holds, and its log's dead entries); for tests and inspection."""
+        if self._dirty:
+            self._flush()
         inst = self._get(instance)
-        out = {}
-        for h, parent in inst.blocks.items():
-            bits = self._holders[h]
-            media = sorted((m for m, b in inst.media.items() if bits >> b & 1), key=medium_rank)
-            out[h] = (parent, media)
+        _pos, ids = self._live(inst, inst.head, inst.tail)
+        out: dict[BlockHash, tuple[BlockHash | None, list[Medium]]] = {}
+        by_rank = sorted(inst.media.items(), key=lambda mb: medium_rank(mb[0]))
+        for i, row in zip(ids.tolist(), self._mask[ids].tolist()):
+            bits = self._int(row)
+            media = [m for m, b in by_rank if bits >> b & 1]
+            out[self._key(i)] = (inst.parents[i] if i in inst.parents else self._parent(i), media)
         return out
 
+    def _key(self, i: int) -> BlockHash:
+        slot = int(self._slot[i])
+        return int(self._map.keys[slot]) if slot >= 0 else self._okey[i]
+
+    def _parent(self, i: int) -> BlockHash | None:
+        kind = int(self._pk[i])
+        return None if kind == _NONE else int(self._par[i]) if kind == _INT else self._pobj[i]
+
+    def nbytes(self) -> int:
+        """Bytes of the index's arrays (its dicts of non-integer hashes and odd parents not
+        counted; ``bench fleet_index`` measures everything).  O(instances)."""
+        if self._dirty:
+            self._flush()
+        arrays = (self._mask, self._slot, self._par, self._pk, self._prim, self._stamp, self._free)
+        return (self._map.nbytes() + sum(a.nbytes for a in arrays)
+                + sum(i.log.nbytes + i.over.nbytes() for i in self._instances.values()))
+
     def __len__(self) -> int:
-        """Distinct block hashes held anywhere in the fleet."""
-        return len(self._holders)
+        """Distinct block hashes held anywhere in the fleet.  O(1)."""
+        if self._dirty:
+            self._flush()
+        return len(self._map) + len(self._obj)
 
     def _get(self, instance: str) -> _Instance:
         try:
@@ -388,14 +864,17 @@ class Index:
             raise KeyError(f"instance {instance!r} is not in the index") from None
 
     def check(self) -> None:
-        """Verify every invariant (raises ``AssertionError``).  O(blocks held + instances)."""
+        """Verify every invariant (raises ``AssertionError``).  O(blocks held + log entries +
+        table slots), vectorised, plus O(instances x held ids)."""
+        if self._dirty:
+            self._flush()
+        self._map.check()
+        for inst in self._instances.values():
+            inst.over.check()
+        # bits: each (instance, medium) pair owns one bit
         all_bits = 0
         for name, inst in self._instances.items():
             assert inst.name == name
-            assert len(inst.blocks) <= self.max_blocks, (name, len(inst.blocks))
-            assert len(inst.pending) <= self.max_pending, (name, len(inst.pending))
-            if inst.pending:
-                assert inst.next_seq is not None and min(inst.pending) > inst.next_seq, name
             bits = 0
             for medium, bit in inst.media.items():
                 assert self._owner.get(bit) == (inst, medium), (name, medium)
@@ -404,17 +883,45 @@ class Index:
             assert bits == inst.bits, name
             assert not all_bits & bits, "an (instance, medium) bit is shared"
             all_bits |= bits
-            for h in inst.blocks:
-                assert self._holders.get(h, 0) & inst.bits, (name, h)
         assert set(self._owner) == {b for b in range(self._next_bit) if all_bits >> b & 1}
         assert not set(self._free_bits) & set(self._owner)
-        counts = dict.fromkeys(self._instances, 0)
-        for h, bits in self._holders.items():
-            assert bits and not bits & ~all_bits, (h, bits)
-            for name, inst in self._instances.items():
-                if bits & inst.bits:
-                    assert h in inst.blocks, (name, h)
-                    counts[name] += 1
+        assert self._next_bit <= self._wbits * self._words
+        ixs = [inst.ix for inst in self._instances.values()]
+        assert len(set(ixs)) == len(ixs) and not set(ixs) & set(self._free_ix)
+        # ids: each in use exactly once (table or dict), the rest free, rows of free ids cleared
+        slots, _keys, vals = self._map.items()
+        obj_ids = np.array(sorted(self._obj.values()), np.int32)
+        used = np.concatenate([vals, obj_ids])
+        assert len(np.unique(used)) == len(used), "an id is used twice"
+        free = self._free[:self._nfree]
+        assert len(np.unique(free)) == len(free) and not np.isin(free, used).any()
+        assert len(used) + len(free) == self._top, (len(used), len(free), self._top)
+        assert np.array_equal(self._slot[vals], slots), "an id's slot is wrong"
+        assert (self._slot[obj_ids] == -1).all() and {self._obj[k]: k for k in self._obj} == self._okey
+        assert (self._mask[used] != 0).any(axis=1).all(), "an id in use has no holder"
+        unused = np.setdiff1d(np.arange(len(self._slot)), used)
+        assert not self._mask[unused].any() and (self._prim[unused] == -1).all()
+        assert (self._pk[unused] == _NONE).all() and (self._slot[unused] == -1).all()
+        assert set(self._pobj) == set(np.flatnonzero(self._pk == _OBJ).tolist())
+        stray = self._vec(~all_bits & ((1 << (self._wbits * self._words)) - 1))
+        assert not (self._mask & stray).any(), "a bit no pair owns is set"
+        # instances: the live log entries are exactly the blocks held, each once
+        prim = self._prim[used]
         for name, inst in self._instances.items():
-            assert counts[name] == len(inst.blocks), name
-
+            assert inst.count <= self.max_blocks, (name, inst.count)
+            assert len(inst.pending) <= self.max_pending, (name, len(inst.pending))
+            if inst.pending:
+                assert inst.next_seq is not None and min(inst.pending) > inst.next_seq, name
+            assert 0 <= inst.head <= inst.tail <= len(inst.log)
+            pos, live = self._live(inst, inst.head, inst.tail)
+            assert len(np.unique(live)) == len(live), (name, "a block is live twice in the log")
+            held = used[self._holds(inst, used)]
+            assert np.array_equal(np.sort(live), np.sort(held)), (name, "log and masks disagree")
+            assert inst.count == len(held), (name, inst.count, len(held))
+            _s, over_ids, over_pos = inst.over.items()
+            secondary = np.sort(held[self._prim[held] != inst.ix])
+            assert np.array_equal(np.sort(over_ids.astype(np.int32)), secondary), name
+            assert np.array_equal(inst.log[over_pos], over_ids.astype(np.int32)), name
+            assert set(inst.parents) <= set(held.tolist()), name
+            assert not np.isin(used[prim == inst.ix], held, invert=True).any(), (name, "primary of a block it lacks")
+        assert (prim == -1).sum() + sum((prim == i.ix).sum() for i in self._instances.values()) == len(used)

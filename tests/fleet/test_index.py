@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -117,11 +118,13 @@ class Reference:
 
 
 INSTANCES = ["a", "b", "c"]
-hashes = st.lists(st.integers(0, 9), min_size=1, max_size=5)
+# mostly 64-bit ints (the index's arrays), sometimes hashes it keeps in a dict beside them
+hash_ = st.one_of(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9), st.sampled_from([b"x", b"y", -3, 2**70, 2**64 - 1]))
+hashes = st.lists(hash_, min_size=1, max_size=5)
 media = st.sampled_from(["GPU", "CPU", "cpu", "STORAGE", None, "disk"])
 stored = st.builds(lambda hs, p, m: BlockStored(block_hashes=hs, parent_block_hash=p, token_ids=[], block_size=4,
                                                  lora_id=None, medium=m, lora_name=None),
-                   hashes, st.one_of(st.none(), st.integers(0, 9)), media)
+                   hashes, st.one_of(st.none(), hash_), media)
 removed = st.builds(lambda hs, m: BlockRemoved(block_hashes=hs, medium=m), hashes, media)
 event = st.one_of(stored, stored, removed, st.just(AllBlocksCleared()))
 batches = st.builds(lambda evs: EventBatch(ts=0.0, events=evs), st.lists(event, max_size=3))
@@ -129,15 +132,30 @@ op = st.one_of(
     st.tuples(st.just("apply"), st.sampled_from(INSTANCES), st.integers(-2, 3), batches, st.booleans()),
     st.tuples(st.just("apply"), st.sampled_from(INSTANCES), st.integers(-2, 3), batches, st.booleans()),
     st.tuples(st.just("skip"), st.sampled_from(INSTANCES)),
-    st.tuples(st.just("lookup"), st.lists(st.integers(0, 9), max_size=8), st.booleans()),
+    st.tuples(st.just("lookup"), st.lists(hash_, max_size=8), st.booleans()),
 )
 
 
+def agree(idx: Index, ref: Reference) -> None:
+    idx.check()
+    for name, st_ in ref.inst.items():
+        assert idx.stale(name) == bool(st_["pending"])
+        assert idx.next_seq(name) == st_["next"]
+        want = {h: (p, sorted(ms, key=medium_rank)) for h, (p, ms) in st_["held"].items()}
+        assert idx.held(name) == want
+        assert list(idx.held(name)) == st_["order"]
+        assert idx.blocks(name) == len(want)
+    assert len(idx) == len({h for st_ in ref.inst.values() for h in st_["held"]})
+
+
 # cheap examples (a few ms): four times the profile's count, so that rarer paths (a gap given up
-# after max_pending waiting batches, eviction past max_blocks mid-chain) come up in every run
+# after max_pending waiting batches, eviction past max_blocks mid-chain) come up in every run.
+# ``every_step``: check and compare after every step (each read applies the queued events), or
+# only at lookups and the end (long queues of events applied together)
 @settings(max_examples=4 * settings.default.max_examples)
-@given(ops=st.lists(op, max_size=40), max_blocks=st.integers(1, 8), max_pending=st.integers(1, 4))
-def test_index_matches_reference(ops: list[tuple], max_blocks: int, max_pending: int) -> None:
+@given(ops=st.lists(op, max_size=40), max_blocks=st.integers(1, 8), max_pending=st.integers(1, 4),
+       every_step=st.booleans())
+def test_index_matches_reference(ops: list[tuple], max_blocks: int, max_pending: int, every_step: bool) -> None:
     idx, ref = Index(max_blocks=max_blocks, max_pending=max_pending), Reference(max_blocks, max_pending)
     for o in ops:
         if o[0] == "apply":
@@ -156,13 +174,37 @@ def test_index_matches_reference(ops: list[tuple], max_blocks: int, max_pending:
         else:
             assert idx.lookup(o[1], include_stale=o[2]) == ref.lookup(o[1], o[2])
             assert idx.lookup_spread(o[1], include_stale=o[2]) == ref.spread(o[1], o[2])
-        idx.check()
-        for name, st_ in ref.inst.items():
-            assert idx.stale(name) == bool(st_["pending"])
-            assert idx.next_seq(name) == st_["next"]
-            want = {h: (p, sorted(ms, key=medium_rank)) for h, (p, ms) in st_["held"].items()}
-            assert idx.held(name) == want
-            assert list(idx.held(name)) == st_["order"]
+        if every_step:
+            agree(idx, ref)
+    agree(idx, ref)
+
+
+@settings(max_examples=settings.default.max_examples // 2, deadline=None)
+@given(n=st.integers(1, 300), width=st.integers(1, 70), seed=st.integers(0, 2**32 - 1))
+def test_table_grows_and_shrinks_under_many_blocks(n: int, width: int, seed: int) -> None:
+    """Hundreds of random 64-bit hashes in chains, some dropped: table rebuilds, log rebuilds,
+    evictions and a second holder on every other block, against the same reference."""
+    import random
+    rng = random.Random(seed)
+    idx, ref = Index(max_blocks=200, max_pending=4), Reference(200, 4)
+    hs = [rng.getrandbits(64) for _ in range(n)]
+    seqs = {"a": 0, "b": 0}
+    for start in range(0, n, width):
+        for name, part in (("a", hs[start:start + width]), ("b", hs[start:start + width:2])):
+            batch = stored_on("GPU" if name == "a" else "CPU", part, hs[start - 1] if start else None)
+            idx.apply(name, seqs[name], batch)
+            ref.apply(name, seqs[name], batch)
+            seqs[name] += 1
+        gone = EventBatch(ts=0.0, events=[BlockRemoved(block_hashes=hs[start:start + width:3], medium="GPU")])
+        idx.apply("a", seqs["a"], gone)
+        ref.apply("a", seqs["a"], gone)
+        seqs["a"] += 1
+    agree(idx, ref)
+    assert idx.lookup(hs) == ref.lookup(hs, False)
+    assert idx.lookup(np.array(hs, dtype=np.uint64)) == ref.lookup(hs, False)
+    idx.apply("a", 0, stored_on("GPU", hs[:3]))                    # a restart
+    ref.apply("a", 0, stored_on("GPU", hs[:3]))
+    agree(idx, ref)
 
 
 def stored_on(medium: str, hs: list[int], parent: int | None = None) -> EventBatch:
@@ -216,7 +258,8 @@ def test_bench_fleet_index_smoke(tmp_path: Any, capsys: pytest.CaptureFixture[st
     from radixkv.bench.fleet_index import main
     assert "fleet_index" in BENCHMARKS
     out = tmp_path / "r.txt"
-    assert main(["--instances", "3", "--prompt-blocks", "100", "--background", "200", "--memory-blocks", "3000",
+    assert main(["--instances", "3", "--prompt-blocks", "100", "--blocks", "300", "--memory-blocks", "3000",
                  "--repeat", "1", "--out", str(out)]) == 0
     text = out.read_text()
-    assert text.startswith("# python -m radixkv.bench fleet_index") and "lookups/s" in text and "bytes a block" in text
+    assert text.startswith("# python -m radixkv.bench fleet_index") and "bytes a held block" in text
+    assert "from an array" in text and "hashing the prompt" in text
