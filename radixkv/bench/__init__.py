@@ -11,7 +11,7 @@ import statistics
 import time
 from typing import Callable
 
-BENCHMARKS = ("blend", "capacity", "copy", "fleet_index", "fleet_sim", "hash", "hybrid", "policy", "s3", "tiers", "tree", "ttft")
+BENCHMARKS = ("blend", "capacity", "codec", "copy", "fleet_index", "fleet_sim", "hash", "hybrid", "policy", "s3", "tiers", "tree", "ttft")
 
 
 def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 1) -> float:

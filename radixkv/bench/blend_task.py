@@ -175,6 +175,29 @@ def train(steps: int = 2000, batch: int = 32, seed: int = 0, log: Any = print, l
     return model.train(False)
 
 
+def trained(steps: int = 2000, seed: int = 0, log: Any = print, cache_dir: str | None = None) -> Any:
+    """The model ``train(steps, seed=seed)`` makes, trained once per machine: its weights are kept
+    in ``cache_dir`` (default ``$RADIXKV_MODEL_CACHE``, else ``~/.cache/radixkv``) and loaded from
+    there next time (``torch.load(weights_only=True)``: tensors only).  Cost: a training run the
+    first time, a file read after."""
+    import os
+
+    import transformers
+
+    folder = cache_dir or os.environ.get("RADIXKV_MODEL_CACHE") or os.path.expanduser("~/.cache/radixkv")
+    path = os.path.join(folder, f"blend-task-l4-h64-seed{seed}-steps{steps}.pt")
+    if os.path.exists(path):
+        model = transformers.AutoModelForCausalLM.from_config(model_config())
+        model.load_state_dict(torch.load(path, weights_only=True))
+        log(f"# trained model loaded from {path}")
+        return model.train(False)
+    model = train(steps, seed=seed, log=log)
+    os.makedirs(folder, exist_ok=True)
+    torch.save(model.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train the model and print its full-prefill accuracy on a corpus; 0."""
     parser = argparse.ArgumentParser(prog="python -m radixkv.bench.blend_task", description=__doc__,

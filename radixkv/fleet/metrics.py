@@ -115,6 +115,11 @@ SERIES: tuple[Series, ...] = (
            scrape=True, pool=True),
     Series("radixkv_breaker_open", "gauge", ("tier",),
            "1 while a remote tier's circuit breaker skips requests (open or probing), else 0.", scrape=True),
+    Series("radixkv_approximate_requests_total", "counter", (),
+           "Requests whose cached KV a lossy codec approximated (a load from a tier with codec int8 or "
+           "cachegen, or pool pages such a load filled); the others' KV is exact.", scrape=True, pool=True),
+    Series("radixkv_lossy_chunks_total", "counter", ("tier",),
+           "Chunks a tier delivered coded by a lossy codec (approximate KV).", scrape=True),
     Series("radixkv_hit_rate", "gauge", (),
            "Hit tokens over query tokens since start (prefer rate(hit)/rate(query) in queries).",
            scrape=True, pool=True),
@@ -442,6 +447,7 @@ def scraped(target: Any, listener: CacheMetrics | None = None) -> Iterator[tuple
             yield "radixkv_pool_pages", (state,), s[f"pages_{state}"]
         if listener is not None:
             yield "radixkv_hit_rate", (), listener.hit_rate()
+        yield "radixkv_approximate_requests_total", (), s["requests_approximate"]
         stacks = target.stacks
     else:
         stacks = [target]
@@ -452,8 +458,9 @@ def scraped(target: Any, listener: CacheMetrics | None = None) -> Iterator[tuple
     yield "radixkv_write_queue_depth", (), sum(c["queued_bytes"] for c in counts)
     yield "radixkv_write_queue_capacity", (), sum(st.queue_bytes for st in stacks)
     stack = stacks[0]                        # the tiers are the same objects in every stack
-    for tier, own in zip(stack.tiers, stack.tier_stats()):
+    for i, (tier, own) in enumerate(zip(stack.tiers, stack.tier_stats())):
         name = (tier.name,)
+        yield "radixkv_lossy_chunks_total", name, sum(c["lossy_loaded"][i] for c in counts)
         yield "radixkv_used_bytes", name, own.get("used_bytes", 0)
         if own.get("capacity_bytes") is not None:
             yield "radixkv_capacity_bytes", name, own["capacity_bytes"]

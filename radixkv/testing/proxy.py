@@ -6,6 +6,8 @@ deadline must bound (a per-read socket timeout does not: a trickle of bytes keep
         proxy.mode = "slow"       # every piece of an answer (as the server sends it, up to 64 KiB)
                                   # waits ``delay_s`` before it is forwarded
         proxy.mode = "trickle"    # answers are forwarded ``trickle_bytes`` every ``trickle_interval_s``
+        proxy.mode = "throttle"   # answers share a link of ``rate_bytes_s`` bytes a second (all
+                                  # connections together), as behind a slower network
         proxy.mode = "pass"       # back to normal (for new data; what is already trickling goes on)
 
 Requests go to the server unchanged; only the answers are delayed.  Binds 127.0.0.1 only; every
@@ -23,15 +25,18 @@ from typing import Any, Sequence
 
 __all__ = ["FaultyProxy", "timed_requests"]
 
-_MODES = ("pass", "slow", "trickle")
+_MODES = ("pass", "slow", "trickle", "throttle")
+_PIECE = 16384        # bytes a throttled answer is sent in
 
 
 class FaultyProxy:
     """Forward connections on 127.0.0.1:``port`` to ``target``, answers shaped by ``mode``."""
 
     def __init__(self, target: tuple[str, int], *, mode: str = "pass", delay_s: float = 0.4,
-                 trickle_bytes: int = 16, trickle_interval_s: float = 0.7) -> None:
+                 trickle_bytes: int = 16, trickle_interval_s: float = 0.7, rate_bytes_s: float = 100e6) -> None:
         self.target = target
+        self.rate_bytes_s = rate_bytes_s
+        self._link_free_at = 0.0          # throttle: when the shared link has sent what it was given
         self.mode = mode
         self.delay_s = delay_s
         self.trickle_bytes = trickle_bytes
@@ -80,6 +85,16 @@ class FaultyProxy:
                     break
                 if answers and self._mode == "slow":
                     time.sleep(self.delay_s)
+                if answers and self._mode == "throttle":
+                    for i in range(0, len(data), _PIECE):
+                        piece = data[i:i + _PIECE]
+                        with self._lock:      # each piece takes its turn on the one link
+                            now = time.monotonic()
+                            self._link_free_at = max(now, self._link_free_at) + len(piece) / self.rate_bytes_s
+                            wait = self._link_free_at - now
+                        time.sleep(wait)
+                        dst.sendall(piece)
+                    continue
                 if answers and self._mode == "trickle":
                     for i in range(0, len(data), self.trickle_bytes):
                         if self._closed:

@@ -39,6 +39,7 @@ def scrape(url: str) -> dict[Any, float]:
         return parse(resp.read().decode())
 
 
+@pytest.mark.slow                 # a workload scraped over HTTP (seconds): `make test` runs it
 def test_the_exporter_scraped_over_http_during_a_workload_matches_stats(tmp_path: Any) -> None:
     tiers = [CpuTier(64 << 10), LmdbTier(tmp_path / "disk", 8 << 20, sync=False)]
     with rk.PrefixCache(LAYOUT, num_pages=48, chunk_size=8, tiers=tiers) as cache, \
@@ -179,3 +180,23 @@ def test_bad_arguments_name_themselves() -> None:
         serve(-1, cache)
     with pytest.raises(TypeError, match="host"):
         serve(0, cache, host="")
+
+
+def test_requests_served_from_lossy_chunks_are_their_own_series(tmp_path: Any) -> None:
+    pytest.importorskip("zstandard")
+    layout = rk.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, page_size=4)
+    tokens = list(range(64))
+    with rk.PrefixCache(layout, num_pages=32, chunk_size=32, tiers=[LmdbTier(tmp_path / "d", 8 << 20)],
+                        codecs=["int8"]) as cache:
+        exporter = Exporter()
+        exporter.attach(cache, instance="i")
+        pages = cache.alloc(16)
+        cache.pool.kv[:, :, pages] = torch.randn_like(cache.pool.kv[:, :, pages])
+        cache.insert(tokens, pages)
+        cache.flush()
+        cache.evict(32)
+        cache.open(tokens + [1], load="wait").release()          # loaded from int8 chunks
+        cache.open([500, 501, 502, 503, 504]).release()           # nothing cached: not approximate
+        got = parse(exporter.render().decode())
+        assert value(got, "radixkv_approximate_requests_total") == 1 == cache.stats()["requests_approximate"]
+        assert value(got, "radixkv_lossy_chunks_total", tier="lmdb") == 2
