@@ -1,7 +1,8 @@
 # The two commands of the README, each doing its own set-up from a fresh clone:
 #   make demo    radixkv's main job on embedded defaults (no server needed)
 #   make test    the import contracts, the docs build and the whole test suite (the tests start the
-#                servers they need themselves); `pytest -m "not slow"` is the fast inner loop
+#                servers they need themselves); `pytest -m "not slow" -n 2 --dist loadfile` is the fast
+#                inner loop (about 1½ minutes on 2 cores; setup.cfg says which tests are slow)
 # Variables: PYTHON (the interpreter that makes the venv), VENV, TORCH_VERSION (torch==2.13.0 is a
 # CPU wheel here; a bare "torch" would pull a multi-GB CUDA build), EXTRAS, PIP_FLAGS, TEST_WORKERS.
 

@@ -39,11 +39,26 @@ class CpuInferredSlotsContract(CpuTierContract):
         return CpuTier(max_bytes=1200)  # slot size set by the first put
 
 
-TestMemoryContract = MemoryTierContract.TestCase
-TestCpuContract = CpuTierContract.TestCase
-TestCpuInferredSlotsContract = CpuInferredSlotsContract.TestCase
-TestLmdbContract = LmdbTierContract.TestCase
-TestLmdbTtlContract = LmdbTtlTierContract.TestCase
+# The full contract runs are slow (seconds each): `make test` runs them; the loop keeps a short run of
+# every shipped contract (test_harness.py's test_shipped_backends_pass_under_several_seeds).
+class TestMemoryContract(MemoryTierContract.TestCase):
+    pytestmark = pytest.mark.slow
+
+
+class TestCpuContract(CpuTierContract.TestCase):
+    pytestmark = pytest.mark.slow
+
+
+class TestCpuInferredSlotsContract(CpuInferredSlotsContract.TestCase):
+    pytestmark = pytest.mark.slow      # a slot size inferred
+
+
+class TestLmdbContract(LmdbTierContract.TestCase):
+    pytestmark = pytest.mark.slow      # on disk
+
+
+class TestLmdbTtlContract(LmdbTtlTierContract.TestCase):
+    pytestmark = pytest.mark.slow      # on disk, with a TTL
 
 
 def test_the_contract_runs_from_a_factory_in_tmp_path(tmp_path: Path) -> None:
@@ -341,6 +356,7 @@ def test_lmdb_fork_waits_for_live_transactions(tmp_path: Path) -> None:
     tier.close()
 
 
+@pytest.mark.slow                 # a process of its own: `make test` runs it
 def test_lmdb_clears_readers_of_dead_processes(tmp_path: Path) -> None:
     # While some process has the environment open, a reader slot of a killed process stays
     # taken (and pins old pages) until someone runs reader_check: the tier does on open.

@@ -31,6 +31,7 @@ def tier_at(path: Path, **kwargs: object) -> LmdbTier:
     return LmdbTier(path, **{"max_bytes": 1000, "map_size": 1 << 20, "sync": False, **kwargs})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow                 # a process of its own: `make test` runs it
 def test_pins_survive_a_restart_and_eviction_in_another_process(tmp_path: Path) -> None:
     tier = tier_at(tmp_path)
     for i in range(4):

@@ -174,7 +174,8 @@ def test_a_disk_path_that_cannot_be_opened_starts_without_the_disk_tier(tmp_path
         rk.from_config(cfg | {"local_disk_required": "yes"}, LAYOUT)
 
 
-@pytest.mark.parametrize("kind", ["s3", "redis"])
+# S3 is slow here (seconds against a stopped endpoint): `make test` runs it; Redis stays in the loop
+@pytest.mark.parametrize("kind", [pytest.param("s3", marks=pytest.mark.slow), "redis"])
 def test_a_remote_tier_down_at_start_up_is_misses_then_used_once_it_answers(kind, caplog):
     """A cache built while its S3 or Redis endpoint does not answer starts (one warning), serves
     misses, and loads from the tier once a server answers on that port, without a restart;

@@ -82,6 +82,7 @@ def parse(out: subprocess.CompletedProcess[str]) -> tuple[str, float, list[str]]
     return backend, float(seconds), messages
 
 
+@pytest.mark.slow                 # a Python process that imports torch: `make test` runs it
 def test_a_missing_build_means_the_torch_kernels_and_one_warning_or_under_require_an_error(tmp_path: Path) -> None:
     out = run_python(USE_THE_OPS + THEN_REQUIRE, tmp_path / "ext")
     backend, _, messages = parse(out)
@@ -94,6 +95,7 @@ def test_a_missing_build_means_the_torch_kernels_and_one_warning_or_under_requir
     assert "python -m radixkv build-ext" in error
 
 
+@pytest.mark.slow                 # a Python process that imports torch: `make test` runs it
 def test_stale_locks_do_not_make_a_request_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A build killed while compiling leaves its lock (and torch's own) behind: no call waits on them."""
     root = tmp_path / "ext"
@@ -115,6 +117,7 @@ def test_stale_locks_do_not_make_a_request_wait(tmp_path: Path, monkeypatch: pyt
         _ext.build(lock_timeout=0.5)
 
 
+@pytest.mark.slow                 # a Python process that imports torch: `make test` runs it
 def test_an_unloadable_build_is_a_miss_not_a_crash(tmp_path: Path) -> None:
     key_dir = tmp_path / "ext" / _ext.build_key()
     key_dir.mkdir(parents=True)

@@ -18,14 +18,15 @@ TOKENS = list(range(1, 38))            # 9 full pages, 4 full chunks of 8
 
 
 class TestTieredWriteThrough(TieredPrefixCacheMachine.TestCase):
-    pass
+    pytestmark = pytest.mark.slow      # a machine over a tier stack (seconds): `make test` runs it
 
 
 class WriteBackMachine(TieredPrefixCacheMachine):
     write_policy = "write_back"
 
 
-TestTieredWriteBack = WriteBackMachine.TestCase
+class TestTieredWriteBack(WriteBackMachine.TestCase):
+    pytestmark = pytest.mark.slow      # a machine over a tier stack (seconds): `make test` runs it
 
 
 def make(tiers, **kw):

@@ -114,12 +114,14 @@ def _rejects(blob: bytes | bytearray) -> None:
     raise AssertionError("a malformed blob was accepted")
 
 
+@pytest.mark.slow                 # a fuzzer of 2000 examples: `make test` runs it
 @settings(max_examples=2000, deadline=None)
 @given(st.binary(max_size=2 * len(VALID)))
 def test_fuzz_random_bytes_are_rejected(blob: bytes) -> None:
     _rejects(blob)
 
 
+@pytest.mark.slow                 # a fuzzer of 2000 examples: `make test` runs it
 @settings(max_examples=2000, deadline=None)
 @given(st.lists(st.integers(0, 8 * len(VALID) - 1), min_size=1, max_size=4, unique=True))
 def test_fuzz_bit_flips_are_rejected(bits: list[int]) -> None:
@@ -137,6 +139,7 @@ def test_fuzz_truncated_extended_and_spliced_blobs_are_rejected(cut: int, junk: 
         _rejects(VALID + junk)
 
 
+@pytest.mark.slow                 # 1000 headers rewritten, checksums fixed up (seconds): `make test` runs it
 @settings(max_examples=1000, deadline=None)
 @given(st.data())
 def test_fuzz_header_fields_rewritten_are_rejected(data: st.DataObject) -> None:

@@ -289,6 +289,7 @@ def test_sources_are_all_shipped_as_package_data() -> None:
         sorted(p.name for p in src.iterdir())
 
 
+@pytest.mark.slow                 # a benchmark run (seconds): `make test` runs it
 def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from radixkv.bench import block_copy as copy
 

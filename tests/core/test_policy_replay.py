@@ -41,6 +41,7 @@ def test_the_default_tiering_never_loses_hits_as_capacity_grows(name, write_poli
     assert all(g >= b - 0.02 for g, b in zip(got, bound)), f"{name}: {got} more than 2 points under {bound}"
 
 
+@pytest.mark.slow                 # a replay at every pool size (seconds): `make test` runs it
 def test_inclusive_lru_is_what_the_checks_catch():
     requests, pools = WORKLOADS["chat"], POOLS[2:]
     got = curve(requests, "write_through", False, None, pools)

@@ -18,8 +18,13 @@ from radixkv.testing.requests import GatedTier, RequestMachine, SlidingRequestMa
 
 LAYOUT = rk.KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2)
 
-TestRequestMachine = RequestMachine.TestCase
-TestSlidingRequestMachine = SlidingRequestMachine.TestCase      # sliding-window layers in every run
+
+class TestRequestMachine(RequestMachine.TestCase):
+    pytestmark = pytest.mark.slow      # the whole machine (seconds; a short run stays in the loop)
+
+
+class TestSlidingRequestMachine(SlidingRequestMachine.TestCase):      # sliding-window layers in every run
+    pytestmark = pytest.mark.slow      # the whole machine (seconds): `make test` runs it
 
 
 def test_the_machine_loads_into_a_chunk_and_reloads_a_stores_first_chunk(monkeypatch):
@@ -69,7 +74,8 @@ class ExclusiveCpuRequestMachine(RequestMachine):
         return [CpuTier(1 << 14, policy="s3fifo")]
 
 
-TestExclusiveCpuRequestMachine = ExclusiveCpuRequestMachine.TestCase
+class TestExclusiveCpuRequestMachine(ExclusiveCpuRequestMachine.TestCase):
+    pytestmark = pytest.mark.slow      # the whole machine over a CPU tier (seconds): `make test` runs it
 
 
 def make(num_pages: int = 16, tiers: list | None = None, **kw) -> rk.PrefixCache:

@@ -135,6 +135,7 @@ def workloads(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow                 # a property over tier stacks on disk, restarted (seconds): `make test` runs it
 @given(workloads())
 def test_every_chunk_boundary_is_served_exactly_from_the_tiers(w: dict[str, Any]) -> None:
     serve_and_probe(w)

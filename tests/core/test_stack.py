@@ -364,6 +364,7 @@ def test_a_tail_is_stored_found_and_loaded_like_a_chunk(refs: list[ChunkRef]) ->
     stack.close()
 
 
+@pytest.mark.slow                 # a whole replay through LMDB (seconds): `make test` runs it
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_the_default_write_queue_keeps_up_with_a_replay_at_full_speed(tmp_path: Path, policy: str) -> None:
     """A replay as fast as this machine serves it (no flush between requests), through the default

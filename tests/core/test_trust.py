@@ -241,7 +241,8 @@ def test_an_oversize_object_under_a_chunk_key_is_never_downloaded(s3: MotoServer
         tier.check()
 
 
-@pytest.mark.parametrize("mode", ["slow", "trickle"])
+# the slow endpoint waits out its deadlines (seconds): `make test` runs it; the trickling one stays in the loop
+@pytest.mark.parametrize("mode", [pytest.param("slow", marks=pytest.mark.slow), "trickle"])
 def test_a_slow_or_trickling_s3_endpoint_costs_at_most_the_deadline_and_opens_the_breaker(
         s3: MotoServer, mode: str, caplog: pytest.LogCaptureFixture) -> None:
     deadline_s = 1.0
@@ -412,7 +413,8 @@ def test_once_the_breaker_opens_a_failing_endpoint_costs_matches_nothing_and_is_
         tier.check()
 
 
-@pytest.mark.parametrize("kind", ["s3", "redis"])
+# S3 is slow here (seconds against a stopped endpoint): `make test` runs it; Redis stays in the loop
+@pytest.mark.parametrize("kind", [pytest.param("s3", marks=pytest.mark.slow), "redis"])
 def test_a_tier_built_lazily_while_its_endpoint_is_down_starts_as_misses_and_is_used_once_it_answers(
         s3: MotoServer, kind: str, caplog: pytest.LogCaptureFixture) -> None:
     from radixkv.tools.s3server import free_port

@@ -70,6 +70,7 @@ def test_the_same_seed_gives_the_same_run_and_another_seed_another() -> None:
     assert run(other, bt2, **kw)["ttft"] != a["ttft"]
 
 
+@pytest.mark.slow                 # a simulated fleet per policy (seconds): `make test` runs it
 def test_with_one_instance_every_policy_gives_the_same_ttfts() -> None:
     reqs, bt = workload("tenants", 300, seed=1)
     scale_to_load(reqs, bt, MODEL, 1, 0.8)
@@ -79,6 +80,7 @@ def test_with_one_instance_every_policy_gives_the_same_ttfts() -> None:
         assert out["ttft"] == first["ttft"] and out["hit"] == first["hit"], p
 
 
+@pytest.mark.slow                 # 6000 simulated requests per load (seconds): `make test` runs it
 @pytest.mark.parametrize("rho", [0.3, 0.6])
 def test_poisson_arrivals_of_equal_prefills_wait_as_md1_says(rho: float) -> None:
     """One instance, unique prompts of L tokens (no hits), one token out, a step budget of L: the

@@ -53,6 +53,7 @@ def test_the_contract_passes_a_correct_variant(variant: str, tmp_path: Path) -> 
     contract_for(variant).check(tmp_path=tmp_path, settings=SMALL)
 
 
+@pytest.mark.slow                 # a long contract run over SQLite (seconds): `make test` runs it
 def test_the_reported_tier_passes(tmp_path: Path) -> None:
     """The tier of the report (expired rows purged first when a put needs room, counted as
     evictions), from the function form, on a run long enough that most such runs failed

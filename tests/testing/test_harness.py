@@ -23,7 +23,9 @@ from radixkv.testing.contract import key_universe, make_blob, namespace_ids
 
 pytest.importorskip("lmdb")
 
-TestFaultyPrefixCache = FaultyPrefixCacheMachine.TestCase
+
+class TestFaultyPrefixCache(FaultyPrefixCacheMachine.TestCase):
+    pytestmark = pytest.mark.slow      # a machine over faulty tiers (seconds): `make test` runs it
 
 
 class ExclusiveTiersMachine(TieredPrefixCacheMachine):
@@ -36,7 +38,10 @@ class ExclusiveTiersMachine(TieredPrefixCacheMachine):
         return [CpuTier(4 << 20)]
 
 
-TestExclusiveTiers = ExclusiveTiersMachine.TestCase
+class TestExclusiveTiers(ExclusiveTiersMachine.TestCase):
+    pytestmark = pytest.mark.slow      # a machine over a tier stack (seconds): `make test` runs it
+
+
 SMALL = settings(max_examples=10, stateful_step_count=25, deadline=None, database=None)
 
 
@@ -211,6 +216,7 @@ def test_cpu_tier_contract_covers_an_inferred_slot_size() -> None:
     run_state_machine_as_test(Inferred, settings=SMALL)
 
 
+@pytest.mark.slow                 # every shipped contract over many examples (seconds): `make test` runs it
 @pytest.mark.parametrize("contract", [CpuTierContract, LmdbTierContract], ids=lambda c: c.__name__)
 def test_evictions_happen_in_many_examples(contract: type[TierContract]) -> None:
     """The shipped contracts' sizes make eviction (and so the LRU and minimality checks) happen."""

@@ -111,6 +111,7 @@ def test_cache_html_pool_bar_adds_up() -> None:
     cache.release(m)
 
 
+@pytest.mark.slow                 # a Python process that imports torch: `make test` runs it
 def test_html_needs_no_matplotlib_and_plots_name_the_extra() -> None:
     code = textwrap.dedent("""
         import sys
