@@ -7,20 +7,24 @@ Command of the committed results (``benchmarks/results/codec_cpu.txt``)::
 Every codec of ``radixkv.core.codec`` against raw chunks:
 
 1. **Size and speed**: chunks of KV a model computed (a random-weight Llama, 8 layers, 8 KV
-   heads of 64, GQA; the trained model of ``radixkv.bench.blend_task``, 4 layers, 2 KV heads of 16),
-   in float16 and bfloat16, ``--chunk`` tokens each: size against raw, and encode and decode MB/s of
-   KV on one core (``torch.set_num_threads(1)``; medians).
+   heads of 64, ``--chunk`` tokens a chunk; the trained model of ``radixkv.bench.blend_task``, 4
+   layers, 2 KV heads of 16, GQA, 64 tokens a chunk: its positions end at 256), in float16 and
+   bfloat16: size against raw, and encode and decode MB/s of KV on one core
+   (``torch.set_num_threads(1)``; medians), decoding with the extension where it is built.
 2. **Answers on random weights**: prompts prefilled, their KV put through the codec chunk by chunk
    as a tier would store it, then the next token and a greedy continuation from the coded KV against
    the raw KV's: max |logit difference|, KL(raw || coded) of the next token, the first token equal,
    and the share of the continuation equal up to its first difference.
 3. **Answers on the trained model** (``blend_task.trained``: trained here once, then loaded from
-   ``~/.cache/radixkv``): answer accuracy on conflicting and single questions with raw and with each
-   codec, and how often the answer equals raw KV's.
+   ``~/.cache/radixkv``): its prompts' KV coded in 16-token chunks (its prompts are 40-90 tokens;
+   the share coded is reported, and a prompt with no whole chunk stops the run), answer accuracy on
+   conflicting and single questions with raw and with each codec, how often the answer equals raw
+   KV's, and KL(raw || coded) of the answer's logits.
 4. **Load time of a prefix from S3** (moto's server on loopback, then behind a proxy throttled to
    1 Gbit/s and to 100 MB/s): the lookup and load of a ``--prefix``-token prefix of an 8-layer,
-   8-KV-head, 128-dim float16 model (32 KiB a token), raw against each codec; medians of
-   ``--repeat`` cold loads.  Peers serve their CPU tiers, which stay raw: a peer load is a raw load.
+   8-KV-head, 128-dim float16 model (32 KiB a token; a random-weight Llama of that shape computed
+   it), raw against each codec; medians of ``--repeat`` cold loads, each checked to load every
+   chunk.  Peers serve their CPU tiers, which stay raw: a peer load is a raw load.
 """
 
 from __future__ import annotations
@@ -90,12 +94,14 @@ def _continue(model: Any, kv: torch.Tensor, last: int, new: int) -> tuple[torch.
     return first, out
 
 
-def _random_model(dtype: torch.dtype) -> Any:
+def _random_model(dtype: torch.dtype, hidden: int = 512) -> Any:
+    """A random-weight Llama of 8 layers and 8 heads (all KV heads: ``hidden / 8`` wide)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-                                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048)
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                                      max_position_embeddings=4096)
     return transformers.AutoModelForCausalLM.from_config(config).to(dtype).train(False)
 
 
@@ -113,39 +119,43 @@ def _mb_s(nbytes: int, fn: Callable[[], object], repeat: int) -> float:
     return nbytes / median_seconds(fn, repeat=repeat) / 1e6
 
 
-def size_and_speed(report: Report, models: list[tuple[str, Any]], chunk: int, repeat: int) -> None:
+def size_and_speed(report: Report, models: list[tuple[str, Any, int]], repeat: int) -> None:
     """Part 1."""
     from radixkv.core.codec import get_codec
 
-    report(f"## 1. size and speed: {chunk}-token chunks of a model's KV; MB/s of KV on one core "
-                f"(torch threads 1), medians of {repeat}")
+    from radixkv.core import ops
+
+    report(f"## 1. size and speed: chunks of a model's KV; MB/s of KV on one core (torch threads 1), medians "
+           f"of {repeat}; decode with the {ops.backend()} backend (cpp: the extension's one-pass dequantize)")
     rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for label, model in models:
+        for label, model, size in models:
             for dtype in (torch.float16, torch.bfloat16):
                 rng = random.Random(1)
-                tokens = [rng.randrange(model.config.vocab_size) for _ in range(4 * chunk)]
+                tokens = [rng.randrange(model.config.vocab_size) for _ in range(4 * size)]
                 kv = _model_kv(model.to(dtype), tokens)
-                chunks = _chunks(kv, chunk)
+                chunks = _chunks(kv, size)
                 raw = sum(c.numel() * c.element_size() for c in chunks)
                 for name in NAMES[1:]:
                     codec = get_codec(name)
-                    coded = [codec.encode(c) for c in chunks]
-                    if any(c is None for c in coded):
-                        rows.append([label, str(dtype).removeprefix("torch."), name, "raw", "-", "-"])
+                    maybe = [codec.encode(c) for c in chunks]
+                    coded = [c for c in maybe if c is not None]
+                    if len(coded) < len(maybe):
+                        rows.append([label, str(size), str(dtype).removeprefix("torch."), name, "raw", "-", "-"])
                         continue
-                    size = sum(len(p) for _, p in coded)          # type: ignore[misc]
+                    coded_bytes = sum(len(p) for _, p in coded)
                     enc = _mb_s(raw, lambda: [codec.encode(c) for c in chunks], repeat)
                     dec = _mb_s(raw, lambda: [codec.decode(memoryview(p), q, c.dtype, tuple(c.shape), None)
-                                              for (q, p), c in zip(coded, chunks)], repeat)  # type: ignore[misc]
-                    rows.append([label, str(dtype).removeprefix("torch."), name, f"{raw / size:.2f}x",
+                                              for (q, p), c in zip(coded, chunks)], repeat)
+                    rows.append([label, str(size), str(dtype).removeprefix("torch."), name, f"{raw / coded_bytes:.2f}x",
                                  f"{enc:.0f}", f"{dec:.0f}"])
             model.to(torch.float32)
     finally:
         torch.set_num_threads(threads)
-    _table(report, ["KV of", "dtype", "codec", "smaller than raw", "encode MB/s", "decode MB/s"], rows)
+    _table(report, ["KV of", "chunk tokens", "dtype", "codec", "smaller than raw", "encode MB/s", "decode MB/s"],
+           rows)
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -194,6 +204,12 @@ def answers_trained(report: Report, model: Any, chunk: int, questions: int, seed
     asked = [corpus.question(rng, rng.randint(2, 6), i % 2 == 0) for i in range(questions)]
     report(f"## 3. answers on the trained model (blend_task, seed {seed}): {questions} questions "
                 f"(half conflicting), the prompt's KV coded in {chunk}-token chunks, float32 KV as float16")
+    coded = [len(q.tokens[:-1]) // chunk * chunk / len(q.tokens[:-1]) for q in asked]
+    if min(coded) == 0:
+        raise RuntimeError(f"a question of {min(len(q.tokens) for q in asked)} tokens has no whole {chunk}-token "
+                           f"chunk: its row would not measure a codec")
+    report(f"(the prompts are {min(len(q.tokens) for q in asked)}-{max(len(q.tokens) for q in asked)} tokens; "
+           f"{statistics.mean(coded):.0%} of their KV, in whole chunks, goes through the codec)")
     rows = []
     raw_answers: list[int] = []
     for name in NAMES:
@@ -228,15 +244,14 @@ def load_times(report: Report, prefix: int, chunk: int, repeat: int) -> None:
     from radixkv.tools.s3server import moto_with_bucket
 
     layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_size=16)
-    model = _random_model(torch.float32)
+    model = _random_model(torch.float32, hidden=1024)
     report(f"## 4. load time of a {prefix}-token prefix from S3 (moto on loopback; behind a proxy throttled to "
                 f"a shared link), KV of an 8-layer, 8-KV-head, 128-dim float16 model ({layout.token_bytes // 1024} "
-                f"KiB a token; values from the random Llama's KV, tiled), {chunk}-token chunks, median of {repeat} "
+                f"KiB a token; the KV of a random-weight Llama of that shape), {chunk}-token chunks, median of {repeat} "
                 f"cold loads (lookup, fetch, verify, decode)")
     rng = random.Random(4)
     tokens = [rng.randrange(4096) for _ in range(prefix)]
-    small = _model_kv(model, tokens[:512]).to(torch.float16)            # [8, 2, 512, 8, 64]
-    kv = small.repeat(1, 1, -(-prefix // 512), 1, 2)[:, :, :prefix]     # heads of 128, as real KV varies
+    kv = _model_kv(model, tokens).to(torch.float16)                     # [8, 2, prefix, 8, 128]
     rows = []
     with moto_with_bucket("radixkv-codec-bench") as server:
         host, port = server.endpoint_url.removeprefix("http://").split(":")
@@ -299,12 +314,14 @@ def main(argv: list[str] | None = None) -> int:
 
         trained = load_trained(args.steps, seed=args.seed, log=report)
     if 1 not in skip:
-        models = [("random Llama 8x8x64", random_model)] + ([("trained 4x2x16", trained)] if trained else [])
-        size_and_speed(report, models, args.chunk, args.repeat)
+        models = [("random Llama 8x8x64", random_model, args.chunk)]
+        if trained is not None:              # its prompts are short: 64-token chunks, 256 tokens in all
+            models.append(("trained 4x2x16", trained, min(args.chunk, 64)))
+        size_and_speed(report, models, args.repeat)
     if 2 not in skip:
         answers_random(report, random_model, args.chunk, args.prompts, args.length, args.new)
     if 3 not in skip and trained is not None:
-        answers_trained(report, trained, min(args.chunk, 64), args.questions, args.seed)
+        answers_trained(report, trained, 16, args.questions, args.seed)
     if 4 not in skip:
         load_times(report, args.prefix, args.chunk, args.repeat)
     report.save(args.out)

@@ -47,6 +47,7 @@ decode several times slower, and decode speed is the budget a load lives within.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -172,34 +173,70 @@ def _quantize_minmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Ten
     return lo, step, codes
 
 
-def _floats(payload: memoryview, at: int, count: int, what: str) -> torch.Tensor:
-    """``count`` float32 fields of ``payload`` at byte ``at``, checked finite (a copy)."""
+def _floats(payload: memoryview, at: int, count: int, what: str) -> np.ndarray:
+    """``count`` float32 fields of ``payload`` at byte ``at``, checked finite (a read-only view)."""
     if at + 4 * count > len(payload):
         raise ValueError(f"coded payload: {what} past its end")
     got = np.frombuffer(payload, np.float32, count, at)
     if not np.isfinite(got).all():
         raise ValueError(f"coded payload: a channel's {what} is not finite")
-    return torch.from_numpy(got.copy())
+    return got
 
 
-def _write(shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None,
-           layers: list[tuple[np.ndarray, torch.Tensor, list[torch.Tensor]]], group: int) -> torch.Tensor:
+_NATIVE: list[Any] = []       # the extension's dequantize or None, once looked up
+
+
+def _native() -> Any:
+    """The extension's one-pass ``dequantize`` (``cuda_ext/dequantize.cpp``) when the built
+    extension is loaded (``radixkv.core.ops.backend()``, asked once), else ``None``: the
+    numpy/torch path."""
+    if not _NATIVE:
+        from radixkv.core import ops
+
+        _NATIVE.append(torch.ops.radixkv.dequantize if ops.backend() != "torch" else None)
+    return _NATIVE[0]
+
+
+#: One layer's parsed fields: its codes (uint8 as ``_pack`` made them, or plain for 8 bits), their
+#: bits, the step (float32 ``[sides, heads * dim]``) and the reference with the codes' bias folded
+#: in (float32 ``[sides, rows, heads * dim]``: one row for all tokens, or one per group of tokens).
+_Layer = tuple[np.ndarray, int, np.ndarray, np.ndarray]
+
+# The codes are read-only views of the payload (the kernel and the copies only read them).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=__name__)
+
+
+def _write(shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None, layers: list[_Layer],
+           group: int) -> torch.Tensor:
     """The second half of a lossy decode, once everything is parsed and checked: per layer
-    ``(codes, step, references)``, ``value = code * step + reference`` (a reference either
-    ``[1, 1, heads, dim]`` for all tokens or ``[groups, 1, heads, dim]`` per ``group`` tokens),
-    computed in float32 a layer at a time (it stays in cache) and rounded into ``out`` (a new CPU
-    tensor without it; through one CPU tensor for another device)."""
+    ``value = code * step + reference`` (the reference per ``group`` tokens), written into ``out``
+    (a new CPU tensor without it; through one CPU tensor for another device).  With the built
+    extension one pass a layer; else unpacked, then computed in float32 a layer at a time (it
+    stays in cache) and rounded.  Both give the same bits."""
     _, sides, tokens, heads, dim = shape
     target = out if out is not None and out.device.type == "cpu" else torch.empty(shape, dtype=dtype)
-    padded = -(-tokens // group) * group
-    scratch = torch.empty((sides, padded, heads, dim), dtype=torch.float32)
-    body = scratch[:, :tokens]
-    for i, (codes, step, references) in enumerate(layers):
-        np.copyto(body.numpy(), codes.reshape(sides, tokens, heads, dim), casting="unsafe")  # read-only codes
-        body.mul_(step)
-        for side, reference in enumerate(references):
-            scratch[side].view(-1, group, heads, dim).add_(reference)
-        target[i].copy_(body)
+    rows = -(-tokens // group)
+    native = _native()
+    if native is not None:
+        # 16-bit KV goes through float32 and torch's cast (runtime-dispatched to the CPU's vector
+        # instructions: several times the kernel's scalar rounding); float32 is written at once.
+        staged = torch.empty(shape[1:], dtype=torch.float32) if dtype != torch.float32 else None
+        for i, (packed, bits, step, reference) in enumerate(layers):
+            native(torch.from_numpy(packed), bits, torch.from_numpy(step), torch.from_numpy(reference), group,
+                   target[i] if staged is None else staged)
+            if staged is not None:
+                target[i].copy_(staged)
+    else:
+        scratch = torch.empty((sides, rows, group, heads, dim), dtype=torch.float32)
+        body = scratch.view(sides, rows * group, heads, dim)[:, :tokens]
+        count = sides * tokens * heads * dim
+        for i, (packed, bits, step, reference) in enumerate(layers):
+            codes = packed if bits == 8 else _unpack(packed, bits, count)
+            np.copyto(body.numpy(), codes.reshape(sides, tokens, heads, dim), casting="unsafe")
+            body.mul_(torch.from_numpy(step).view(sides, 1, heads, dim))
+            scratch.add_(torch.from_numpy(reference).view(sides, rows, 1, heads, dim))
+            target[i].copy_(body)
     if out is not None and target is not out:
         out.copy_(target)
         return out
@@ -234,16 +271,15 @@ class _Int8(Codec):
         per_layer = 8 * channels + channels * tokens
         if len(payload) != layers * per_layer:
             raise ValueError(f"int8 codec: payload of {len(payload)} bytes, expected {layers * per_layer}")
-        stats = (sides, 1, heads, dim)
-        parsed = []
+        parsed: list[_Layer] = []
         for i in range(layers):
             at = i * per_layer
-            lo = _floats(payload, at, channels, "minimum").reshape(stats)
-            step = _floats(payload, at + 4 * channels, channels, "step").reshape(stats)
-            if bool((step < 0).any()):
+            lo = _floats(payload, at, channels, "minimum").reshape(sides, 1, heads * dim)
+            step = _floats(payload, at + 4 * channels, channels, "step").reshape(sides, heads * dim)
+            if (step < 0).any():
                 raise ValueError("int8 codec: a negative step")
             codes = np.frombuffer(payload, np.uint8, channels * tokens, at + 8 * channels)
-            parsed.append((codes, step, [lo[side][None] for side in range(sides)]))
+            parsed.append((codes, 8, step, lo))
         return _write(shape, dtype, out, parsed, tokens)
 
 
@@ -296,9 +332,8 @@ def _packed_size(bits: int, count: int) -> int:
     return -(-count // 2) + (0 if bits <= 4 else -(-count // 4))
 
 
-def _unpack(data: bytes, bits: int, count: int) -> np.ndarray:
-    """The ``count`` biased codes (uint8, ``code + 2**(bits - 1)``) ``_pack`` made ``data`` of."""
-    packed = np.frombuffer(data, np.uint8)
+def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """The ``count`` biased codes (uint8, ``code + 2**(bits - 1)``) ``_pack`` made ``packed`` of."""
     low_run = -(-count // 2)
     values = np.empty(2 * low_run, np.uint8)
     _join(packed[:low_run], 2, 4, values)
@@ -373,7 +408,7 @@ class _CacheGen(Codec):
             raise ValueError(f"cachegen codec: parameter {param} or dtype {dtype} not one it writes")
         layers, sides, tokens, heads, dim = shape
         groups, channels = -(-tokens // _GROUP), heads * dim
-        parsed = []
+        parsed: list[_Layer] = []
         decompressor = _zstd().ZstdDecompressor()
         count = sides * tokens * channels
         at = 0
@@ -387,18 +422,18 @@ class _CacheGen(Codec):
                     raise ValueError(f"cachegen codec: layer {i}: an unknown reference mode")
                 mode, at = payload[at], at + 1
                 if mode == _MODE_MID:
-                    references.append(_floats(payload, at, channels, "midpoint").reshape(1, 1, heads, dim))
+                    references.append(_floats(payload, at, channels, "midpoint")[None])
                     at += 4 * channels
                     continue
-                a_lo = _floats(payload, at, channels, "anchor minimum").reshape(1, 1, heads, dim)
-                a_step = _floats(payload, at + 4 * channels, channels, "anchor step").reshape(1, 1, heads, dim)
+                a_lo = _floats(payload, at, channels, "anchor minimum")
+                a_step = _floats(payload, at + 4 * channels, channels, "anchor step")
                 at += 8 * channels
                 if at + groups * channels > len(payload):
                     raise ValueError("cachegen codec: anchor codes past the payload's end")
-                a_codes = np.frombuffer(payload, np.uint8, groups * channels, at).astype(np.float32)
+                a_codes = np.frombuffer(payload, np.uint8, groups * channels, at).reshape(groups, channels)
                 at += groups * channels
-                references.append(torch.from_numpy(a_codes).reshape(groups, 1, heads, dim).mul_(a_step).add_(a_lo))
-            step = _floats(payload, at, sides * channels, "step").reshape(sides, 1, heads, dim)
+                references.append(a_codes * a_step + a_lo)        # float32, as the encoder computed it
+            step = _floats(payload, at, sides * channels, "step").reshape(sides, channels)
             at += 4 * sides * channels
             if at + 4 > len(payload):
                 raise ValueError("cachegen codec: a frame length past the payload's end")
@@ -409,9 +444,11 @@ class _CacheGen(Codec):
             data = _decompress(payload[at:at + frame_len], _packed_size(bits, count), decompressor)
             at += frame_len
             # value = (biased - bias) * step + reference = biased * step + (reference - bias * step)
-            bias = float(1 << (bits - 1))
-            references = [ref - bias * step[side] for side, ref in enumerate(references)]
-            parsed.append((_unpack(data, bits, count), step, references))
+            bias = np.float32(1 << (bits - 1))
+            reference = np.empty((sides, groups, channels), np.float32)
+            for side, ref in enumerate(references):
+                reference[side] = ref - bias * step[side]
+            parsed.append((np.frombuffer(data, np.uint8), bits, step, reference))
         if at != len(payload):
             raise ValueError(f"cachegen codec: {len(payload) - at} stray bytes after the last layer")
         return _write(shape, dtype, out, parsed, _GROUP)

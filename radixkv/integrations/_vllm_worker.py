@@ -118,7 +118,8 @@ class WorkerSide:
         self.load_errors: set[int] = set()        # vLLM block ids a load could not write
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-vllm-fetch")
         self.counters = dict.fromkeys(("lookups", "lookup_chunks", "held_chunks", "loads", "loaded_chunks",
-                                       "loaded_tokens", "stored_chunks", "dropped_lookups", "lookups_at_once"), 0)
+                                       "loaded_tokens", "stored_chunks", "dropped_lookups", "lookups_at_once",
+                                       "approximate_loads", "approximate_chunks"), 0)
         self.counters_f = {"fetch_seconds": 0.0, "load_seconds": 0.0, "store_seconds": 0.0}
 
     # -- plans ---------------------------------------------------------------------------------
@@ -160,6 +161,10 @@ class WorkerSide:
                 self.load_errors.update(load.block_ids[load.skip_blocks:])
                 continue
             bpc = self.blocks_per_chunk
+            lossy = sum(self.stack.approximate(c) for c in req.held[:load.num_chunks])
+            if lossy:           # KV a lossy codec approximated (radixkv.core.codec): counted apart
+                self.counters["approximate_loads"] += 1
+                self.counters["approximate_chunks"] += lossy
             for i in range(load.num_chunks):
                 chunk = load.start + i
                 skip = min(max(load.skip_blocks - chunk * bpc, 0), bpc)

@@ -370,3 +370,36 @@ def test_a_cache_with_a_lossless_codec_serves_exact_kv(tmp_path: Any) -> None:
     cache.check()
     cache.close()
 
+
+
+# -- the extension's one-pass decode -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cpp() -> None:
+    """The C++ extension (``cuda_ext/dequantize.cpp``), built or found built once for this module."""
+    import shutil
+
+    from radixkv.core import ops
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on PATH: only the numpy/torch decode can run here")
+    assert ops.build() in ("cpp", "cuda+cpp")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(kv=kv_tensors(max_tokens=70), name=st.sampled_from(["int8", "cachegen", "cachegen:2", "cachegen:4"]))
+def test_the_extensions_decode_equals_the_python_one_bit_for_bit(cpp: None, kv: torch.Tensor, name: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixkv.core import codec as codec_module
+
+    codec = get_codec(name)
+    param, payload = codec.encode(kv)  # type: ignore[misc]
+    assert codec_module._native() is not None
+    native = codec.decode(memoryview(payload), param, kv.dtype, tuple(kv.shape), None)
+    with monkeypatch.context() as m:
+        m.setattr(codec_module, "_native", lambda: None)
+        python = codec.decode(memoryview(payload), param, kv.dtype, tuple(kv.shape), None)
+    assert torch.equal(native.view(torch.uint8), python.view(torch.uint8)) if kv.element_size() == 1 else \
+        torch.equal(native.view({2: torch.int16, 4: torch.int32}[kv.element_size()]),
+                    python.view({2: torch.int16, 4: torch.int32}[kv.element_size()]))
