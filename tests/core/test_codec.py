@@ -403,3 +403,43 @@ def test_the_extensions_decode_equals_the_python_one_bit_for_bit(cpp: None, kv: 
     assert torch.equal(native.view(torch.uint8), python.view(torch.uint8)) if kv.element_size() == 1 else \
         torch.equal(native.view({2: torch.int16, 4: torch.int32}[kv.element_size()]),
                     python.view({2: torch.int16, 4: torch.int32}[kv.element_size()]))
+
+
+@pytest.mark.parametrize("layout", [
+    KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16, page_size=4),            # GQA
+    KVLayout(num_layers=2, num_kv_heads=1, head_dim=48, v_head_dim=32, dtype=torch.float16, page_size=4),  # MLA-like
+    KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float16, page_size=4, windows=(0, 8, 0)),
+], ids=["gqa-bf16", "packed-kv", "sliding"])
+@pytest.mark.parametrize("name", ["zstd", "cachegen"])
+def test_every_layout_round_trips_through_a_coded_tier(layout: KVLayout, name: str, tmp_path: Any) -> None:
+    """Full attention with GQA, packed K/V of different sizes (MLA-style) and sliding-window groups
+    (a stack per group): evicted, reloaded from the coded disk tier, exact for ``zstd`` and within
+    the bound and counted for ``cachegen``."""
+    tokens = list(range(4 * CHUNK))
+    cache = PrefixCache(layout, num_pages=64, tiers=[LmdbTier(str(tmp_path), 1 << 25)], chunk_size=CHUNK,
+                        codecs=[name])
+    pools = [cache.pool] if cache.groups is None else [cache.groups.pool_of(g) if g.sliding else cache.pool
+                                                       for g in layout.groups]
+    pages = cache.alloc(len(tokens) // layout.page_size).numpy()
+    gen = torch.Generator().manual_seed(3)
+    for pool in pools:
+        pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(pool.kv.dtype))
+    exact = cache.pool.kv[:, :, torch.from_numpy(pages.copy())].clone()
+    cache.insert(tokens, pages)
+    cache.flush()
+    cache.evict(64)
+    cache.flush()
+    req = cache.open(tokens + [1], load="wait")
+    assert req.num_cached == len(tokens), (name, req.num_cached)
+    assert req.approximate == get_codec(name).lossy
+    got = cache.pool.kv[:, :, torch.from_numpy(req.page_ids.copy())]
+    if not get_codec(name).lossy:
+        assert torch.equal(got, exact)
+    else:
+        shape = (got.shape[0], got.shape[1], len(tokens), got.shape[4], got.shape[5])
+        assert bool(((got.float() - exact.float()).abs().reshape(shape)
+                     <= bound(exact.reshape(shape), get_codec(name))).all())
+    req.release()
+    assert all(st.stats()["lossy_loaded"][0] == (4 if get_codec(name).lossy else 0) for st in cache.stacks[:1])
+    cache.check()
+    cache.close()
