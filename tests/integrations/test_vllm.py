@@ -401,6 +401,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                             conn("kv_both", remote_url="s3://radixkv-late/kv",
                                  remote_endpoint=f"http://127.0.0.1:{late_port}")),
                      "late_s3": {"port": late_port, "bucket": "radixkv-late"}},
+            # A remote tier written with a lossy codec, read back after vLLM forgets its blocks.
+            "coded": spec([{"name": "cold", "prompt": "p3"},
+                           {"name": "from s3", "prompt": "p3", "reset": True, "until_loaded": 30}],
+                          conn("kv_both", **{**remote, "remote_url": "s3://radixkv-vllm/coded"}, codec="int8")),
         }
         try:
             results.update(_wait({name: _launch(tmp, name, s) for name, s in second.items()}))
@@ -520,6 +524,20 @@ def test_an_engine_starts_with_s3_down_and_loads_from_it_once_it_is_up(engines: 
     _same(steps["from s3"], base["p3"])                                # the tier in use, no restart
     assert _loaded(steps["from s3"]) == (650 // CHUNK) * CHUNK, steps["from s3"]["tries"]
     assert "the tier starts as misses" in late["log"]                      # said so at start-up
+
+
+@needs_vllm
+def test_a_prefix_from_a_remote_tier_with_a_lossy_codec_gives_raw_greedy_tokens(engines: dict[str, Any]) -> None:
+    """int8 chunks from S3: the same greedy tokens as no cache, top-3 logprobs within 0.05 (the
+    deviation is reported; exact reuse is held to 1e-4 elsewhere)."""
+    base = engines["base_by_prompt"]
+    steps = {s["name"]: s for s in engines["coded"]["steps"]}
+    _same(steps["cold"], base["p3"])
+    coded = steps["from s3"]
+    assert _loaded(coded) == (650 // CHUNK) * CHUNK, coded["tries"]
+    deviation = _deviation(coded, base["p3"])
+    print(f"int8 chunks from S3: top-3 logprob deviation {deviation:.2e} over {len(coded['tokens'])} tokens")
+    assert coded["tokens"] == base["p3"]["tokens"] and deviation < 0.05
 
 
 def test_vllms_event_stream_carries_the_tiers_events_named_with_vllms_block_hashes(engines: dict[str, Any]) -> None:
