@@ -10,7 +10,9 @@ rest random chains of 64 (applied as ``BlockStored`` batches of ``--batch`` bloc
 row; the hashes are made before the clock starts, the index's queued events are applied before
 it stops).  Lookups (median of ``--repeat``): the whole prompt (every instance matches, one to the
 end), a prompt that diverges half-way, one whose first block nobody holds; each from a list of
-ints and from a ``numpy.uint64`` array (the list's conversion is the difference).  Hashing: the
+ints and from a ``numpy.uint64`` array (the list's conversion is the difference), with the active
+backend (the extension's one-pass walk where it is loaded, else numpy), the numpy path beside it,
+and ``lookup_spread``.  Hashing: the
 same prompt's tokens through ``vllm_block_hashes`` (vLLM's default sha256, and xxhash), apart
 from the lookup.  Memory: the full fleet's arrays (``Index.nbytes``) and the process's resident
 growth, per held block; and tracemalloc's count of everything the index keeps, for
@@ -29,6 +31,7 @@ from typing import Callable
 import numpy as np
 
 from radixkv.bench import Report, median_seconds
+from radixkv.core import ops
 from radixkv.fleet.events import BlockStored, EventBatch
 from radixkv.fleet.hashing import vllm_block_hashes
 from radixkv.fleet.index import Index
@@ -126,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     say(f"answer for the whole prompt: {', '.join(f'{name}={m.blocks}/{m.medium}' for name, m in full.items())}")
     miss = [rng.getrandbits(64)] + prompt[1:]
     half = prompt[:n // 2] + [rng.getrandbits(64) for _ in range(n - n // 2)]
-    say(f"{'lookup (median)':<34} {'from a list':>12} {'from an array':>14}")
+    walk = ops.backend() != "torch"
+    say(f"lookup backend: {'the extension (cuda_ext/index_walk.cpp, one pass in C)' if walk else 'numpy'} "
+        f"(radixkv.core.ops backend {ops.backend()}); the numpy path beside it")
+    say(f"{'lookup (median)':<34} {'from a list':>12} {'from an array':>14} {'numpy, array':>13} "
+        f"{'spread, array':>14}")
     for label, query in (("whole prompt (all match, 1 to end)", prompt),
                          ("diverges half-way", half),
                          ("first block unknown", miss)):
@@ -134,7 +141,17 @@ def main(argv: list[str] | None = None) -> int:
         assert idx.lookup(arr) == idx.lookup(query)
         s_list = median_seconds(lambda: idx.lookup(query), args.repeat)
         s_arr = median_seconds(lambda: idx.lookup(arr), args.repeat)
-        say(f"{label:<34} {s_list * 1e6:>9.1f} us {s_arr * 1e6:>11.1f} us")
+        s_spread = median_seconds(lambda: idx.lookup_spread(arr), args.repeat)
+        idx.native = False
+        try:
+            assert idx.lookup(arr) == idx.lookup(query) and idx.lookup_spread(arr) == idx.lookup_spread(query)
+            s_np = median_seconds(lambda: idx.lookup(arr), args.repeat)
+        finally:
+            idx.native = True
+        if walk:
+            assert idx.lookup(arr) == idx.lookup(query)
+        say(f"{label:<34} {s_list * 1e6:>9.1f} us {s_arr * 1e6:>11.1f} us {s_np * 1e6:>10.1f} us "
+            f"{s_spread * 1e6:>11.1f} us")
     tokens = [rng.randrange(32_000) for _ in range(n * 16)]
     assert vllm_block_hashes(tokens, 16, seed="0", as_int=True)[:1] != prompt[:1]
     for algo in ("sha256", "xxhash"):

@@ -41,8 +41,12 @@ Contract:
   the longest leading run of ``block_hashes`` it holds on one medium, and that medium; where two
   media hold runs of the same length, the faster (GPU, CPU, STORAGE, others by name, ``None``).
   Instances matching nothing are left out; stale instances too unless ``include_stale=True``.
-  Cost: O(prompt blocks + instances), vectorised: one probe of one fleet-wide table a block
-  (holders are bitmasks), not one per instance.
+  Cost: O(prompt blocks + instances): one probe of one fleet-wide table a block (holders are
+  bitmasks), not one per instance.  Where the extension is loaded (``radixkv.core.ops.backend()``
+  is not ``"torch"``) and the hashes are 64-bit ints, the probes and the walk along the masks are
+  one pass in C (``cuda_ext/index_walk.cpp``) that stops where every instance's run has ended;
+  else a few vectorised numpy passes.  Both give the same answers (``Index.native = False``
+  forces numpy).
 * Hashes are compared as given: ints in [0, 2**64) (vLLM's default external form) live in numpy
   arrays; anything else (bytes, other ints) in a dict beside them.  A ``numpy.uint64`` array is
   taken as is; a list of ints is converted once per call.
@@ -91,6 +95,24 @@ _EMPTY, _TOMB = -1, -2                                    # table slot states (v
 _NONE, _INT, _OBJ = 0, 1, 2                               # parent kinds: None, a uint64, a Python object
 _MAX_INSTANCES = 32767                                    # _prim is int16
 _QUEUE_BLOCKS = 1 << 16                                   # queued blocks that force a flush
+_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}   # mask words as the walk takes them
+_NATIVE: list[Any] = []                                   # torch and the extension's walk (or None), once looked up
+
+
+def _walk_op() -> Any:
+    """The extension's ``index_walk`` (``cuda_ext/index_walk.cpp``) when the built extension is
+    loaded (``radixkv.core.ops.backend()`` is not ``"torch"``; asked once), else ``None``."""
+    if not _NATIVE:
+        import torch
+
+        from radixkv.core import ops
+
+        _NATIVE[:] = [torch, torch.ops.radixkv.index_walk if ops.backend() != "torch" else None]
+    return _NATIVE[1]
+
+
+def _torch() -> Any:
+    return _NATIVE[0]
 
 
 class Match(NamedTuple):
@@ -294,10 +316,15 @@ class Index:
                 raise ValueError(f"{name} must be positive, got {value}")
         self.max_blocks = max_blocks
         self.max_pending = max_pending
+        #: Whether lookups use the extension's walk when it is loaded (``False``: always the numpy
+        #: path, which gives the same answers; for comparisons).
+        self.native = True
         self._instances: dict[str, _Instance] = {}
         self._free_ix: list[int] = []
         self._owner: dict[int, tuple[_Instance, Medium]] = {}   # bit -> (instance, medium)
         self._free_bits: list[int] = []
+        self._plans: dict[tuple[int, bool], Any] = {}          # the walk's groups, by (active bits, spread)
+        self._tensors: tuple[Any, ...] = (None, None, None)    # the arrays the walk reads, and their tensors
         self._next_bit = 0
         self._map = _Map(self._moved)                 # uint64 hash -> id
         self._obj: dict[Any, int] = {}                # any other hash -> id
@@ -500,6 +527,7 @@ class Index:
         for bit in inst.media.values():
             del self._owner[bit]
             self._free_bits.append(bit)
+            self._plans.clear()
         self._free_ix.append(inst.ix)
         del self._instances[instance]
 
@@ -520,6 +548,7 @@ class Index:
             inst.media[medium] = bit
             inst.bits |= 1 << bit
             self._owner[bit] = (inst, medium)
+            self._plans.clear()
         return bit
 
     def _apply_events(self, inst: _Instance, events: list[Any]) -> None:
@@ -721,19 +750,79 @@ class Index:
 
     # ---- queries ------------------------------------------------------------------------------
 
-    def _rows(self, block_hashes: Iterable[BlockHash]) -> np.ndarray:
+    def _rows(self, hs: Sequence[BlockHash]) -> np.ndarray:
         """The mask rows of the leading blocks that someone holds (up to the first no one does)."""
-        hs: Any = block_hashes if isinstance(block_hashes, (list, tuple, np.ndarray)) else list(block_hashes)
         if not len(hs):
             return self._mask[:0]
         ids = self._find(hs)[0]
         miss = np.flatnonzero(ids < 0)
         return self._mask[ids[:miss[0]] if len(miss) else ids]
 
+    def _walk(self, hs: Sequence[BlockHash], active: int, spread: bool) -> tuple[list[int], list[tuple[Any, ...]]] | None:
+        """The extension's one-pass walk (``cuda_ext/index_walk.cpp``) over ``hs`` for the pairs
+        in ``active``: per pair, grouped by instance fastest first, how many leading blocks it holds
+        alone (``spread=False``), or is its instance's fastest holder of, within the instance's run
+        on any medium (``spread=True``); and each pair's (instance, medium).  ``None`` where the
+        extension is not loaded or a hash is not an int in [0, 2**64): the numpy path answers.
+        O(blocks walked), in C, plus O(pairs) in Python."""
+        op = _walk_op() if self.native else None
+        if op is None:
+            return None
+        codes, other = _codes(hs)
+        if other:
+            return None
+        plan = self._plans.get((active, spread))
+        if plan is None:
+            plan = self._plan(active, spread)
+        t = self._tensors
+        m = self._map
+        if t[0] is not m.keys or t[1] is not m.vals or t[2] is not self._mask:
+            mask = self._mask.view(_SIGNED[self._mask.dtype.itemsize])
+            t = self._tensors = (m.keys, m.vals, self._mask, _torch().from_numpy(m.keys.view(np.int64)),
+                                 _torch().from_numpy(m.vals), _torch().from_numpy(mask))
+        flags = codes.flags
+        if not (flags.c_contiguous and flags.writeable):
+            codes = codes.copy()
+        counts = op(t[3], t[4], m.bits, _torch().from_numpy(codes.view(np.int64)), t[5],
+                    plan[0], plan[1])
+        return counts.tolist(), plan[2]
+
+    def _plan(self, active: int, spread: bool) -> tuple[Any, Any, list[tuple[Any, ...]]]:
+        """The walk's ``order`` and ``starts`` tensors for the pairs in ``active`` (one group per
+        instance for ``spread``, one per pair otherwise) and each pair's (instance, medium),
+        cached until a pair's bit is given or freed.  O(pairs)."""
+        order: list[int] = []
+        starts = [0]
+        owners: list[tuple[Any, ...]] = []
+        by_inst: dict[str, list[tuple[Medium, int]]] = {}
+        for bit, (inst, medium) in self._owner.items():
+            if active >> bit & 1:
+                by_inst.setdefault(inst.name, []).append((medium, bit))
+        for name, pairs in by_inst.items():
+            for medium, bit in sorted(pairs, key=lambda mb: medium_rank(mb[0])):
+                order.append(bit)
+                owners.append((name, medium))
+                if not spread:
+                    starts.append(len(order))
+            if spread:
+                starts.append(len(order))
+        torch = _torch()
+        if len(self._plans) > 64:
+            self._plans.clear()
+        plan = self._plans[(active, spread)] = (torch.tensor(order, dtype=torch.int64),
+                                                torch.tensor(starts, dtype=torch.int64), owners)
+        return plan
+
+    @staticmethod
+    def _hashes(block_hashes: Iterable[BlockHash]) -> Any:
+        return block_hashes if isinstance(block_hashes, (list, tuple, np.ndarray)) else list(block_hashes)
+
     def lookup(self, block_hashes: Iterable[BlockHash], include_stale: bool = False) -> dict[str, Match]:
         """For each instance, the longest leading run of ``block_hashes`` it holds on one medium
         (see the module docstring).  This operation does not change the index.  O(prompt blocks
-        + instances), vectorised: one table probe a block and one pass over their holder masks."""
+        + instances): with the extension loaded (``radixkv.core.ops.backend()`` not ``"torch"``)
+        and 64-bit int hashes, one pass in C that stops at the first block no one holds; else
+        vectorised numpy, one table probe a block and one pass over their holder masks."""
         if self._dirty:
             self._flush()
         active = 0
@@ -742,7 +831,15 @@ class Index:
                 active |= inst.bits
         if not active:
             return {}
-        rows = self._rows(block_hashes)
+        hs = self._hashes(block_hashes)
+        best: dict[str, Match] = {}
+        walked = self._walk(hs, active, False) if len(hs) else None
+        if walked is not None:
+            for blocks, (name, medium) in zip(*walked):     # fastest first within an instance
+                if blocks and (name not in best or blocks > best[name].blocks):
+                    best[name] = Match(blocks, medium)
+            return best
+        rows = self._rows(hs)
         if not len(rows):
             return {}
         acc = np.bitwise_and.accumulate(rows & self._vec(active), axis=0)
@@ -761,7 +858,6 @@ class Index:
             low = cur & -cur
             runs[low.bit_length() - 1] = len(acc)
             cur ^= low
-        best: dict[str, Match] = {}
         for bit, blocks in runs.items():
             inst, medium = self._owner[bit]
             now = best.get(inst.name)
@@ -776,14 +872,26 @@ class Index:
         one run, as the instance's cache would match it), with how many blocks each medium is the
         fastest holder of: what it costs that instance to serve the prefix.  Instances matching
         nothing are left out.  This operation does not change the index.  O(prompt blocks x
-        instances), vectorised per instance."""
+        instances): with the extension loaded and 64-bit int hashes, one pass in C (O(prompt
+        blocks) plus O(pairs) where the holders change); else vectorised numpy per instance."""
         if self._dirty:
             self._flush()
         alive = [inst for inst in self._instances.values() if inst.bits and (include_stale or not inst.pending)]
         if not alive:
             return {}
-        rows = self._rows(block_hashes)
+        hs = self._hashes(block_hashes)
         out: dict[str, Spread] = {}
+        active = 0
+        for inst in alive:
+            active |= inst.bits
+        walked = self._walk(hs, active, True) if len(hs) else None
+        if walked is not None:
+            per: dict[str, list[tuple[Medium, int]]] = {}
+            for blocks, (name, medium) in zip(*walked):     # fastest first within an instance
+                if blocks:
+                    per.setdefault(name, []).append((medium, blocks))
+            return {name: Spread(sum(c for _m, c in counts), tuple(counts)) for name, counts in per.items()}
+        rows = self._rows(hs)
         for inst in alive:
             held = (rows & self._vec(inst.bits)).any(axis=1)
             stop = np.flatnonzero(~held)

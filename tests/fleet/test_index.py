@@ -263,3 +263,86 @@ def test_bench_fleet_index_smoke(tmp_path: Any, capsys: pytest.CaptureFixture[st
     text = out.read_text()
     assert text.startswith("# python -m radixkv.bench fleet_index") and "bytes a held block" in text
     assert "from an array" in text and "hashing the prompt" in text
+
+
+# ---- the extension's one-pass walk (cuda_ext/index_walk.cpp) against the numpy path ----------
+
+@pytest.fixture(scope="module")
+def walk() -> None:
+    """The C++ extension built (or found built) once for this module, and the index using it."""
+    import shutil
+
+    from radixkv.core import ops
+    from radixkv.fleet import index as index_mod
+
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        pytest.skip("no C++ compiler on PATH: only the numpy path can run here")
+    assert ops.build() in ("cpp", "cuda+cpp")
+    index_mod._NATIVE.clear()                 # looked up again, now that the build is there
+    assert index_mod._walk_op() is not None
+
+
+def both_paths(idx: Index, hs: Any, stale: bool) -> tuple[Any, Any]:
+    """(lookup, lookup_spread) through the extension, after checking the numpy path gives the same."""
+    native = (idx.lookup(hs, include_stale=stale), idx.lookup_spread(hs, include_stale=stale))
+    idx.native = False
+    try:
+        plain = (idx.lookup(hs, include_stale=stale), idx.lookup_spread(hs, include_stale=stale))
+    finally:
+        idx.native = True
+    assert native == plain
+    return native
+
+
+int_hashes = st.lists(st.integers(0, 9), max_size=8)
+
+
+@given(ops=st.lists(op, max_size=30), queries=st.lists(st.tuples(int_hashes, st.booleans()), max_size=4),
+       max_blocks=st.integers(1, 8))
+def test_walk_matches_numpy_path(walk: None, ops: list[tuple], queries: list[tuple[list[int], bool]],
+                                 max_blocks: int) -> None:
+    """Random histories (gaps, clears, restarts, evictions): both paths give the reference's answers."""
+    idx, ref = Index(max_blocks=max_blocks, max_pending=2), Reference(max_blocks, 2)
+    for o in ops:
+        if o[0] == "apply":
+            _, name, delta, batch, _live = o
+            seq = max(0, (0 if name not in ref.inst else ref.inst[name]["next"]) + delta)
+            idx.apply(name, seq, batch)
+            ref.apply(name, seq, batch)
+        elif o[0] == "lookup":
+            queries = queries + [(o[1], o[2])]
+    for hs, stale in queries:
+        got = both_paths(idx, hs, stale)
+        assert got == (ref.lookup(hs, stale), ref.spread(hs, stale))
+        if all(isinstance(h, int) and 0 <= h < 2**64 for h in hs):
+            assert both_paths(idx, np.array(hs, dtype=np.uint64), stale) == got
+
+
+@settings(max_examples=settings.default.max_examples // 2, deadline=None)
+@given(holdings=st.lists(st.tuples(st.integers(0, 39), st.sampled_from(["GPU", "CPU", "STORAGE"]),
+                                   st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=60),
+       drops=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 12)), max_size=10),
+       prompt_len=st.integers(0, 80))
+def test_walk_matches_numpy_path_on_wide_masks(walk: None, holdings: list[tuple[int, str, int, int]],
+                                               drops: list[tuple[int, int]], prompt_len: int) -> None:
+    """Up to 40 instances on three media (masks of 8 to 128 bits, in one or two words), chains of
+    large 64-bit hashes with holes: both paths agree, and with the reference."""
+    prompt = [(2**64 - 1 - 7919 * i) % 2**64 for i in range(80)]
+    idx, ref = Index(), Reference(4_000_000, 1024)
+    seqs: dict[str, int] = {}
+    for who, medium, start, length in holdings:
+        name = f"i{who}"
+        batch = stored_on(medium, prompt[start:start + length], prompt[start - 1] if start else None)
+        for target in (idx, ref):
+            target.apply(name, seqs.get(name, 0), batch)
+        seqs[name] = seqs.get(name, 0) + 1
+        for d_who, at in drops:
+            if f"i{d_who}" == name:
+                gone = EventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[prompt[at]], medium="CPU")])
+                for target in (idx, ref):
+                    target.apply(name, seqs[name], gone)
+                seqs[name] += 1
+    hs = prompt[:prompt_len]
+    got = both_paths(idx, hs, False)
+    assert got == (ref.lookup(hs, False), ref.spread(hs, False))
+    assert both_paths(idx, np.array(hs, dtype=np.uint64), False) == got
