@@ -15,18 +15,20 @@ int8       2     **no**   per channel (a layer, side, head and dimension, over t
                           its minimum and step (float32), then one uint8 code per value,
                           ``value ~= minimum + code * step``, ``step = (max - min) / 255``
 cachegen   3     **no**   CacheGen-class (delta to anchors, precision per layer, entropy coding): per
-                          layer and side an anchor (the first token of each group of 16 tokens,
+                          layer and side a reference (the first token of each group of 16 tokens,
                           or, where that spreads the deltas more, the channel's midpoint), each
-                          value's delta to its anchor quantised symmetrically per channel with
-                          the layer's bits (earlier layers get more), the codes in one zstd frame
+                          value's delta to it quantised symmetrically per channel with the layer's
+                          bits (``layer_bits``: earlier layers get more), the codes packed (two to
+                          a byte, plus a plane of high bits above 4 bits) in one zstd frame a layer
 =========  ====  =======  ==============================================================================
 
 **The error bound** (what the property tests check).  ``int8`` and ``cachegen`` write codes whose
 dequantised value is within half a step of the input, per channel: for ``int8`` ``(max - min) /
-510``; for ``cachegen`` ``max |delta| / (2 * (2**(bits - 1) - 1))``, ``bits`` of the layer
-(anchors are dequantised before the deltas are taken, so their own error never adds up).  The
-decoded value is then rounded to the KV's dtype: ``|decoded - value| <= half step + half an ulp
-of the dtype at |value| + half step`` (the second term: ``float16``/``bfloat16`` rounding).
+510``; for ``cachegen`` ``max |delta| / (2 * (2**(bits - 1) - 1))``, ``bits`` of the layer, and
+``max |delta| <= (max - min) * (1 + 1/510)`` whichever reference the channel's side uses (anchors
+are dequantised before the deltas are taken, so their own error never adds up).  The decoded
+value is then rounded to the KV's dtype: ``|decoded - value| <= half step + the dtype's rounding``
+(half an ulp of ``float16``/``bfloat16`` at the value).
 Constant channels decode exactly (up to float32 arithmetic flushing a subnormal value to zero).
 
 **What is never coded.**  A chunk with a non-finite value (lossy codecs), a dtype that is not a
@@ -41,8 +43,11 @@ is written only by the last step of a decode, after everything has been checked.
 
 The entropy coder is zstd (the ``zstandard`` bindings, the ``codec`` extra): byte-oriented
 Huffman plus matching, in C, decoding at GB/s on one core; quantised codes cluster near zero,
-which its Huffman stage turns into few bits.  A range coder would code closer to the entropy but
-decode several times slower, and decode speed is the budget a load lives within.
+which its Huffman stage turns into few bits (on packed codes within a few hundredths of a bit of
+their entropy).  A range coder would code closer to the entropy but decode several times slower,
+and decode speed is the budget a load lives within.  The last step of a lossy decode (unpack,
+scale, offset) is one pass of the extension's ``dequantize`` where it is built
+(``cuda_ext/dequantize.cpp``), else a few numpy/torch passes a layer; both give the same bits.
 """
 
 from __future__ import annotations
