@@ -215,3 +215,23 @@ def test_a_remote_tier_down_at_start_up_is_misses_then_used_once_it_answers(kind
             cache.close()
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "127.0.0.1" in r.getMessage()]
     assert len(warnings) >= 1
+
+
+def test_codecs_reach_the_disk_and_remote_tiers_and_never_the_cpu_tier(tmp_path):
+    pytest.importorskip("zstandard")
+    cfg = base(local_cpu=True, max_local_cpu_size=0.001, local_disk=str(tmp_path / "db"), max_local_disk_size=0.01,
+               codec="cachegen:4")
+    with rk.from_config(cfg, LAYOUT) as cache:
+        assert [c.name for c in cache.stack.codecs] == ["none", "cachegen"]
+        assert cache.stack.codecs[1].bits == 4
+    with rk.from_config(base(local_disk=str(tmp_path / "db2"), max_local_disk_size=0.01, codec="int8",
+                             local_disk_codec="zstd"), LAYOUT) as cache:
+        assert [c.name for c in cache.stack.codecs] == ["zstd"]            # the tier's own key wins
+    remote = rk.config.CacheConfig.from_mapping(base(remote_url="redis://127.0.0.1:1/0", remote_codec="int8"))
+    assert remote.remote_codec == "int8"
+    for bad, words in (({"codec": "lz4"}, "codec"), ({"codec": 3}, "codec"),
+                       ({"local_disk_codec": "int8"}, "local_disk_codec: set, but local_disk"),
+                       ({"remote_codec": "zstd"}, "remote_codec: set, but remote_url"),
+                       ({"codec": "cachegen:9"}, "codec")):
+        with pytest.raises(ValueError, match=words):
+            rk.config.CacheConfig.from_mapping(base(**bad))
