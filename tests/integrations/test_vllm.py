@@ -404,7 +404,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             # A remote tier written with a lossy codec, read back after vLLM forgets its blocks.
             "coded": spec([{"name": "cold", "prompt": "p3"},
                            {"name": "from s3", "prompt": "p3", "reset": True, "until_loaded": 30}],
-                          conn("kv_both", **{**remote, "remote_url": "s3://radixkv-vllm/coded"}, codec="int8")),
+                          conn("kv_both", **{**remote, "remote_url": "s3://radixkv-vllm/coded"}, codec="int8",
+                               remote_timeout=CONSUMER_TIMEOUT)),
         }
         try:
             results.update(_wait({name: _launch(tmp, name, s) for name, s in second.items()}))
@@ -534,7 +535,9 @@ def test_a_prefix_from_a_remote_tier_with_a_lossy_codec_gives_raw_greedy_tokens(
     steps = {s["name"]: s for s in engines["coded"]["steps"]}
     _same(steps["cold"], base["p3"])
     coded = steps["from s3"]
-    assert _loaded(coded) == (650 // CHUNK) * CHUNK, coded["tries"]
+    # The cold step's chunks reach S3 from the writer thread: the step is repeated until a load
+    # took some, whole chunks of what the cold step stored.
+    assert _loaded(coded) in range(CHUNK, (650 // CHUNK) * CHUNK + 1, CHUNK), (_loaded(coded), coded["tries"])
     deviation = _deviation(coded, base["p3"])
     print(f"int8 chunks from S3: top-3 logprob deviation {deviation:.2e} over {len(coded['tokens'])} tokens")
     assert coded["tokens"] == base["p3"]["tokens"] and deviation < 0.05
