@@ -178,22 +178,24 @@ def train(steps: int = 2000, batch: int = 32, seed: int = 0, log: Any = print, l
 def trained(steps: int = 2000, seed: int = 0, log: Any = print, cache_dir: str | None = None) -> Any:
     """The model ``train(steps, seed=seed)`` makes, trained once per machine: its weights are kept
     in ``cache_dir`` (default ``$RADIXKV_MODEL_CACHE``, else ``~/.cache/radixkv``) and loaded from
-    there next time (``torch.load(weights_only=True)``: tensors only).  Cost: a training run the
+    there next time (safetensors: raw tensors, nothing deserialized as code).  Cost: a training run the
     first time, a file read after."""
     import os
 
     import transformers
 
     folder = cache_dir or os.environ.get("RADIXKV_MODEL_CACHE") or os.path.expanduser("~/.cache/radixkv")
-    path = os.path.join(folder, f"blend-task-l4-h64-seed{seed}-steps{steps}.pt")
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, f"blend-task-l4-h64-seed{seed}-steps{steps}.safetensors")
     if os.path.exists(path):
         model = transformers.AutoModelForCausalLM.from_config(model_config())
-        model.load_state_dict(torch.load(path, weights_only=True))
+        model.load_state_dict(load_file(path))
         log(f"# trained model loaded from {path}")
         return model.train(False)
     model = train(steps, seed=seed, log=log)
     os.makedirs(folder, exist_ok=True)
-    torch.save(model.state_dict(), path + ".tmp")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path + ".tmp")
     os.replace(path + ".tmp", path)
     return model
 
