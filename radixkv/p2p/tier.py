@@ -14,9 +14,14 @@ Storage contract:
   that peer without asking again.
 * **Load** (``get_many``): per run of keys one peer holds, with ``transport="nixl"`` a ``Pin``
   request (the peer leases the slots and says where they lie), one NIXL READ of them all into a
-  buffer registered once, and a ``Release``; with ``"zmq"`` (or a peer without NIXL) a ``Fetch``
-  whose answer carries the blobs.  Only the leading keys the peer still holds come back: a
-  controller entry gone stale is a short answer (a miss), never an error.
+  registered staging buffer, and a ``Release``; with ``"zmq"`` (or a peer without NIXL) a
+  ``Fetch`` whose answer carries the blobs.  Only the leading keys the peer still holds come
+  back: a controller entry gone stale is a short answer (a miss), never an error.
+* **Blobs over NIXL are views** (``radixkv.p2p.staging``): read-only ``memoryview`` slices of the
+  staging buffer, which is not written again while any of them (or anything made from one) is
+  alive.  Hold them only as long as needed: while all ``staging_buffers`` buffers are held, a
+  read is copied out into new ``bytes`` instead.  What keeps a blob past the load copies it (the
+  stack's promotion does).
 * **Faults.**  Every wait ends at the caller's deadline (``radixkv.backends.bounded``, else
   ``timeout_s``): a peer that died or hangs mid-transfer is a miss.  A breaker per peer
   (``CircuitBreaker``: 2 failures in a row open it, for 1 s doubling to 5 s) keeps requests away
@@ -25,7 +30,7 @@ Storage contract:
 * **Trust.**  Every message is signed with the deployment secret (``radixkv.p2p.wire``); every
   blob is verified by the stack like any chunk (MAC, key, parent, tokens), so a peer that returns
   forged or stale bytes causes a miss (counted in ``forged``/``corrupt``), never wrong KV.
-* Thread-safe (a lock per peer channel and one around the NIXL agent).
+* Thread-safe (a lock per peer channel and one around the NIXL agent and its staging buffers).
 """
 
 from __future__ import annotations
@@ -36,19 +41,19 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, Iterator, Sequence
 
-import torch
-
 from radixkv.backends import register
 from radixkv.core.deadline import current_max_blob_bytes
 from radixkv.core.tier import Blob, Entry, Tier, check_key, check_namespace_id
 from radixkv.backends.remote import CircuitBreaker, call_deadline
 from radixkv.p2p.controller import ControllerClient
+from radixkv.p2p.staging import StagingRing
 from radixkv.p2p.wire import Blobs, Channel, Fetch, PeerAnswer, Pin, Pinned, Release, Signer
 
 __all__ = ["PeerTier"]
 
 log = logging.getLogger(__name__)
 _MAX_RETIRED = 4   # staging buffers left to an abandoned transfer before NIXL is given up for pyzmq
+_WINDOW_BYTES = 1 << 20   # the smallest staging buffer
 
 
 class _Peer:
@@ -63,7 +68,9 @@ class _Peer:
 class PeerTier(Tier):
     """Other instances' CPU tiers, through the controller at ``controller`` (see the module
     docstring).  ``instance``: this instance's id (excluded from lookups); ``transport``:
-    ``"nixl"`` or ``"zmq"``; ``node``: the serving ``radixkv.p2p.Node`` closed with this tier."""
+    ``"nixl"`` or ``"zmq"``; ``node``: the serving ``radixkv.p2p.Node`` closed with this tier;
+    ``staging_buffers``: how many registered buffers of NIXL reads may be held by callers at once
+    (each the size of the largest read, at least 1 MiB; one more is kept to copy out of)."""
 
     name = "peer"
     local = False
@@ -71,11 +78,13 @@ class PeerTier(Tier):
 
     def __init__(self, controller: str, secret: bytes | str | None = None, *, instance: str,
                  transport: str = "zmq", node: Any = None, timeout_s: float = 2.0,
-                 max_remembered: int = 65536) -> None:
+                 max_remembered: int = 65536, staging_buffers: int = 4) -> None:
         if transport not in ("nixl", "zmq"):
             raise ValueError(f"transport must be 'nixl' or 'zmq', got {transport!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if isinstance(staging_buffers, bool) or not isinstance(staging_buffers, int) or staging_buffers < 1:
+            raise ValueError(f"staging_buffers must be a positive int, got {staging_buffers!r}")
         self.instance = instance
         self.transport = transport
         self.timeout_s = float(timeout_s)
@@ -88,11 +97,11 @@ class PeerTier(Tier):
         self._lock = threading.Lock()
         self._agent: Any = None
         self._agent_lock = threading.Lock()
-        self._staging: torch.Tensor | None = None
-        self._retired: list[torch.Tensor] = []
+        self._staging_buffers = staging_buffers
+        self._ring: StagingRing | None = None     # with the agent
         self._counts: Counter[str] = Counter(dict.fromkeys(
             ("lookups", "lookup_hits", "gets", "hits", "misses", "skipped", "failures", "nixl_reads", "zmq_reads",
-             "bytes_read", "oversize", "abandoned"), 0))
+             "bytes_read", "oversize", "abandoned", "nixl_lent", "nixl_copied"), 0))
         self._read_seconds = 0.0        # time in NIXL READs (the transfers alone)
         self._closed = False
 
@@ -176,7 +185,7 @@ class PeerTier(Tier):
             return []
         blobs: list[Blob] | None = None
         try:
-            if self.transport == "nixl" and holder.transport == "nixl" and len(self._retired) < _MAX_RETIRED:
+            if self.transport == "nixl" and holder.transport == "nixl" and self._nixl_usable():
                 blobs = self._read_nixl(peer, keys, deadline)
             else:
                 blobs = self._fetch(peer, keys, deadline)
@@ -213,57 +222,55 @@ class PeerTier(Tier):
             spans = pinned.spans[:len(keys)]
             if not spans:
                 return []
-            total = sum(n for _, n in spans)
+            lengths = [n for _, n in spans]
+            total = sum(lengths)
             with self._agent_lock:
-                agent = self._nixl_agent()
+                agent, ring = self._nixl_agent()
                 agent.add_peer(pinned.agent, peer.answer.metadata)
-                staging = self._staging_for(agent, total)
-                base, local, at = staging.data_ptr(), [], 0
-                for _, n in spans:
+                staging = ring.take(total)
+                lent = staging is not None
+                if staging is None:                  # every lendable buffer is held: read, then copy out
+                    staging = ring.scratch(total)
+                base, local, at = staging.address(), [], 0
+                for n in lengths:
                     local.append((base + at, n))
                     at += n
                 t0 = time.perf_counter()
                 done = agent.read(pinned.agent, local, [(pinned.base + o, n) for o, n in spans], deadline)
                 self._read_seconds += time.perf_counter() - t0
                 if not done:
-                    self._retire(staging)
+                    self._retire(ring, staging)
                     return None
-                memory = staging.numpy()
-                blobs: list[Blob] = []
-                at = 0
-                for _, n in spans:
-                    blobs.append(memory[at:at + n].tobytes())
-                    at += n
-            self._count(nixl_reads=1, bytes_read=total)
+                blobs: list[Blob] = list(ring.lend(staging, lengths) if lent else ring.copy_out(staging, lengths))
+            self._count(nixl_reads=1, bytes_read=total, nixl_lent=int(lent), nixl_copied=int(not lent))
             return blobs
         finally:
             peer.channel.tell(Release(pinned.pin))
 
-    def _nixl_agent(self) -> Any:
+    def _nixl_usable(self) -> bool:
+        """Whether NIXL is still used: fewer than ``_MAX_RETIRED`` transfers were abandoned (read
+        without the agent lock, which a transfer holds: the count only grows)."""
+        ring = self._ring
+        return ring is None or ring.retired < _MAX_RETIRED
+
+    def _nixl_agent(self) -> tuple[Any, StagingRing]:
         # Agent lock held.
         if self._agent is None:
             from radixkv.p2p.transport import Agent
 
             incarnation = getattr(self.node, "incarnation", "")
             self._agent = Agent(f"{self.instance}-{incarnation}-reader")
-        return self._agent
+            self._ring = StagingRing(self._agent, max_buffers=self._staging_buffers, min_bytes=_WINDOW_BYTES)
+        assert self._ring is not None
+        return self._agent, self._ring
 
-    def _staging_for(self, agent: Any, nbytes: int) -> torch.Tensor:
-        # Agent lock held.  A registered buffer of at least nbytes (grown by doubling; registered once each).
-        if self._staging is None or self._staging.numel() < nbytes:
-            size = max(nbytes, 2 * (self._staging.numel() if self._staging is not None else 0), 1 << 20)
-            self._staging = torch.empty(size, dtype=torch.uint8)
-            agent.register(self._staging)
-        return self._staging
-
-    def _retire(self, staging: torch.Tensor) -> None:
+    def _retire(self, ring: StagingRing, staging: Any) -> None:
         # Agent lock held.  A transfer into ``staging`` was abandoned: it may still be written to.
-        self._retired.append(staging)
-        self._staging = None
+        ring.retire(staging)
         self._count(abandoned=1)
-        if len(self._retired) >= _MAX_RETIRED:
+        if ring.retired >= _MAX_RETIRED:
             log.warning("radixkv peer tier: %d NIXL transfers abandoned; reading over pyzmq from now on",
-                        len(self._retired))
+                        ring.retired)
 
     def put(self, key: bytes, blob: Blob) -> bool:
         """Stores nothing: ``False`` (a peer's tier is its own).  O(1)."""
@@ -300,14 +307,17 @@ class PeerTier(Tier):
             self._counts.update(deltas)
 
     def stats(self) -> dict[str, int | float]:
-        """Counters (lookups, hits, misses, reads per transport, failures, skipped by a breaker,
-        abandoned transfers), the time spent in NIXL READs, and the peers known.  O(peers)."""
+        """Counters (lookups, hits, misses, reads per transport, NIXL reads lent as views or copied
+        out, failures, skipped by a breaker, abandoned transfers), the time spent in NIXL READs,
+        the staging buffers held by callers, and the peers known.  O(peers + staging buffers)."""
         with self._lock:
             counts = dict(self._counts)
             peers = len(self._peers)
             open_ = sum(p.breaker.state != "closed" for p in self._peers.values())
+        with self._agent_lock:
+            held = self._ring.held() if self._ring is not None else 0
         return {**counts, "used_bytes": 0, "peers": peers, "breakers_open": open_,
-                "nixl_read_seconds": self._read_seconds}
+                "nixl_read_seconds": self._read_seconds, "staging_held": held}
 
     def close(self) -> None:
         """Close the channels, the controller client and the node (which leaves the fleet).
@@ -326,6 +336,8 @@ class PeerTier(Tier):
         with self._agent_lock:
             if self._agent is not None:
                 self._agent.deregister_all()
+            if self._ring is not None:
+                self._ring.close()
 
     def check(self) -> None:
         """Counters add up, breakers and the node are consistent.  O(peers)."""
@@ -337,6 +349,13 @@ class PeerTier(Tier):
         assert all(v >= 0 for v in c.values()), f"negative counter in {c}"
         assert c["hits"] + c["misses"] == c["gets"], f"get outcomes != gets in {c}"
         assert c["lookup_hits"] <= c["lookups"]
+        assert c["nixl_lent"] + c["nixl_copied"] == c["nixl_reads"], f"NIXL reads neither lent nor copied in {c}"
+        with self._agent_lock:
+            if self._ring is not None:
+                self._ring.check()
+                assert self._ring.retired == c["abandoned"], f"{self._ring.retired} retired buffers in {c}"
+            else:
+                assert c["abandoned"] == c["nixl_reads"] == 0, c
         for peer in peers:
             peer.breaker.check()
         if self.node is not None:

@@ -43,12 +43,24 @@ class Agent:
         self._peers: dict[str, bytes] = {}       # remote agent name -> the metadata it was added with
         self._registered: list[Any] = []
 
-    def register(self, tensor: torch.Tensor) -> None:
+    def register(self, tensor: torch.Tensor) -> Any:
         """Register ``tensor``'s memory (contiguous, host) so peers may read it / reads may land in
-        it.  Once per buffer, never per request (it pins pages).  O(bytes) for the kernel."""
+        it, and return its handle (for ``deregister``).  Once per buffer, never per request (it
+        pins pages).  O(bytes) for the kernel."""
         if not tensor.is_contiguous():
             raise ValueError("tensor must be contiguous")
-        self._registered.append(self._agent.register_memory(tensor))
+        handle = self._agent.register_memory(tensor)
+        self._registered.append(handle)
+        return handle
+
+    def deregister(self, handle: Any) -> None:
+        """Deregister the buffer ``register`` returned ``handle`` for (no transfer may use it any
+        more).  O(buffers)."""
+        for i, descs in enumerate(self._registered):
+            if descs is handle:
+                del self._registered[i]
+                self._agent.deregister_memory(descs)
+                return
 
     def deregister_all(self) -> None:
         """Deregister every buffer registered (best effort).  O(buffers)."""

@@ -540,3 +540,81 @@ def test_a_stopped_peer_costs_a_request_at_most_remote_timeout(fleet: Fleet, tra
     assert took_request < bound + 2.5, f"a stopped peer held a request {took_request:.2f} s"
     assert took_stack < 2 * bound + 2.5, f"a stopped peer held a lookup and a load {took_stack:.2f} s"
     b.check()
+
+
+def test_nixl_blobs_are_views_kept_intact_while_held_reused_once_released_and_copied_when_all_are_held(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NIXL read lends read-only views of a staging buffer: they keep their bytes while later
+    reads land in other buffers, the buffer is read into again (not registered anew) once they are
+    gone, a read while every buffer is held is copied out into ``bytes``, and a buffer an abandoned
+    transfer may still write into is never read into again nor lent."""
+    if not _have_nixl():
+        pytest.skip("NIXL does not load here")
+    import numpy as np
+
+    from radixkv.p2p import transport as _nixl
+    from radixkv.p2p.tier import PeerTier
+
+    fleet.start("a", seed=1, transport="nixl")
+    names = fleet.names(1)
+    over_zmq = PeerTier(fleet.controller.address, SECRET, instance="z", transport="zmq")
+    want = [bytes(b) for b in over_zmq.get_many(names)]
+    over_zmq.close()
+    assert len(want) == CHUNKS and all(want)
+    reads: list[list[tuple[int, int]]] = []
+    registered: list[int] = []
+    abandon = [False]
+    read, register = _nixl.Agent.read, _nixl.Agent.register
+
+    def recorded_read(self: Any, peer: str, local: Any, remote: Any, deadline: float) -> bool:
+        reads.append(list(local))
+        done = read(self, peer, local, remote, deadline)
+        return done and not abandon[0]            # abandoned: the bytes came, but it is not known
+
+    def counted_register(self: Any, tensor: torch.Tensor) -> Any:
+        registered.append(tensor.numel())
+        return register(self, tensor)
+
+    monkeypatch.setattr(_nixl.Agent, "read", recorded_read)
+    monkeypatch.setattr(_nixl.Agent, "register", counted_register)
+    b = PeerTier(fleet.controller.address, SECRET, instance="b", transport="nixl", staging_buffers=2)
+
+    def span(blob: Any) -> tuple[int, int]:
+        array = np.frombuffer(blob, dtype=np.uint8)
+        return array.ctypes.data, len(array)
+
+    try:
+        first = b.get_many(names[:3])
+        second = b.get_many(names[3:])
+        assert all(isinstance(v, memoryview) and v.readonly for v in first + second)
+        assert b.stats()["staging_held"] == 2 and len(registered) == 2
+        third = b.get_many(names[:2])                  # both held: copied out of the scratch buffer
+        assert all(isinstance(v, bytes) for v in third) and b.stats()["nixl_copied"] == 1
+        assert [bytes(v) for v in first + second] == want and third == want[:2]
+        kept = np.frombuffer(first[0], dtype=np.uint8)  # made from a view: it holds the buffer
+        del first, third
+        assert b.stats()["staging_held"] == 2
+        del kept
+        assert b.stats()["staging_held"] == 1
+        before = len(registered)
+        again = b.get_many(names[:3])
+        assert [bytes(v) for v in again] == want[:3] and len(registered) == before   # reused
+        del second
+        # Abandoned: the buffer it went into is retired; the next read, and what is lent, lie elsewhere.
+        abandon[0] = True
+        assert b.get_many(names[3:]) == [None] * (CHUNKS - 3)
+        abandon[0] = False
+        assert b.stats()["nixl_copied"] == 1                # it went into the buffer second had
+        gone = reads[-1][0][0], sum(n for _, n in reads[-1])
+        for _ in range(3):
+            blobs = b.get_many(names)
+            assert [bytes(v) for v in blobs] == want
+            for start, n in reads[-1] + [span(v) for v in blobs + again if isinstance(v, memoryview)]:
+                assert start + n <= gone[0] or gone[0] + gone[1] <= start, "read into an abandoned buffer"
+            del blobs
+        assert [bytes(v) for v in again] == want[:3]
+        stats = b.stats()
+        assert stats["abandoned"] == 1 and stats["nixl_lent"] >= 6, stats
+        b.check()
+    finally:
+        b.close()
