@@ -340,22 +340,24 @@ class PeerTier(Tier):
                 self._ring.close()
 
     def check(self) -> None:
-        """Counters add up, breakers and the node are consistent.  O(peers)."""
+        """Counters add up, the staging buffers check and as many are retired as transfers were
+        abandoned, breakers and the node are consistent.  O(peers + staging buffers); waits for a
+        NIXL read in flight."""
         super().check()
-        with self._lock:
-            c = dict(self._counts)
-            peers = list(self._peers.values())
-            assert len(self._holders) <= self._max_remembered, "remembers more keys than its bound"
-        assert all(v >= 0 for v in c.values()), f"negative counter in {c}"
-        assert c["hits"] + c["misses"] == c["gets"], f"get outcomes != gets in {c}"
-        assert c["lookup_hits"] <= c["lookups"]
-        assert c["nixl_lent"] + c["nixl_copied"] == c["nixl_reads"], f"NIXL reads neither lent nor copied in {c}"
-        with self._agent_lock:
+        with self._agent_lock:          # a read counts its outcome under it: counters and buffers agree
+            with self._lock:
+                c = dict(self._counts)
+                peers = list(self._peers.values())
+                assert len(self._holders) <= self._max_remembered, "remembers more keys than its bound"
             if self._ring is not None:
                 self._ring.check()
                 assert self._ring.retired == c["abandoned"], f"{self._ring.retired} retired buffers in {c}"
             else:
                 assert c["abandoned"] == c["nixl_reads"] == 0, c
+        assert all(v >= 0 for v in c.values()), f"negative counter in {c}"
+        assert c["hits"] + c["misses"] == c["gets"], f"get outcomes != gets in {c}"
+        assert c["lookup_hits"] <= c["lookups"]
+        assert c["nixl_lent"] + c["nixl_copied"] == c["nixl_reads"], f"NIXL reads neither lent nor copied in {c}"
         for peer in peers:
             peer.breaker.check()
         if self.node is not None:
