@@ -12,13 +12,14 @@ Commands that produced ``benchmarks/results/p2p_cpu.txt`` and ``p2p_cpu_kv16k.tx
 asks), median MB/s of ``--repeat`` rounds:
 
 * **memcpy**: the same bytes copied out of one arena into new ``bytes``, a window held at once
-  (what any ``get_many`` returns: the floor of every row);
+  (what ``get_many`` returned before the peer read lent views: the reference of every row);
 * **CpuTier get_many**: the local CPU tier (a copy out of its arena);
 * **peer nixl / peer zmq**: ``PeerTier.get_many`` from instance A in another process on this
   machine (its ``CpuTier`` served by ``radixkv.p2p.node``): a signed pin, one NIXL READ of the window
-  (UCX over shared memory / cross-memory attach here) and a release; or a signed fetch whose answer
-  carries the bytes (pyzmq over TCP loopback).  The peer lookup (a controller round trip) is timed
-  apart;
+  (UCX over shared memory / cross-memory attach here) into a registered staging buffer whose views
+  are the blobs (``radixkv.p2p.staging``: no copy out; the stack's decode makes the one copy every
+  load makes) and a release; or a signed fetch whose answer carries the bytes (pyzmq over TCP
+  loopback).  The peer lookup (a controller round trip) is timed apart;
 * **s3 / redis**: ``S3Tier`` on moto's server, ``RedisTier`` on a ``redis-server``, both on
   127.0.0.1 (``radixkv.testing``).
 
@@ -164,16 +165,20 @@ def _fetch_rows(args: argparse.Namespace, say: Report, workdir: str) -> None:
                         raise RuntimeError("the serving instance did not come up")
                     time.sleep(0.1)
                 lookup = median_seconds(lambda: peer.contains_prefix(keys), 21)
+                fetch = _windows(peer, keys, size)
+                fetch()                           # the connections made, the staging buffers registered
                 before = peer.stats()
-                row(f"peer {transport} get_many (A in another process)", _rate(total, _windows(peer, keys, size),
-                                                                             args.repeat))
+                row(f"peer {transport} get_many (A in another process)", _rate(total, fetch, args.repeat))
                 say(f"  peer lookup (controller round trip, {len(keys)} keys): {lookup * 1e3:.2f} ms")
                 stats = peer.stats()
                 if transport == "nixl":
                     moved = stats["bytes_read"] - before["bytes_read"]
                     seconds = stats["nixl_read_seconds"] - before["nixl_read_seconds"]
-                    say(f"  of which the NIXL READs alone (into the registered buffer, all rounds): "
-                        f"{moved / seconds / 1e6:,.0f} MB/s; the rest is the pin and the copy into new bytes")
+                    lent, copied = stats["nixl_lent"] - before["nixl_lent"], stats["nixl_copied"] - before["nixl_copied"]
+                    say(f"  of which the NIXL READs alone (into the registered buffer, mean of all rounds): "
+                        f"{moved / seconds / 1e6:,.0f} MB/s; the rest is the pin's round trip "
+                        f"(reads lent as views: {lent}, copied out: {copied})")
+                    assert lent > 0, "no NIXL read was lent: the row would measure the copy"
                 assert stats[f"{transport}_reads"] > 0 and stats["failures"] == 0, stats
                 peer.close()
             finally:
