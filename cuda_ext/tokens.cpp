@@ -9,13 +9,16 @@
 // then takes its exact path, which raises the error that names the argument.  Never raises itself,
 // except MemoryError.
 //
-// The library that holds the block-copy ops is also importable as a Python module of this one
-// function: cpp_extension names the build TORCH_EXTENSION_NAME, and PyInit_<that name> is here.
+// The library that holds the block-copy ops is also importable as a Python module of this
+// function and the fleet index's (index_walk.cpp, added through native.h): cpp_extension names the
+// build TORCH_EXTENSION_NAME, and PyInit_<that name> is here.
 
 #include <Python.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "native.h"
 
 namespace {
 
@@ -85,4 +88,8 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, RADIXKV_STR(TORCH_EXTENSION_NAME),
 
 }  // namespace
 
-PyMODINIT_FUNC RADIXKV_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC RADIXKV_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  PyObject* m = PyModule_Create(&module);
+  if (m != nullptr && radixkv_add_index_functions(m) != 0) Py_CLEAR(m);
+  return m;
+}

@@ -39,10 +39,10 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["BuildLocked", "BuildMissing", "build", "ext_dir", "load", "native_tokens", "sources_dir"]
+__all__ = ["BuildLocked", "BuildMissing", "build", "ext_dir", "load", "native_module", "native_tokens", "sources_dir"]
 
 ENV_DIR = "RADIXKV_EXT_DIR"
-ENV_MODE = "RADIXKV_EXT"  # auto / off / require: radixkv.core.ops reads it; off also turns native_tokens off
+ENV_MODE = "RADIXKV_EXT"  # auto / off / require: radixkv.core.ops reads it; off also turns native_module off
 LIBRARIES = {"cpp": "radixkv_block_copy", "cuda+cpp": "radixkv_block_copy_cuda"}
 # ATen's parallel_for is an OpenMP pragma in a header: without -fopenmp it runs on one thread.
 CFLAGS = ("-O3", "-fopenmp") if sys.platform.startswith("linux") else ("-O3",)
@@ -52,7 +52,7 @@ UNREADABLE_LOCK_S = 10.0  # a lock file still unreadable this long after it was 
 
 _loaded: str | None = None  # the backend whose library this process has loaded, if any
 _library: Path | None = None  # and its file
-_tokens: Any = False  # native_tokens(): False before the first call, then the function or None
+_module: Any = False  # native_module(): False before the first call, then the module or None
 _load_lock = threading.Lock()
 
 
@@ -137,14 +137,14 @@ def load() -> str:
         return _loaded
 
 
-def native_tokens() -> Callable[[Any], bytes | None] | None:
-    """The extension's ``token_bytes(seq)`` (``cuda_ext/tokens.cpp``: an exact-int list or tuple of
-    ids in ``[0, 2**31)`` as int32 LE bytes, ``None`` for anything else), or ``None`` when the
-    extension is off (``RADIXKV_EXT=off``) or not built: callers then take their Python path.
-    Never builds and never warns (``radixkv.core.ops`` warns for the copies).  The first call loads
-    (see ``load``); later ones are O(1)."""
-    global _tokens
-    if _tokens is False:
+def native_module() -> Any:
+    """The built library as a Python module (``cuda_ext/tokens.cpp``'s ``token_bytes``, and the
+    fleet index's ``index_find``, ``index_put`` and ``index_walk`` of ``cuda_ext/index_walk.cpp``),
+    or ``None`` when the extension is off (``RADIXKV_EXT=off``) or not built: callers then take
+    their Python path.  Never builds and never warns (``radixkv.core.ops`` warns for the copies).
+    The first call loads (see ``load``); later ones are O(1)."""
+    global _module
+    if _module is False:
         found = None
         if os.environ.get(ENV_MODE, "auto").strip().lower() != "off":
             try:
@@ -153,13 +153,20 @@ def native_tokens() -> Callable[[Any], bytes | None] | None:
                 name = _library.name.split(".")[0]
                 spec = importlib.util.spec_from_file_location(name, _library)
                 assert spec is not None and spec.loader is not None
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                found = module.token_bytes
-            except (BuildMissing, ImportError, AttributeError, AssertionError):
+                found = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(found)
+            except (BuildMissing, ImportError, AssertionError):
                 found = None
-        _tokens = found
-    return _tokens
+        _module = found
+    return _module
+
+
+def native_tokens() -> Callable[[Any], bytes | None] | None:
+    """The extension's ``token_bytes(seq)`` (``cuda_ext/tokens.cpp``: an exact-int list or tuple of
+    ids in ``[0, 2**31)`` as int32 LE bytes, ``None`` for anything else), or ``None`` when the
+    extension is off (``RADIXKV_EXT=off``) or not built (see ``native_module``).  O(1) after the
+    first call."""
+    return getattr(native_module(), "token_bytes", None)
 
 
 def _read_manifest(where: Path) -> dict[str, Any] | None:
@@ -197,7 +204,7 @@ def build(verbose: bool = False, lock_timeout: float = 600.0, require_cuda: bool
     ``verbose``).  Cost: a compile
     (~10-20 s for the C++ part, more with CUDA) once per torch and source; a load after that.
     """
-    global _loaded, _library
+    global _loaded, _library, _module
     src = sources_dir()
     where = ext_dir(src)
     if _read_manifest(where) is None:
@@ -210,6 +217,7 @@ def build(verbose: bool = False, lock_timeout: float = 600.0, require_cuda: bool
                                            "process; build in a fresh process")
                     _loaded = _compile(src, where, verbose, require_cuda)
                     _library = where / f"{LIBRARIES[_loaded]}.so"
+                    _module = False                       # native_module() looks again
                     return _loaded
     return load()
 

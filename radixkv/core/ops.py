@@ -48,8 +48,8 @@ import torch
 from radixkv.core import _ext
 from radixkv.core.pool import KVPool, as_page_ids, has_duplicates
 
-__all__ = ["backend", "build", "extension_dir", "gather_blocks", "gather_pages", "scatter_blocks",
-           "scatter_pages"]
+__all__ = ["backend", "build", "extension_dir", "gather_blocks", "gather_pages", "native_index",
+           "scatter_blocks", "scatter_pages"]
 
 ENV_MODE = _ext.ENV_MODE
 _MODES = ("auto", "off", "require")
@@ -226,6 +226,17 @@ def build(verbose: bool = False, lock_timeout: float = 600.0) -> str:
     with _lock:
         _outcome = outcome
     return backend()
+
+
+def native_index() -> Any:
+    """The extension's fleet-index functions as a module (``index_find``, ``index_put``,
+    ``index_walk``: see ``cuda_ext/index_walk.cpp``), or ``None`` where ``backend()`` is
+    ``"torch"`` (not built, ``RADIXKV_EXT=off``) or the build lacks them: ``radixkv.fleet.index``
+    then takes its numpy path.  The first call loads (see ``backend``); later ones are O(1)."""
+    if backend() == "torch":
+        return None
+    module = _ext.native_module()
+    return module if hasattr(module, "index_walk") else None
 
 
 def extension_dir() -> Path:

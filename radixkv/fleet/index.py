@@ -36,25 +36,31 @@ Contract:
   consecutive ``BlockStored`` (or ``BlockRemoved`` of one medium) events of an instance at once,
   by the next read (``lookup``, ``held``, ``blocks``, ``len``, ``check``) or once 64K blocks wait.
   What a read sees is what applying every batch in order gives; a read after many batches pays
-  for applying them.
+  for applying them.  Cost: O(blocks) a run, vectorised; where the extension is loaded a run's
+  hashes are gathered and checked for repeats, and probed and inserted in the table, in C
+  (``cuda_ext/index_walk.cpp``), so that a batch of 64 blocks costs about its Python-level
+  checks and queueing (``bench fleet_index`` measures blocks/s).
 * **Lookup.**  ``lookup(block_hashes)`` -> ``{instance: Match(blocks, medium)}``: for each instance
   the longest leading run of ``block_hashes`` it holds on one medium, and that medium; where two
   media hold runs of the same length, the faster (GPU, CPU, STORAGE, others by name, ``None``).
   Instances matching nothing are left out; stale instances too unless ``include_stale=True``.
   Cost: O(prompt blocks + instances): one probe of one fleet-wide table a block (holders are
-  bitmasks), not one per instance.  Where the extension is loaded (``radixkv.core.ops.backend()``
-  is not ``"torch"``) and the hashes are 64-bit ints, the probes and the walk along the masks are
-  one pass in C (``cuda_ext/index_walk.cpp``) that stops where every instance's run has ended;
-  else a few vectorised numpy passes.  Both give the same answers (``Index.native = False``
-  forces numpy).
+  bitmasks), not one per instance, and a probe is one cache miss (a slot packs the hash and the
+  block's id).  Where the extension is loaded (``radixkv.core.ops.native_index()``) and the hashes
+  are 64-bit ints, the probes, the walk along the masks and each instance's pick are one call of a
+  plain C function (``cuda_ext/index_walk.cpp``, about a microsecond to call, no torch dispatch)
+  that stops where every instance's run has ended; else a few vectorised numpy passes.  Both give
+  the same answers (``Index.native = False`` forces numpy).  ``bench fleet_index`` measures both.
 * Hashes are compared as given: ints in [0, 2**64) (vLLM's default external form) live in numpy
   arrays; anything else (bytes, other ints) in a dict beside them.  A ``numpy.uint64`` array is
-  taken as is; a list of ints is converted once per call.
+  taken as is; the C walk reads a list or tuple of ints as far as it walks (a few ns a hash),
+  the numpy path converts it whole.
 
 Layout (every array grows by a factor, so appends are amortised O(1)):
 
 * ``_Map``: an open-addressing table (linear probing, at most 70% full) from a 64-bit hash to a
-  block *id*; lookups and inserts probe whole arrays of hashes at once.
+  block *id*, each slot a packed (hash, id) pair of 12 bytes; lookups and inserts probe whole
+  arrays of hashes at once (in C where the extension is loaded).
 * Per id: ``_mask`` (which (instance, medium) pairs hold it, one bit each, in the narrowest
   unsigned dtype that fits the pairs allocated), the parent of the chain that first stored it
   (``_pk`` kind, ``_par`` value), its ``_slot`` in the table, and the log position of one holder,
@@ -96,22 +102,19 @@ _NONE, _INT, _OBJ = 0, 1, 2                               # parent kinds: None, 
 _MAX_INSTANCES = 32767                                    # _prim is int16
 _QUEUE_BLOCKS = 1 << 16                                   # queued blocks that force a flush
 _SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}   # mask words as the walk takes them
-_NATIVE: list[Any] = []                                   # torch and the extension's walk (or None), once looked up
+_SLOT = np.dtype([("key", np.uint64), ("val", np.int32)])   # a table slot: 12 bytes, packed
+_NATIVE: list[Any] = []                                   # the extension's index functions (or None), once looked up
+_new_tuple = tuple.__new__                                # a NamedTuple without its Python-level __new__
 
 
-def _walk_op() -> Any:
-    """The extension's ``index_walk`` (``cuda_ext/index_walk.cpp``) when the built extension is
-    loaded (``radixkv.core.ops.backend()`` is not ``"torch"``; asked once), else ``None``."""
+def _native() -> Any:
+    """The extension's ``index_find``, ``index_put`` and ``index_walk`` (``cuda_ext/index_walk.cpp``)
+    when the built extension is loaded (``radixkv.core.ops.native_index()``; asked once), else
+    ``None``."""
     if not _NATIVE:
-        import torch
-
         from radixkv.core import ops
 
-        _NATIVE[:] = [torch, torch.ops.radixkv.index_walk if ops.backend() != "torch" else None]
-    return _NATIVE[1]
-
-
-def _torch() -> Any:
+        _NATIVE.append(ops.native_index())
     return _NATIVE[0]
 
 
@@ -167,23 +170,41 @@ def _codes(hashes: Sequence[Any]) -> tuple[np.ndarray, list[tuple[int, Any]]]:
 
 class _Map:
     """Open addressing with linear probing from uint64 keys to int32 values >= 0, probed for whole
-    arrays of keys at once.  Deleted slots become tombstones until the next rebuild; the table is
-    rebuilt (amortised O(1) a key) once live and dead slots pass 70% of it."""
+    arrays of keys at once.  A slot is a packed (key, value) pair, so a probe is one cache miss.
+    Deleted slots become tombstones until the next rebuild; the table is rebuilt (amortised O(1) a
+    key) once live and dead slots pass 70% of it.  With ``native`` set and the extension loaded,
+    ``find``, ``locate`` and ``put`` run in C (``cuda_ext/index_walk.cpp``: one pass, prefetching
+    ahead), else in numpy; both keep the same invariants (a key is reachable from its home slot
+    without crossing an empty one), so either may follow the other."""
 
-    __slots__ = ("keys", "vals", "bits", "size", "used", "moved")
+    __slots__ = ("table", "raw", "keys", "vals", "bits", "size", "used", "moved", "native")
 
-    def __init__(self, moved: Any = None) -> None:
+    def __init__(self, moved: Any = None, native: bool = False) -> None:
         self.moved = moved                        # called with (vals, slots) after a rebuild
+        self.native = native
         self._alloc(4)
 
     def _alloc(self, bits: int) -> None:
         self.bits = bits
-        self.keys = np.zeros(1 << bits, np.uint64)
-        self.vals = np.full(1 << bits, _EMPTY, np.int32)
+        self.table = np.zeros(1 << bits, _SLOT)
+        self.raw = self.table.view(np.uint8)      # the same bytes, as the extension takes them
+        self.keys = self.table["key"]             # views of the slots' fields
+        self.vals = self.table["val"]
+        self.vals[:] = _EMPTY
         self.size = self.used = 0                 # live slots; live and dead
 
     def __len__(self) -> int:
         return self.size
+
+    def _fast(self) -> Any:
+        return _native() if self.native else None
+
+    def _probe(self, fns: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values, slots) of ``keys`` through the extension, -1 where absent."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        vals, slots = np.empty(len(keys), np.int32), np.empty(len(keys), np.intp)
+        fns.index_find(self.raw, self.bits, keys, vals, slots)
+        return vals, slots
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
         return ((keys * _MIX) >> np.uint64(64 - self.bits)).astype(np.intp)
@@ -219,6 +240,9 @@ class _Map:
         """The slot of each key, -1 where absent.  O(len(keys)) reads, expected."""
         if not self.size or not len(keys):
             return np.full(len(keys), -1, np.intp)
+        fns = self._fast()
+        if fns is not None:
+            return self._probe(fns, keys)[1]
         slots, hit = self._scan(keys, self._home(keys))
         return np.where(hit, slots, -1)
 
@@ -226,6 +250,9 @@ class _Map:
         """The value of each key, -1 where absent.  O(len(keys)) reads, expected."""
         if not self.size or not len(keys):
             return np.full(len(keys), -1, np.int32)
+        fns = self._fast()
+        if fns is not None:
+            return self._probe(fns, keys)[0]
         slots, hit = self._scan(keys, self._home(keys))
         return np.where(hit, self.vals[slots], -1)
 
@@ -235,6 +262,14 @@ class _Map:
         n = len(keys)
         if self.used + n > 0.7 * len(self.vals):
             self._rebuild(self.size + n)
+        fns = self._fast()
+        if fns is not None:
+            out = np.empty(n, np.intp)
+            won = fns.index_put(self.raw, self.bits, np.ascontiguousarray(keys, np.uint64),
+                                np.ascontiguousarray(vals, np.int32), out)
+            self.size += won
+            self.used += won
+            return out
         out = np.empty(n, np.intp)
         slot, todo, last = self._home(keys), np.arange(n), len(self.vals) - 1
         while len(todo):
@@ -273,7 +308,7 @@ class _Map:
             self.moved(vals, slots)
 
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.vals.nbytes
+        return self.table.nbytes
 
     def check(self) -> None:
         """Sizes add up; every live key is found where it lives (no empty slot on its path)."""
@@ -291,7 +326,7 @@ class _Instance:
     __slots__ = ("name", "ix", "bits", "media", "next_seq", "pending", "log", "head", "tail",
                  "count", "over", "parents", "queue")
 
-    def __init__(self, name: str, ix: int) -> None:
+    def __init__(self, name: str, ix: int, native: bool) -> None:
         self.name, self.ix = name, ix
         self.bits = 0                                  # OR of this instance's medium bits
         self.media: dict[Medium, int] = {}             # medium -> its bit
@@ -300,7 +335,7 @@ class _Instance:
         self.log = np.zeros(16, np.int32)              # ids in store order; live in [head, tail)
         self.head = self.tail = 0
         self.count = 0                                 # distinct blocks held
-        self.over = _Map()                             # id -> log position, where not primary
+        self.over = _Map(native=native)                # id -> log position, where not primary
         self.parents: dict[int, Any] = {}              # id -> parent, where not the block's first
         self.queue: list[Any] = []                     # events not applied yet
 
@@ -316,17 +351,15 @@ class Index:
                 raise ValueError(f"{name} must be positive, got {value}")
         self.max_blocks = max_blocks
         self.max_pending = max_pending
-        #: Whether lookups use the extension's walk when it is loaded (``False``: always the numpy
-        #: path, which gives the same answers; for comparisons).
-        self.native = True
+        self._native = True
         self._instances: dict[str, _Instance] = {}
         self._free_ix: list[int] = []
         self._owner: dict[int, tuple[_Instance, Medium]] = {}   # bit -> (instance, medium)
         self._free_bits: list[int] = []
         self._plans: dict[tuple[int, bool], Any] = {}          # the walk's groups, by (active bits, spread)
-        self._tensors: tuple[Any, ...] = (None, None, None)    # the arrays the walk reads, and their tensors
+        self._actives: dict[bool, int] = {}                    # active bits by include_stale, until a change
         self._next_bit = 0
-        self._map = _Map(self._moved)                 # uint64 hash -> id
+        self._map = _Map(self._moved, native=True)    # uint64 hash -> id
         self._obj: dict[Any, int] = {}                # any other hash -> id
         self._okey: dict[int, Any] = {}               # id -> that hash
         self._pobj: dict[int, Any] = {}               # id -> its parent, where a Python object
@@ -343,6 +376,21 @@ class Index:
         self._prim = np.zeros(0, np.int16)            # per id: its primary holder's ix (-1: none)
         self._stamp = np.zeros(0, np.int32)           # per id: the primary's log position
         self._grow_ids(16)
+
+    @property
+    def native(self) -> bool:
+        """Whether the index uses the extension (``cuda_ext/index_walk.cpp``) where it is loaded:
+        its hash table's probes and inserts, and the lookups' walk.  ``False``: always the numpy
+        path, which gives the same answers and keeps the same invariants (for comparisons); it may
+        be switched at any time.  O(instances) to set."""
+        return self._native
+
+    @native.setter
+    def native(self, on: bool) -> None:
+        self._native = on = bool(on)
+        self._map.native = on
+        for inst in self._instances.values():
+            inst.over.native = on
 
     # ---- storage ------------------------------------------------------------------------------
 
@@ -490,12 +538,13 @@ class Index:
         events = getattr(batch, "events", None)
         if not isinstance(events, list):
             raise TypeError(f"batch must be an EventBatch, got {type(batch).__name__}")
+        self._actives.clear()
         inst = self._instances.get(instance)
         if inst is None:
             if not self._free_ix and len(self._instances) >= _MAX_INSTANCES:
                 raise ValueError(f"the index holds at most {_MAX_INSTANCES} instances")
             ix = self._free_ix.pop() if self._free_ix else len(self._instances)
-            inst = self._instances[instance] = _Instance(instance, ix)
+            inst = self._instances[instance] = _Instance(instance, ix, self._native)
         if inst.next_seq is None or seq < inst.next_seq:
             if inst.next_seq is not None:             # a restart
                 self._drop_all(inst)
@@ -516,6 +565,7 @@ class Index:
         inst = self._get(instance)
         if not inst.pending:
             return
+        self._actives.clear()
         self._drop_all(inst)
         inst.next_seq = min(inst.pending)
         self._drain(inst)
@@ -523,6 +573,7 @@ class Index:
     def remove(self, instance: str) -> None:
         """Forget ``instance`` (it left the fleet).  O(blocks it held)."""
         inst = self._get(instance)
+        self._actives.clear()
         self._drop_all(inst)
         for bit in inst.media.values():
             del self._owner[bit]
@@ -549,6 +600,7 @@ class Index:
             inst.bits |= 1 << bit
             self._owner[bit] = (inst, medium)
             self._plans.clear()
+            self._actives.clear()
         return bit
 
     def _apply_events(self, inst: _Instance, events: list[Any]) -> None:
@@ -596,32 +648,48 @@ class Index:
     def _stored(self, inst: _Instance, events: list[Any]) -> None:
         """Apply consecutive ``BlockStored`` events of ``inst`` (during which it evicts nothing)
         as one: each block's last store sets its place and parent, every store adds its medium."""
-        hs: list[Any] = []
-        pars: list[Any] = []
+        seqs: list[Any] = []
+        heads: list[Any] = []                            # each event's parent
         runs: list[tuple[int, int]] = []                 # (medium bit, blocks), in order
         starts: list[int] = []
+        n = 0
         for ev in events:
             bit = self._bit(inst, medium_key(ev.medium))
-            h = list(ev.block_hashes)
-            if h:
-                starts.append(len(hs))
-                hs.extend(h)
-                pars.append(ev.parent_block_hash)
-                pars.extend(h[:-1])
+            h = ev.block_hashes
+            if len(h):
+                starts.append(n)
+                seqs.append(h)
+                heads.append(ev.parent_block_hash)
                 runs.append((bit, len(h)))
-        if not hs:
+                n += len(h)
+        if not n:
             return
-        n = len(hs)
-        unique = len(set(hs)) == n
         where: np.ndarray | None = None                  # each store's place among the blocks kept
-        if not unique:                                   # a hash twice: its last place and parent count
-            last = {h: i for i, h in enumerate(hs)}
-            keep = sorted(last.values())
-            rank = {k: r for r, k in enumerate(keep)}
-            where = np.array([rank[last[h]] for h in hs], np.intp)
-            hs, pars = [hs[i] for i in keep], [pars[i] for i in keep]
-        ids, codes, other = self._find(hs)
-        pk, pv, pobj = self._parent_codes(pars, codes if unique and not other else None, starts)
+        fns = _native() if self._native else None
+        codes = np.empty(n, np.uint64)
+        if fns is not None and fns.index_gather(seqs, codes):   # 64-bit ints, none twice: in C
+            hs: Any = codes
+            ids = self._map.find(codes).astype(np.int32, copy=False) if len(self._map) else np.full(n, -1, np.int32)
+            other: list[tuple[int, Any]] = []
+            pk, pv, pobj = self._parent_codes(heads, codes, starts)
+        else:
+            hs = [x for h in seqs for x in h]
+            pars = list(hs)
+            pars[1:] = hs[:-1]
+            for i, p in zip(starts, heads):
+                pars[i] = p
+            unique = len(set(hs)) == n
+            if not unique:                               # a hash twice: its last place and parent count
+                last = {h: i for i, h in enumerate(hs)}
+                keep = sorted(last.values())
+                rank = {k: r for r, k in enumerate(keep)}
+                where = np.array([rank[last[h]] for h in hs], np.intp)
+                hs, pars = [hs[i] for i in keep], [pars[i] for i in keep]
+            ids, codes, other = self._find(hs)
+            if unique and not other:
+                pk, pv, pobj = self._parent_codes(heads, codes, starts)
+            else:
+                pk, pv, pobj = self._parent_codes(pars, None, range(len(pars)))
         new = np.flatnonzero(ids < 0)
         if len(new):
             fresh = self._alloc(len(new))
@@ -649,7 +717,8 @@ class Index:
             if differ.any() or inst.parents:
                 for j, d in zip(at.tolist(), differ.tolist()):
                     if d:
-                        inst.parents[int(ids[j])] = pars[j]
+                        kind = pk[j]
+                        inst.parents[int(ids[j])] = None if kind == _NONE else int(pv[j]) if kind == _INT else pobj[j]
                     else:
                         inst.parents.pop(int(ids[j]), None)
         held = self._holds(inst, ids)
@@ -668,20 +737,16 @@ class Index:
             self._evict(inst, inst.count - self.max_blocks)
 
     @staticmethod
-    def _parent_codes(pars: list[Any], chain: np.ndarray | None,
-                      starts: list[int]) -> tuple[np.ndarray, np.ndarray, dict[int, Any]]:
-        """Kinds, uint64 values and Python objects of the parents ``pars``; ``chain``: the codes
-        of the hashes when each parent but those at ``starts`` is the hash before it."""
-        n = len(pars)
+    def _parent_codes(pars: Sequence[Any], chain: np.ndarray | None,
+                      starts: Iterable[int]) -> tuple[np.ndarray, np.ndarray, dict[int, Any]]:
+        """Kinds, uint64 values and Python objects of the blocks' parents: ``pars[k]`` is the
+        parent at ``starts[k]``; ``chain`` (the codes of the hashes, when each other block's parent
+        is the hash before it) gives the rest (``None``: ``pars`` holds every block's)."""
+        n = len(chain) if chain is not None else len(pars)
         pk, pv, pobj = np.full(n, _INT, np.int8), np.zeros(n, np.uint64), {}
-        rest: Iterable[int]
         if chain is not None:
             pv[1:] = chain[:-1]
-            rest = starts
-        else:
-            rest = range(n)
-        for i in rest:
-            p = pars[i]
+        for i, p in zip(starts, pars):
             if p is None:
                 pk[i], pv[i] = _NONE, 0
             elif isinstance(p, int) and 0 <= p < 1 << 64:
@@ -763,36 +828,32 @@ class Index:
         in ``active``: per pair, grouped by instance fastest first, how many leading blocks it holds
         alone (``spread=False``), or is its instance's fastest holder of, within the instance's run
         on any medium (``spread=True``); and each pair's (instance, medium).  ``None`` where the
-        extension is not loaded or a hash is not an int in [0, 2**64): the numpy path answers.
-        O(blocks walked), in C, plus O(pairs) in Python."""
-        op = _walk_op() if self.native else None
-        if op is None:
+        extension is not loaded or the walk reaches a hash that is not an int in [0, 2**64): the
+        numpy path answers.  O(blocks walked), in C, plus O(pairs) in Python."""
+        fns = _native() if self._native else None
+        if fns is None:
             return None
-        codes, other = _codes(hs)
-        if other:
-            return None
+        if isinstance(hs, np.ndarray):
+            if hs.dtype != np.uint64:
+                return None
+            if not hs.flags.c_contiguous:
+                hs = np.ascontiguousarray(hs)
+        elif not isinstance(hs, (list, tuple)):
+            hs = list(hs)
         plan = self._plans.get((active, spread))
         if plan is None:
             plan = self._plan(active, spread)
-        t = self._tensors
         m = self._map
-        if t[0] is not m.keys or t[1] is not m.vals or t[2] is not self._mask:
-            mask = self._mask.view(_SIGNED[self._mask.dtype.itemsize])
-            t = self._tensors = (m.keys, m.vals, self._mask, _torch().from_numpy(m.keys.view(np.int64)),
-                                 _torch().from_numpy(m.vals), _torch().from_numpy(mask))
-        flags = codes.flags
-        if not (flags.c_contiguous and flags.writeable):
-            codes = codes.copy()
-        counts = op(t[3], t[4], m.bits, _torch().from_numpy(codes.view(np.int64)), t[5],
-                    plan[0], plan[1])
-        return counts.tolist(), plan[2]
+        out = fns.index_walk(m.raw, m.bits, hs, self._mask, plan[0], plan[1], plan[2])
+        return None if out is None else (out, plan[3])
 
-    def _plan(self, active: int, spread: bool) -> tuple[Any, Any, list[tuple[Any, ...]]]:
-        """The walk's ``order`` and ``starts`` tensors for the pairs in ``active`` (one group per
-        instance for ``spread``, one per pair otherwise) and each pair's (instance, medium),
-        cached until a pair's bit is given or freed.  O(pairs)."""
+    def _plan(self, active: int, spread: bool) -> tuple[Any, Any, Any, list[tuple[Any, ...]]]:
+        """The walk's ``order``, ``starts`` and ``best`` arrays for the pairs in ``active`` (one
+        group per instance for ``spread``, one per pair and each instance's longest run picked
+        otherwise) and each pair's (instance, medium), cached until a pair's bit is given or
+        freed.  O(pairs)."""
         order: list[int] = []
-        starts = [0]
+        starts, sets = [0], [0]
         owners: list[tuple[Any, ...]] = []
         by_inst: dict[str, list[tuple[Medium, int]]] = {}
         for bit, (inst, medium) in self._owner.items():
@@ -806,12 +867,23 @@ class Index:
                     starts.append(len(order))
             if spread:
                 starts.append(len(order))
-        torch = _torch()
+            sets.append(len(order))
         if len(self._plans) > 64:
             self._plans.clear()
-        plan = self._plans[(active, spread)] = (torch.tensor(order, dtype=torch.int64),
-                                                torch.tensor(starts, dtype=torch.int64), owners)
+        plan = self._plans[(active, spread)] = (np.array(order, np.int64), np.array(starts, np.int64),
+                                                None if spread else np.array(sets, np.int64), owners)
         return plan
+
+    def _active(self, include_stale: bool) -> int:
+        """The bits of the pairs a lookup answers for, cached until the next batch or removal.  O(instances)."""
+        active = self._actives.get(include_stale)
+        if active is None:
+            active = 0
+            for inst in self._instances.values():
+                if include_stale or not inst.pending:
+                    active |= inst.bits
+            self._actives[include_stale] = active
+        return active
 
     @staticmethod
     def _hashes(block_hashes: Iterable[BlockHash]) -> Any:
@@ -820,25 +892,21 @@ class Index:
     def lookup(self, block_hashes: Iterable[BlockHash], include_stale: bool = False) -> dict[str, Match]:
         """For each instance, the longest leading run of ``block_hashes`` it holds on one medium
         (see the module docstring).  This operation does not change the index.  O(prompt blocks
-        + instances): with the extension loaded (``radixkv.core.ops.backend()`` not ``"torch"``)
-        and 64-bit int hashes, one pass in C that stops at the first block no one holds; else
+        + instances): with the extension loaded (``radixkv.core.ops.native_index()``) and 64-bit
+        int hashes, one call of a C function that walks until every instance's run has ended; else
         vectorised numpy, one table probe a block and one pass over their holder masks."""
         if self._dirty:
             self._flush()
-        active = 0
-        for inst in self._instances.values():
-            if include_stale or not inst.pending:
-                active |= inst.bits
+        active = self._active(include_stale)
         if not active:
             return {}
         hs = self._hashes(block_hashes)
-        best: dict[str, Match] = {}
         walked = self._walk(hs, active, False) if len(hs) else None
-        if walked is not None:
-            for blocks, (name, medium) in zip(*walked):     # fastest first within an instance
-                if blocks and (name not in best or blocks > best[name].blocks):
-                    best[name] = Match(blocks, medium)
-            return best
+        if walked is not None:                      # [pair, blocks, ...]: each instance's pick
+            picks, owners = walked
+            it = iter(picks)
+            return {owners[k][0]: _new_tuple(Match, (blocks, owners[k][1])) for k, blocks in zip(it, it)}
+        best: dict[str, Match] = {}
         rows = self._rows(hs)
         if not len(rows):
             return {}

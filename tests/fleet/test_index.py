@@ -153,10 +153,13 @@ def agree(idx: Index, ref: Reference) -> None:
 # ``every_step``: check and compare after every step (each read applies the queued events), or
 # only at lookups and the end (long queues of events applied together)
 @settings(max_examples=4 * settings.default.max_examples)
+# ``native``: the extension's table and walk where it is built, or the numpy path throughout
 @given(ops=st.lists(op, max_size=40), max_blocks=st.integers(1, 8), max_pending=st.integers(1, 4),
-       every_step=st.booleans())
-def test_index_matches_reference(ops: list[tuple], max_blocks: int, max_pending: int, every_step: bool) -> None:
+       every_step=st.booleans(), native=st.booleans())
+def test_index_matches_reference(ops: list[tuple], max_blocks: int, max_pending: int, every_step: bool,
+                                 native: bool) -> None:
     idx, ref = Index(max_blocks=max_blocks, max_pending=max_pending), Reference(max_blocks, max_pending)
+    idx.native = native
     for o in ops:
         if o[0] == "apply":
             _, name, delta, batch, live = o
@@ -180,13 +183,14 @@ def test_index_matches_reference(ops: list[tuple], max_blocks: int, max_pending:
 
 
 @settings(max_examples=settings.default.max_examples // 2, deadline=None)
-@given(n=st.integers(1, 300), width=st.integers(1, 70), seed=st.integers(0, 2**32 - 1))
-def test_table_grows_and_shrinks_under_many_blocks(n: int, width: int, seed: int) -> None:
+@given(n=st.integers(1, 300), width=st.integers(1, 70), seed=st.integers(0, 2**32 - 1), native=st.booleans())
+def test_table_grows_and_shrinks_under_many_blocks(n: int, width: int, seed: int, native: bool) -> None:
     """Hundreds of random 64-bit hashes in chains, some dropped: table rebuilds, log rebuilds,
     evictions and a second holder on every other block, against the same reference."""
     import random
     rng = random.Random(seed)
     idx, ref = Index(max_blocks=200, max_pending=4), Reference(200, 4)
+    idx.native = native
     hs = [rng.getrandbits(64) for _ in range(n)]
     seqs = {"a": 0, "b": 0}
     for start in range(0, n, width):
@@ -279,7 +283,7 @@ def walk() -> None:
         pytest.skip("no C++ compiler on PATH: only the numpy path can run here")
     assert ops.build() in ("cpp", "cuda+cpp")
     index_mod._NATIVE.clear()                 # looked up again, now that the build is there
-    assert index_mod._walk_op() is not None
+    assert index_mod._native() is not None
 
 
 def both_paths(idx: Index, hs: Any, stale: bool) -> tuple[Any, Any]:
@@ -346,3 +350,110 @@ def test_walk_matches_numpy_path_on_wide_masks(walk: None, holdings: list[tuple[
     got = both_paths(idx, hs, False)
     assert got == (ref.lookup(hs, False), ref.spread(hs, False))
     assert both_paths(idx, np.array(hs, dtype=np.uint64), False) == got
+
+
+def same_state(a: Index, b: Index, probes: list[Any]) -> None:
+    """``a`` and ``b`` hold the same: every read of the index agrees, and both check."""
+    a.check()
+    b.check()
+    assert a.instances() == b.instances() and len(a) == len(b)
+    for name in a.instances():
+        assert list(a.held(name).items()) == list(b.held(name).items())
+        assert (a.blocks(name), a.stale(name), a.next_seq(name)) == (b.blocks(name), b.stale(name), b.next_seq(name))
+    for hs in probes:
+        for stale in (False, True):
+            assert a.lookup(hs, include_stale=stale) == b.lookup(hs, include_stale=stale)
+            assert a.lookup_spread(hs, include_stale=stale) == b.lookup_spread(hs, include_stale=stale)
+
+
+@settings(max_examples=settings.default.max_examples // 2, deadline=None)
+@given(ops=st.lists(op, max_size=40), max_blocks=st.integers(1, 8), switch=st.integers(0, 40),
+       chains=st.lists(st.tuples(st.sampled_from(INSTANCES), st.integers(0, 2**64 - 1), st.integers(1, 90),
+                                 st.sampled_from(["GPU", "CPU"])), max_size=4))
+def test_native_apply_matches_numpy_apply(walk: None, ops: list[tuple], max_blocks: int, switch: int,
+                                          chains: list[tuple[str, int, int, str]]) -> None:
+    """The same batches applied through the extension's table and through numpy's give the same
+    index, read any way; and an index that switches paths half-way (the table built by one, grown
+    and probed by the other) too.  Long chains of large hashes make the tables grow and rebuild."""
+    native, plain, mixed = Index(max_blocks=max_blocks * 10), Index(max_blocks=max_blocks * 10), Index(max_blocks=max_blocks * 10)
+    plain.native = False
+    seqs: dict[str, int] = {}
+    probes: list[Any] = []
+    steps: list[tuple[str, int, EventBatch]] = []
+    for name, start, length, medium in chains:
+        hs = [(start + 0x9E3779B97F4A7C15 * i) % 2**64 for i in range(length)]
+        steps.append((name, seqs.get(name, 0), stored_on(medium, hs)))
+        seqs[name] = seqs.get(name, 0) + 1
+        probes += [hs, np.array(hs[: length // 2], dtype=np.uint64)]
+    for o in ops:
+        if o[0] == "apply":
+            _, name, delta, batch, _live = o
+            seq = max(0, seqs.get(name, 0) + delta)
+            steps.append((name, seq, batch))
+            seqs[name] = max(seqs.get(name, 0), seq + 1)
+        elif o[0] == "lookup":
+            probes.append(o[1])
+    for k, (name, seq, batch) in enumerate(steps):
+        mixed.native = k < switch
+        for idx in (native, plain, mixed):
+            idx.apply(name, seq, batch)
+    mixed.native = switch % 2 == 0
+    same_state(native, plain, probes)
+    same_state(mixed, plain, probes)
+
+
+def test_native_functions_refuse_bad_arguments(walk: None) -> None:
+    """The extension's index functions name the argument they refuse, and never read past a buffer."""
+    from radixkv.fleet import index as index_mod
+
+    fns = index_mod._native()
+    table = np.zeros(16, index_mod._SLOT)
+    table["val"] = -1
+    raw = table.view(np.uint8)
+    keys, vals, slots = np.arange(3, dtype=np.uint64), np.zeros(3, np.int32), np.zeros(3, np.intp)
+    with pytest.raises(ValueError, match="table must be 12 << bits"):
+        fns.index_find(raw, 5, keys, vals, slots)
+    with pytest.raises(ValueError, match="bits"):
+        fns.index_find(raw, 0, keys, vals, slots)
+    with pytest.raises(TypeError, match="keys"):
+        fns.index_find(raw, 4, keys.astype(np.int32), vals, slots)
+    with pytest.raises(TypeError, match="vals_out"):
+        fns.index_find(raw, 4, keys, vals.astype(np.int64), slots)
+    with pytest.raises(ValueError, match="slots_out"):
+        fns.index_find(raw, 4, keys, vals, slots[:2])
+    with pytest.raises(TypeError, match="writable"):
+        fns.index_put(bytes(raw), 4, keys, vals, slots)
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        fns.index_put(raw, 4, keys, vals)
+    assert fns.index_put(raw, 4, keys, np.array([5, 6, 7], np.int32), slots) == 3
+    fns.index_find(raw, 4, keys[::-1].copy(), vals, slots)
+    assert vals.tolist() == [7, 6, 5]
+    with pytest.raises(ValueError, match="no empty slot"):
+        fns.index_put(raw, 4, np.arange(100, 120, dtype=np.uint64), np.zeros(20, np.int32), np.zeros(20, np.intp))
+    mask = np.ones((8, 1), np.uint8)
+    order, starts = np.array([0], np.int64), np.array([0, 1], np.int64)
+    assert fns.index_walk(raw, 4, [0, 1, 2], mask, order, starts, None) == [3]
+    assert fns.index_walk(raw, 4, np.array([0, 1, 9], np.uint64), mask, order, starts, None) == [2]
+    assert fns.index_walk(raw, 4, [0, 1, 9], mask, order, starts, np.array([0, 1], np.int64)) == [0, 2]
+    with pytest.raises(ValueError, match="best"):
+        fns.index_walk(raw, 4, [0], mask, order, starts, np.array([0, 2], np.int64))
+    with pytest.raises(ValueError, match="past the mask's 4 rows"):
+        fns.index_walk(raw, 4, [0], mask[:4], order, starts, None)
+    with pytest.raises(ValueError, match="bit 9 is past"):
+        fns.index_walk(raw, 4, [0], mask, np.array([9], np.int64), starts, None)
+    with pytest.raises(ValueError, match="starts"):
+        fns.index_walk(raw, 4, [0], mask, order, np.array([0, 2], np.int64), None)
+    with pytest.raises(TypeError, match="mask"):
+        fns.index_walk(raw, 4, [0], mask[:, 0], order, starts, None)
+    assert fns.index_walk(raw, 4, [0, b"x"], mask, order, starts, None) is None     # the numpy path's to answer
+    assert fns.index_walk(raw, 4, [0, -1], mask, order, starts, None) is None
+    assert fns.index_walk(raw, 4, [3, b"x"], mask, order, starts, None) == [0]      # the walk ends before it
+    out = np.empty(4, np.uint64)
+    assert fns.index_gather([[1, 2**64 - 1], (3,), [2**63]], out) is True and out.tolist() == [1, 2**64 - 1, 3, 2**63]
+    assert fns.index_gather([[1, 2], [3, 1]], out) is False
+    assert fns.index_gather([[1, 2], [3, 2**64]], out) is None
+    assert fns.index_gather([[1, 2], [3, True]], out) is None
+    with pytest.raises(ValueError, match="out has room for 4"):
+        fns.index_gather([[1, 2], [3, 4, 5]], out)
+    with pytest.raises(ValueError, match="seqs hold 3"):
+        fns.index_gather([[1, 2], [3]], out)
