@@ -196,7 +196,8 @@ struct Probes {
     for (int64_t i = 0; i < n; ++i) {
       if (i + kAhead < n) t.prefetch(t.home(k[i + kAhead]));
       bool hit;
-      if (!visit(i, t.probe(k[i], t.home(k[i]), &hit), hit)) break;
+      const uint64_t s = t.probe(k[i], t.home(k[i]), &hit);
+      if (!visit(i, s, hit)) break;
     }
     Py_END_ALLOW_THREADS
   }
