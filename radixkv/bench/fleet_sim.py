@@ -573,14 +573,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p2p", action="store_true", help="an instance loads a prefix another's pool holds (PEER cost)")
     ap.add_argument("--shared", action="store_true",
                     help="a shared tier (S3-like, unbounded) holds every block once computed (SHARED cost)")
-    ap.add_argument("--summarize", default=None, metavar="TABLE",
-                    help="read a table this command wrote and print the goals' check (also printed after a run)")
+    ap.add_argument("--summarize", default=None, metavar="TABLE[,TABLE]",
+                    help="read tables this command wrote and print the goals' check (also printed after a run); "
+                         "a later table's rows replace an earlier one's of the same cell, seed and policy")
     ap.add_argument("--calibrate", default=None, metavar="VLLM_TABLE",
                     help="print the fit of bench vllm's table (benchmarks/results/vllm_cpu.txt) and exit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.summarize:
-        print("\n".join(goals(Path(args.summarize).read_text().splitlines())))
+        print("\n".join(goals([line for t in args.summarize.split(",") for line in Path(t).read_text().splitlines()])))
         return 0
     if args.calibrate:
         text = calibration_text(args.calibrate)
@@ -642,20 +643,21 @@ def goals(lines: Sequence[str], default: str = "cost") -> list[str]:
     """The goals' check over a table's rows (means over seeds per workload, size and load): the
     default policy's TTFT p50, p95 and p99 each at most the best reference policy's (every other
     policy in the table) plus ``NOISE``, never above round-robin's, and its hit rate at least 90%
-    of ``prefix``'s.  One line per miss and a count.  O(rows)."""
-    rows: dict[tuple[str, int, float], dict[str, list[tuple[float, float, float, float]]]] = {}
+    of ``prefix``'s.  One line per miss and a count.  A row repeated (same workload, size, load,
+    seed and policy) replaces the earlier one: tables concatenated, a rerun's rows win.  O(rows)."""
+    rows: dict[tuple[str, int, float], dict[str, dict[int, tuple[float, float, float, float]]]] = {}
     for line in lines:
         f = line.split()
-        if len(f) < 9 or line.startswith("#") or f[0] == "workload" or not f[1].isdigit():
-            continue
+        if len(f) < 9 or line.startswith("#") or f[0] in ("workload", "goals:", "MISSED") or not f[1].isdigit():
+            continue                # the header, comments and a summary already there
         key = (f[0], int(f[1]), float(f[2]))
-        rows.setdefault(key, {}).setdefault(f[4], []).append(
-            (float(f[5].rstrip("%")) / 100, float(f[6]), float(f[7]), float(f[8])))
+        rows.setdefault(key, {}).setdefault(f[4], {})[int(f[3])] = (
+            float(f[5].rstrip("%")) / 100, float(f[6]), float(f[7]), float(f[8]))
     out, misses, checked = [], 0, 0
     for key, by_policy in sorted(rows.items()):
         if default not in by_policy or len(by_policy) < 2:
             continue
-        mean = {p: [statistics.fmean(v[i] for v in vals) for i in range(4)] for p, vals in by_policy.items()}
+        mean = {p: [statistics.fmean(v[i] for v in seeds.values()) for i in range(4)] for p, seeds in by_policy.items()}
         mine = mean[default]
         refs = {p: m for p, m in mean.items() if p != default}
         checked += 1

@@ -27,9 +27,13 @@ Contract:
     instance has prefill queued to ``AUTO_MAX`` when every one has: on an idle fleet a request
     goes where it starts soonest, on a busy one the work it adds (which every later request
     waits behind) counts more, so a prefix is computed once rather than on every instance.
-    An instance with nothing in flight weighs its work at 1 whatever the load: work on an idle
-    instance delays nobody, so a hot prefix spreads to idle instances instead of queueing on its
-    holder.  Ties go to the longer prefix, then fewer requests in flight, then round-robin.
+    An instance with nothing in flight weighs its work at ``(1 + affinity) / 2``: work on an idle
+    instance delays only what arrives there while it runs, not a queue, so a hot prefix spreads to
+    idle instances instead of queueing on its holder; but at high load an idle instance does not
+    stay idle, and a tenant's prefix recomputed there is work the fleet then lacks (at weight 1,
+    16 instances at 95% load copied tenants onto whichever instance fell idle and queued more
+    than ``cache_aware``).  Ties go to the longer prefix, then fewer
+    requests in flight, then round-robin.
   - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
     imbalance first (``balance_abs``/``balance_rel``, on requests in flight); no match goes to
     the least loaded.
@@ -404,7 +408,8 @@ class Chooser:
                 mine.append((shared, m.load("SHARED", shared)))
             own_s, reused = self.own(tokens, mine)
             queue_s = m.prefill(b.queued_tokens)
-            weight = affinity if b.in_flight else 1.0        # an idle instance's work delays nobody
+            # an idle instance's work delays only what arrives there while it runs, not a queue
+            weight = affinity if b.in_flight else (1.0 + affinity) / 2
             scored.append((queue_s + weight * own_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
         return Choice([s[4] for s in scored], "cost", scored[0][5], names)

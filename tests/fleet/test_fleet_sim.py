@@ -160,6 +160,10 @@ hot          8  0.95    1 prefix         90.0%    0.300    0.900    1.000  10/12
     assert out[-1].startswith("goals: 1 of 2")
     assert len(out) == 2 and out[0].startswith("MISSED hot n=8 load=0.95") and "p50 0.500 s > prefix's 0.300 s" in out[0]
     assert "hit 70.0% < 90% of prefix's 90.0%" in out[0]
+    # a rerun's row replaces the same cell, seed and policy's (tables concatenated); a summary is skipped
+    rerun = table + ["goals: 1 of 2 (workload, size, load) cells met by cost (means over seeds)",
+                     "hot          8  0.95    1 cost          100.0%    0.500    0.800    0.900  10/12"]
+    assert goals(rerun)[0] == "MISSED hot n=8 load=0.95: p50 0.500 s > prefix's 0.300 s"
 
 
 @pytest.mark.parametrize("where", ["p2p", "shared"])

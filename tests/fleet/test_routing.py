@@ -62,7 +62,7 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
     def cost(b: Backend) -> tuple[float, int]:
         peer = max((min(m.blocks * bs, tokens) for inst, m in held_here.items() if inst != b.name), default=0) if p2p else 0
         own, reused = expected_own(tokens, held_here.get(b.name), peer, shared_tokens, bs)
-        weight = affinity if b.in_flight else 1.0        # an idle instance's work delays nobody
+        weight = affinity if b.in_flight else (1.0 + affinity) / 2   # an idle instance: halfway to the affinity
         return MODEL.prefill_s_per_token * b.queued_tokens + weight * own, reused
 
     costs = [cost(b) for b in choice.order]
