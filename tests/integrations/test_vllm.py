@@ -363,11 +363,15 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         def conn(role: str, **config: Any) -> dict[str, Any]:
             return {"role": role, "config": {"chunk_size": CHUNK, **config}}
 
+        # Every engine but the consumer runs in this runner's process (one process, not three: each
+        # process vLLM spawns imports it again, two thirds of an engine's start here).  The
+        # consumer runs vLLM's multiprocess executor, as `vllm serve` does: its scheduler-side and
+        # worker-side connectors in different processes, the load path across them.
         first = {
-            "base": spec([{"prompt": p} for p in PROMPT_LENGTHS], None, prefix_caching=False),
+            "base": spec([{"prompt": p} for p in PROMPT_LENGTHS], None, prefix_caching=False, in_process=True),
             "producer": spec([{"prompt": "p1"}, {"prompt": "p2"}, {"prompt": "p3"},
                               {"name": "p1 again", "prompt": "p1", "reset": True}],
-                             conn("kv_producer", **remote)),
+                             conn("kv_producer", **remote), in_process=True),
             "both": spec([{"name": "cold", "prompt": "p4"},
                           {"name": "cpu tier", "prompt": "p4", "reset": True},
                           {"name": "salted", "prompt": "p4", "reset": True, "salt": "tenant-b"},
@@ -393,19 +397,20 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                               {"name": "paused", "prompt": "p3", "action": "pause_s3"},
                               {"name": "resumed", "prompt": "p1", "reset": True, "action": "resume_s3"}],
                              {"role": "kv_consumer", "extra": {"radixkv_config": restart, "radixkv_timeout_s": CONSUMER_TIMEOUT}}),
-            "model2": {**spec([{"prompt": "p4"}], conn("kv_both", local_disk=lmdb, **disk)), "model": model2},
+            "model2": {**spec([{"prompt": "p4"}], conn("kv_both", local_disk=lmdb, **disk), in_process=True),
+                       "model": model2},
             # S3 down when the engine starts (nothing listens on the port), up later.
             "late": {**spec([{"name": "down", "prompt": "p2"},
                              {"name": "up", "prompt": "p3", "action": "start_s3", "reset": True},
                              {"name": "from s3", "prompt": "p3", "reset": True, "until_loaded": 60}],
                             conn("kv_both", remote_url="s3://radixkv-late/kv",
-                                 remote_endpoint=f"http://127.0.0.1:{late_port}")),
+                                 remote_endpoint=f"http://127.0.0.1:{late_port}"), in_process=True),
                      "late_s3": {"port": late_port, "bucket": "radixkv-late"}},
             # A remote tier written with a lossy codec, read back after vLLM forgets its blocks.
             "coded": spec([{"name": "cold", "prompt": "p3"},
                            {"name": "from s3", "prompt": "p3", "reset": True, "until_loaded": 30}],
                           conn("kv_both", **{**remote, "remote_url": "s3://radixkv-vllm/coded"}, codec="int8",
-                               remote_timeout=CONSUMER_TIMEOUT)),
+                               remote_timeout=CONSUMER_TIMEOUT), in_process=True),
         }
         try:
             results.update(_wait({name: _launch(tmp, name, s) for name, s in second.items()}))
@@ -459,7 +464,7 @@ def test_cold_and_cpu_tier_after_reset_equal_no_cache_and_salt_misses(engines: d
     # radixkv's counters reach vLLM's connector stats hook (logged by the engine).
     assert "KV Transfer metrics:" in engines["both"]["log"] and "loaded_chunks=" in engines["both"]["log"]
     # One worker in the scheduler's process (in_process): the CPU tier's lookups were answered in
-    # the scheduler's step; the other engines (vLLM's multiprocess executor) send them to the worker.
+    # the scheduler's step; under vLLM's multiprocess executor (the consumer) they go to the worker.
     assert re.search(r"answered_at_once=[1-9]", engines["both"]["log"]), "no lookup answered at once"
 
 
