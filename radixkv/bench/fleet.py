@@ -23,6 +23,26 @@ chunk), requests/s, the requests each instance served, and the router's decision
 first policy again with the first instance
 killed (SIGKILL) after half the requests were sent: every request is counted as served, answered
 with an error, or lost (no answer at all); the claim is none lost.
+
+Side by side with sglang-router (commands that produced ``benchmarks/results/fleet_cpu_sglang_*.txt``)::
+
+    python -m radixkv.bench fleet --requests 96 --burst 6 --seed 0,1 --routers radixkv:cost,sglang:cache_aware,\
+        sglang:cache_aware_low,radixkv:round_robin --out benchmarks/results/fleet_cpu_sglang_bursty.txt
+    python -m radixkv.bench fleet --requests 96 --seed 0,1 --routers radixkv:cost,sglang:cache_aware,\
+        radixkv:round_robin --out benchmarks/results/fleet_cpu_sglang_spaced.txt
+
+``--routers KIND:POLICY,...`` puts either radixkv's router (``radixkv:`` and one of its policies) or
+sglang-router (``sglang:cache_aware``, ``cache_aware_low`` — its ``cache_aware`` with the balance
+thresholds lowered to ``--balance-abs-threshold 2 --balance-rel-threshold 1.2`` —, ``round_robin``,
+``random``, ``power_of_two``; ``pip install sglang-router``, run as its own process) in front.  Each
+run starts fresh instances (in parallel) and sends every router the same prompts per seed
+(``--seed`` takes a list).  sglang-router's ``/v1/completions`` takes text only, so the model
+directory gets a word-per-id tokenizer (``radixkv.testing.word_tokenizer``), the instances start
+with it, and every router is sent the prompts as words (radixkv's with ``--tokenizer``); each
+served request's ``usage.prompt_tokens`` is checked to equal the drawn prompt's length.  The
+requests each instance served are its own ``vllm:request_success`` counter.  A seed's table ends
+with the hit rate no policy can pass on its prompts (every tenant's prefix computed once, on an
+unbounded cache: the fleet-wide reuse the workload holds).
 """
 
 from __future__ import annotations
@@ -39,12 +59,51 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 from radixkv.bench import Report
 
 POLICIES = ("cost", "prefix", "cache_aware", "round_robin")
 BLOCK = 128
+#: sglang-router's policies, each with the arguments it adds to ``launch_router``
+SGLANG_POLICIES = {"cache_aware": (), "round_robin": (), "random": (), "power_of_two": (),
+                   "cache_aware_low": ("--balance-abs-threshold", "2", "--balance-rel-threshold", "1.2")}
+
+
+class RouterSpec(NamedTuple):
+    """One router in front of the fleet: ``kind`` is ``radixkv`` or ``sglang``."""
+
+    kind: str
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.policy}"
+
+
+def parse_routers(text: str) -> list[RouterSpec]:
+    """``--routers``: ``KIND:POLICY`` items, comma-separated; ``argparse.ArgumentTypeError`` names a bad one."""
+    from radixkv.fleet.routing import POLICIES as RADIXKV_POLICIES
+
+    known = {"radixkv": RADIXKV_POLICIES, "sglang": tuple(SGLANG_POLICIES)}
+    out = []
+    for item in text.split(","):
+        kind, sep, policy = item.strip().partition(":")
+        if not sep or kind not in known or policy not in known[kind]:
+            raise argparse.ArgumentTypeError(
+                f"--routers: {item!r} is not KIND:POLICY with " + "; ".join(
+                    f"{k}: {', '.join(v)}" for k, v in known.items()))
+        out.append(RouterSpec(kind, policy))
+    return out
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seed``: one seed or a comma-separated list of them."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed: give integers separated by commas, got {text!r}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,8 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-tier-mb", type=float, default=16.0)
     p.add_argument("--balance-abs", type=int, default=2, help="the router's --balance-abs (in flight per instance)")
     p.add_argument("--balance-rel", type=float, default=1.5, help="the router's --balance-rel")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=parse_seeds, default=[0], help="a seed, or several separated by commas")
     p.add_argument("--policies", default=",".join(POLICIES), help="the router policies to run, in order")
+    p.add_argument("--routers", type=parse_routers, default=None,
+                   help="KIND:POLICY,... (kind radixkv or sglang): each on fresh instances, the same text "
+                        "prompts for all (instead of --policies; no run with an instance killed)")
     p.add_argument("--burst", type=int, default=1, help="requests of one tenant sent at once, per arrival")
     p.add_argument("--no-kill", action="store_true", help="skip the run with an instance killed")
     p.add_argument("--out", default=None)
@@ -78,9 +140,16 @@ def _counter(text: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def _workload(args: argparse.Namespace, run: int) -> list[tuple[float, list[int]]]:
-    """(arrival time, prompt) per request: prompts of their own for each run."""
-    rng = random.Random(args.seed * 1000 + run)
+def _finished(text: str) -> float:
+    """The requests an instance finished (``vllm:request_success``, neither aborted nor failed)."""
+    return sum(float(m.group(2)) for m in re.finditer(
+        r'^vllm:request_success_total\{[^}]*finished_reason="([^"]+)"[^}]*\} (\S+)$', text, re.M)
+        if m.group(1) not in ("abort", "error"))
+
+
+def _workload(args: argparse.Namespace, seed: int, run: int) -> list[tuple[float, list[int]]]:
+    """(arrival time, prompt) per request: prompts of their own for each seed and run."""
+    rng = random.Random(seed * 1000 + run)
     systems = [[rng.randrange(1, 999) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
     t, out = 0.0, []  # type: float, list[tuple[float, list[int]]]
     burst = max(1, args.burst)
@@ -93,10 +162,31 @@ def _workload(args: argparse.Namespace, run: int) -> list[tuple[float, list[int]
     return out
 
 
+def reuse_bound(work: list[tuple[float, list[int]]], block: int = BLOCK) -> float:
+    """The prefix hit rate no router can pass on ``work``: each request hits at most the whole
+    blocks it shares with an earlier prompt, short of its last token (vLLM computes that one
+    always), as one unbounded cache shared by the fleet would give.  ``O(total tokens x blocks)``."""
+    seen: set[tuple[int, ...]] = set()
+    hits = total = 0
+    for _, prompt in work:
+        total += len(prompt)
+        shared = 0
+        for end in range(block, len(prompt) + 1, block):
+            key = tuple(prompt[:end])
+            if key in seen and end < len(prompt):
+                shared = end
+            seen.add(key)
+        hits += shared
+    return hits / total if total else 0.0
+
+
 async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]], max_tokens: int,
-                 kill_at: int | None, kill: Any) -> list[dict[str, Any]]:
-    """Send every request at its arrival time; per request its outcome, TTFT and usage."""
+                 kill_at: int | None, kill: Any, as_text: bool = False) -> list[dict[str, Any]]:
+    """Send every request at its arrival time (as words of ``radixkv.testing.word_tokenizer`` when
+    ``as_text``); per request its outcome, TTFT and usage."""
     import aiohttp
+
+    from radixkv.testing.word_tokenizer import words
 
     results: list[dict[str, Any]] = [{} for _ in work]
     start = time.perf_counter()
@@ -106,7 +196,8 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
         res = results[i]
         try:
             async with session.post(f"{router_url}/v1/completions", json={
-                    "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                    "model": model, "prompt": words(prompt) if as_text else prompt, "max_tokens": max_tokens,
+                    "stream": True,
                     "stream_options": {"include_usage": True}}) as r:
                 if r.status != 200:
                     res.update(outcome="error", status=r.status)
@@ -137,79 +228,169 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
     return results
 
 
-def _start_router(args: argparse.Namespace, urls: list[str], events: list[str], policy: str,
-                  port: int, log_path: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "radixkv", "route", "--port", str(port), "--policy", policy,
-           "--cost-profile", "vllm-cpu", "--block-size", str(BLOCK), "--balance-abs", str(args.balance_abs), "--balance-rel", str(args.balance_rel)]
-    for url, ep in zip(urls, events):
-        cmd += ["--backend", url, "--events", ep]
+def _start_router(args: argparse.Namespace, urls: list[str], events: list[str], spec: RouterSpec,
+                  port: int, log_path: str, tokenizer: str | None = None) -> subprocess.Popen[bytes]:
+    """Start ``spec``'s router on 127.0.0.1:``port`` and wait until it answers."""
+    from radixkv.tools.s3server import free_port, stop_process
+
+    if spec.kind == "sglang":
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *urls, "--policy", spec.policy.removesuffix("_low"),
+               *SGLANG_POLICIES[spec.policy], "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1", "--log-level", "warn"]
+        ready = f"http://127.0.0.1:{port}/v1/models"
+    else:
+        cmd = [sys.executable, "-m", "radixkv", "route", "--port", str(port), "--policy", spec.policy,
+               "--cost-profile", "vllm-cpu", "--block-size", str(BLOCK), "--balance-abs", str(args.balance_abs),
+               "--balance-rel", str(args.balance_rel)]
+        for url, ep in zip(urls, events):
+            cmd += ["--backend", url, "--events", ep]
+        if tokenizer is not None:
+            cmd += ["--tokenizer", tokenizer]
+        ready = f"http://127.0.0.1:{port}/health"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            if "healthy" in _get(f"http://127.0.0.1:{port}/health", 1.0):
+            answer = _get(ready, 1.0)
+            if spec.kind == "sglang" or "healthy" in answer:
                 return proc
         except OSError:
             time.sleep(0.2)
+        if proc.poll() is not None:
+            break
+    stop_process(proc)
     raise RuntimeError(f"the router did not start; see {log_path}")
+
+
+def _servers(args: argparse.Namespace, model: str, events: list[str], tokenizer: bool) -> list[Any]:
+    from radixkv.testing.vllm_server import VllmServer
+
+    return [VllmServer(model, connector={"chunk_size": 256, "local_cpu": True,
+                                         "max_local_cpu_size": args.cpu_tier_mb / 1024},
+                       kv_events=ep, block_size=BLOCK, max_model_len=4096, skip_tokenizer_init=not tokenizer,
+                       extra_args=("--num-gpu-blocks-override", str(args.pool_blocks)))
+            for ep in events]
+
+
+def _start_all(servers: list[Any]) -> float:
+    """Start ``servers`` in parallel (all stopped if one fails); the seconds it took."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(servers)) as pool:
+        futures = [pool.submit(s.start) for s in servers]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for s in servers:
+                s.stop()
+            raise
+    return time.perf_counter() - t0
+
+
+def _measure(args: argparse.Namespace, model: str, servers: list[Any], events: list[str], spec: RouterSpec,
+             work: list[tuple[float, list[int]]], log: str, kill: bool = False, text: bool = False) -> dict[str, Any]:
+    """One run of ``work`` through ``spec``'s router in front of ``servers``: its table row."""
+    from radixkv.tools.s3server import free_port, stop_process
+
+    port = free_port()
+    router = _start_router(args, [s.url for s in servers], events, spec, port, log,
+                           tokenizer=model if text else None)
+    try:
+        time.sleep(1.0)                          # subscriptions joined
+        live = [s for s in servers if s.process is not None and s.process.poll() is None]
+        before = {s.url: s.metrics() for s in live}
+        results = asyncio.run(_drive(f"http://127.0.0.1:{port}", model, work, args.max_tokens,
+                                     len(work) // 2 if kill else None, servers[0].kill, as_text=text))
+        after = {s.url: s.metrics() for s in live if s.process is not None and s.process.poll() is None}
+        routed = _get(f"http://127.0.0.1:{port}/metrics") if spec.kind == "radixkv" else ""
+    finally:
+        stop_process(router)
+    if text:
+        _check_prompt_tokens(work, results)
+    row = _row(spec.name if text else spec.policy + (" (instance killed)" if kill else ""),
+               results, before, after, routed)
+    print(f"[{row['name']}: GPU hit {row['gpu_hit']:.1%}, per instance {row['served_by']}, "
+          f"outcomes {row['outcomes']}]", file=sys.stderr, flush=True)
+    return row
+
+
+def _check_prompt_tokens(work: list[tuple[float, list[int]]], results: list[dict[str, Any]]) -> None:
+    """Every served request's ``usage.prompt_tokens`` is its drawn prompt's length: the text
+    reached the instance as exactly the drawn tokens."""
+    for i, ((_, prompt), res) in enumerate(zip(work, results)):
+        if res.get("outcome") == "served":
+            got = (res.get("usage") or {}).get("prompt_tokens")
+            if got != len(prompt):
+                raise AssertionError(f"request {i}: the instance counted {got} prompt tokens, drawn {len(prompt)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from radixkv.tools.s3server import free_port, stop_process
-    from radixkv.testing.vllm_server import VllmServer
-
     from radixkv.integrations.transformers import random_model
+    from radixkv.tools.s3server import free_port
+    from radixkv.testing.word_tokenizer import save_word_tokenizer
 
     report = Report("fleet", argv)
     tmp = tempfile.mkdtemp(prefix="radixkv-fleet-")
     model = os.path.join(tmp, "model")
     random_model("llama", seed=0, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                  intermediate_size=512, vocab_size=1000, max_positions=4096).save_pretrained(model)
-    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
-    servers = [VllmServer(model, connector={"chunk_size": 256, "local_cpu": True,
-                                            "max_local_cpu_size": args.cpu_tier_mb / 1024},
-                          kv_events=ep, block_size=BLOCK, max_model_len=4096,
-                          extra_args=("--num-gpu-blocks-override", str(args.pool_blocks)))
-               for ep in events]
+    front = ("python -m radixkv route (--balance-abs {a} --balance-rel {r:g})" if args.routers is None else
+             "each router in turn (radixkv's: --balance-abs {a} --balance-rel {r:g}, --tokenizer; fresh "
+             "instances per run, started in parallel; prompts sent as text of a word-per-id tokenizer)")
     report(f"# {args.instances} vllm serve (vllm-cpu, random Llama 2x256, fp32, block {BLOCK}, pool "
            f"{args.pool_blocks} blocks = {args.pool_blocks * BLOCK} tokens each, radixkv CPU tier "
-           f"{args.cpu_tier_mb:g} MB each, KV events on) behind python -m radixkv route "
-           f"(--balance-abs {args.balance_abs} --balance-rel {args.balance_rel:g})")
+           f"{args.cpu_tier_mb:g} MB each, KV events on) behind "
+           + front.format(a=args.balance_abs, r=args.balance_rel))
     report(f"# workload: {args.tenants} tenants x {args.system_tokens}-token system prompt + "
            f"{args.question_tokens}-token question, {args.requests} requests, Poisson {args.rate:g}/s"
            f"{f' in bursts of {args.burst}' if args.burst > 1 else ''}, "
            f"max_tokens {args.max_tokens}, streamed")
-    t0 = time.perf_counter()
-    for s in servers:
-        s.start()
-    report(f"# servers up in {time.perf_counter() - t0:.0f} s")
-    urls = [s.url for s in servers]
-    rows: list[dict[str, Any]] = []
-    policies = args.policies.split(",")
-    runs = [(p, False) for p in policies] + ([] if args.no_kill or args.instances < 2 else [(policies[0], True)])
-    try:
-        for run, (policy, kill) in enumerate(runs):
-            port = free_port()
-            router = _start_router(args, urls, events, policy, port, os.path.join(tmp, "router.log"))
-            try:
-                time.sleep(1.0)                          # subscriptions joined
-                live = [s for s in servers if s.process is not None and s.process.poll() is None]
-                before = {s.url: s.metrics() for s in live}
-                work = _workload(args, run)
-                results = asyncio.run(_drive(f"http://127.0.0.1:{port}", model, work, args.max_tokens,
-                                             len(work) // 2 if kill else None, servers[0].kill))
-                after = {s.url: s.metrics() for s in live if s.process is not None and s.process.poll() is None}
-                routed = _get(f"http://127.0.0.1:{port}/metrics")
-            finally:
-                stop_process(router)
-            rows.append(_row(policy + (" (instance killed)" if kill else ""), results, before, after, routed))
-    finally:
+    log = os.path.join(tmp, "router.log")
+    if args.routers is not None:
+        save_word_tokenizer(model, 1000)
+        for seed in args.seed:
+            work = _workload(args, seed, 0)
+            rows: list[dict[str, Any]] = []
+            for spec in args.routers:
+                events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
+                servers = _servers(args, model, events, tokenizer=True)
+                up = _start_all(servers)
+                try:
+                    rows.append({**_measure(args, model, servers, events, spec, work, log, text=True), "up": up})
+                finally:
+                    for s in servers:
+                        s.stop()
+            report()
+            ups = ", ".join(f"{r['up']:.0f}" for r in rows)
+            report(f"## seed {seed}: servers up in {ups} s")
+            _table(report, rows, reuse_bound(work))
+        report.save(args.out)
+        return 0
+    for seed in args.seed:
+        events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
+        servers = _servers(args, model, events, tokenizer=False)
+        t0 = time.perf_counter()
         for s in servers:
-            s.stop()
-    _table(report, rows)
+            s.start()
+        report(f"# servers up in {time.perf_counter() - t0:.0f} s")
+        rows = []
+        policies = args.policies.split(",")
+        runs = [(p, False) for p in policies] + ([] if args.no_kill or args.instances < 2 else [(policies[0], True)])
+        try:
+            for run, (policy, kill) in enumerate(runs):
+                rows.append(_measure(args, model, servers, events, RouterSpec("radixkv", policy),
+                                     _workload(args, seed, run), log, kill=kill))
+        finally:
+            for s in servers:
+                s.stop()
+        if len(args.seed) > 1:
+            report()
+            report(f"## seed {seed}")
+        _table(report, rows)
     report.save(args.out)
     return 0
 
@@ -225,37 +406,41 @@ def _row(name: str, results: list[dict[str, Any]], before: dict[str, str], after
     outcomes = {k: sum(r.get("outcome") == k for r in results) for k in ("served", "error", "lost")}
     reasons = {m.group(1): float(m.group(2)) for m in
                re.finditer(r'^radixkv_router_routed_total\{reason="([^"]+)"\} (\S+)$', routed, re.M)}
-    per_instance = {m.group(1): float(m.group(2)) for m in
-                    re.finditer(r'^radixkv_router_requests_total\{backend="([^"]+)",outcome="ok"\} (\S+)$', routed, re.M)}
+    served_by = [round(_finished(after[u]) - _finished(before[u])) for u in after]
     return {"name": name, "gpu_hit": hits / queries if queries else 0.0,
             "all_hit": (hits + external) / queries if queries else 0.0,
             "p50": statistics.median(ttfts) if ttfts else float("nan"),
             "p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else float("nan"),
             "p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else float("nan"),
-            "served_by": sorted(int(v) for v in per_instance.values()),
+            "served_by": served_by,
             "rps": len(results) / results[0]["_wall"], "outcomes": outcomes, "reasons": reasons,
             "partial": bool(set(before) - set(after))}
 
 
-def _table(report: Report, rows: list[dict[str, Any]]) -> None:
+def _table(report: Report, rows: list[dict[str, Any]], bound: float | None = None) -> None:
     report()
-    report(f"{'policy':<28} {'GPU hit':>8} {'+ tiers':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'TTFT p99':>9} "
+    report(f"{'router':<28} {'GPU hit':>8} {'+ tiers':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'TTFT p99':>9} "
            f"{'req/s':>6}  served/error/lost  per instance  routed")
     for r in rows:
         o = r["outcomes"]
-        reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["reasons"].items()))
+        reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["reasons"].items())) or "-"
         note = " (hit rates: the surviving instance)" if r["partial"] else ""
         report(f"{r['name']:<28} {r['gpu_hit']:>8.1%} {r['all_hit']:>8.1%} {r['p50'] * 1e3:>7.0f}ms "
                f"{r['p95'] * 1e3:>7.0f}ms {r['p99'] * 1e3:>7.0f}ms {r['rps']:>6.2f}  "
                f"{o['served']}/{o['error']}/{o['lost']}  {'/'.join(map(str, r['served_by']))}  {reasons}{note}")
     base = {r["name"]: r for r in rows}
-    if "round_robin" in base:
-        rr = base["round_robin"]
+    for ref in ("round_robin", "radixkv:round_robin", "sglang:round_robin", "sglang:cache_aware"):
+        if ref not in base:
+            continue
+        rr = base[ref]
         report()
-        for name in ("cost", "prefix", "cache_aware"):
-            if name in base:
-                p = base[name]
-                report(f"{name} vs round_robin: GPU hit rate {p['gpu_hit']:.1%} vs {rr['gpu_hit']:.1%} "
-                       f"({p['gpu_hit'] / rr['gpu_hit'] if rr['gpu_hit'] else float('inf'):.2f}x), TTFT p50 "
-                       f"{rr['p50'] / p['p50']:.2f}x lower, p95 {rr['p95'] / p['p95']:.2f}x lower, "
-                       f"p99 {rr['p99'] / p['p99']:.2f}x lower")
+        for r in rows:
+            if r is rr or r["name"].endswith("round_robin") or (ref.startswith("sglang") and not r["name"].startswith("radixkv")):
+                continue
+            report(f"{r['name']} vs {ref}: GPU hit rate {r['gpu_hit']:.1%} vs {rr['gpu_hit']:.1%} "
+                   f"({r['gpu_hit'] / rr['gpu_hit'] if rr['gpu_hit'] else float('inf'):.2f}x), TTFT p50 "
+                   f"{rr['p50'] / r['p50']:.2f}x lower, p95 {rr['p95'] / r['p95']:.2f}x lower, "
+                   f"p99 {rr['p99'] / r['p99']:.2f}x lower")
+    if bound is not None:
+        report()
+        report(f"the prompts' reuse bound (one unbounded cache for the fleet): {bound:.1%}")
