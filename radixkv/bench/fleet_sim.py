@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generator, Iterable, Sequence
 
-__all__ = ["Fleet", "SimRequest", "fit_vllm_cpu", "ideal_hits", "ideal_work", "scale_to_load", "simulate", "workload"]
+__all__ = ["Fleet", "SimRequest", "fit_vllm_cpu", "fit_vllm_cpu_decode", "ideal_hits", "ideal_work", "scale_to_load", "simulate", "workload"]
 
 WORKLOADS = ("mooncake", "tenants", "hot", "fleetwide")
 #: Tenants (or documents) of the synthetic workloads: about 48K tokens of prefixes, three times
@@ -541,6 +541,27 @@ def fit_vllm_cpu(path: str | Path) -> dict[str, Any]:
             "rows": rows, "max_rel_error": max(abs(f - t) / t for _, _, t, f in rows)}
 
 
+def fit_vllm_cpu_decode(path: str | Path) -> dict[str, Any]:
+    """Fit ``step = decode_step + decode_per_seq x batch`` to ``bench vllm --decode``'s table (the
+    median step at each batch size), least squares of the relative error, the slope at least 0.
+    Returns the constants, each measurement with its fitted value and the largest relative error."""
+    import numpy as np
+
+    rows = [line.split() for line in Path(path).read_text().splitlines() if line.startswith("decode step ")]
+    points = [(int(f[2]), float(f[3]) / 1000) for f in rows]
+    if len(points) < 2:
+        raise ValueError(f"{path}: fewer than two batch sizes measured")
+    a = np.array([[1.0, float(b)] for b, _ in points])
+    y = np.array([t for _, t in points])
+    coef, *_ = np.linalg.lstsq(a / y[:, None], np.ones_like(y), rcond=None)
+    if coef[1] < 0:                 # a step cannot get cheaper with more sequences: the noise's slope, held at 0
+        coef = np.array([float(np.sum(1 / y) / np.sum(1 / y ** 2)), 0.0])
+    fitted = a @ coef
+    out = [(b, t, float(f)) for (b, t), f in zip(points, fitted)]
+    return {"decode_step_s": float(coef[0]), "decode_s_per_seq": float(coef[1]), "rows": out,
+            "max_rel_error": max(abs(f - t) / t for _, t, f in out)}
+
+
 # -- the command -------------------------------------------------------------------------------
 
 
@@ -578,13 +599,15 @@ def main(argv: list[str] | None = None) -> int:
                          "a later table's rows replace an earlier one's of the same cell, seed and policy")
     ap.add_argument("--calibrate", default=None, metavar="VLLM_TABLE",
                     help="print the fit of bench vllm's table (benchmarks/results/vllm_cpu.txt) and exit")
+    ap.add_argument("--decode-table", default=None, metavar="DECODE_TABLE",
+                    help="with --calibrate: also fit bench vllm --decode's table (benchmarks/results/vllm_cpu_decode.txt)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.summarize:
         print("\n".join(goals([line for t in args.summarize.split(",") for line in Path(t).read_text().splitlines()])))
         return 0
     if args.calibrate:
-        text = calibration_text(args.calibrate)
+        text = calibration_text(args.calibrate, args.decode_table)
         print(text)
         if args.out:
             Path(args.out).write_text(text + "\n")
@@ -679,14 +702,24 @@ def goals(lines: Sequence[str], default: str = "cost") -> list[str]:
     return out
 
 
-def calibration_text(path: str) -> str:
-    """The fit of ``fit_vllm_cpu`` as a table."""
+def calibration_text(path: str, decode: str | None = None) -> str:
+    """The fit of ``fit_vllm_cpu`` as a table, and of ``fit_vllm_cpu_decode`` when ``decode``
+    names ``bench vllm --decode``'s table."""
     fit = fit_vllm_cpu(path)
-    lines = [f"# python -m radixkv.bench fleet_sim --calibrate {path}",
+    lines = [f"# python -m radixkv.bench fleet_sim --calibrate {path}" + (f" --decode-table {decode}" if decode else ""),
              f"fit: TTFT = {fit['fixed_s'] * 1000:.1f} ms + {fit['prefill_s_per_token'] * 1e6:.1f} us x computed "
              "tokens + per token loaded: " + ", ".join(f"{m} {v * 1e6:.2f} us" for m, v in fit["load_s_per_token"].items()),
              f"{'row':10} {'prefix':>7} {'measured ms':>12} {'fitted ms':>10} {'error':>7}"]
     for label, n, t, f in fit["rows"]:
         lines.append(f"{label:10} {n:>7} {t * 1000:12.1f} {f * 1000:10.1f} {(f - t) / t:7.1%}")
     lines.append(f"max relative error {fit['max_rel_error']:.1%}")
+    if decode:
+        d = fit_vllm_cpu_decode(decode)
+        lines += ["", "# decode steps (bench vllm --decode)",
+                  f"fit: decode step = {d['decode_step_s'] * 1000:.2f} ms + {d['decode_s_per_seq'] * 1000:.3f} ms x "
+                  "sequences in the batch",
+                  f"{'batch':>5} {'measured ms':>12} {'fitted ms':>10} {'error':>7}"]
+        for b, t, f in d["rows"]:
+            lines.append(f"{b:>5} {t * 1000:12.2f} {f * 1000:10.2f} {(f - t) / t:7.1%}")
+        lines.append(f"max relative error {d['max_rel_error']:.1%}")
     return "\n".join(lines)

@@ -4,6 +4,7 @@ Commands that produced ``benchmarks/results/vllm_cpu.txt`` and ``vllm_cpu_in_pro
 
     python -m radixkv.bench vllm --out benchmarks/results/vllm_cpu.txt
     python -m radixkv.bench vllm --in-process --repeat 5 --out benchmarks/results/vllm_cpu_in_process.txt
+    python -m radixkv.bench vllm --decode --out benchmarks/results/vllm_cpu_decode.txt
 
 Prompts of a 2K, 4K and 8K token prefix and a 256-token question (a new question every round, so
 that only the prefix can be reused), on a random-weight Llama served by vLLM's CPU build (fp32,
@@ -30,6 +31,12 @@ the prefill and the first token.  Each configuration is its own process (one eng
 Before each timed radixkv round the process pauses ``--settle`` seconds (0.5): stores are
 asynchronous, and on this 2-core machine the previous round's writes to LMDB and to the S3 server
 (moto, a Python process) would otherwise run during the next round's timing.
+
+``--decode`` times decode steps instead (the fleet simulator's decode costs, ``python -m
+radixkv.bench fleet_sim --calibrate``): the plain engine generates for a batch of 1, 2, 4 and 8
+prompts of ``--question`` tokens at once, ``--decode-tokens`` short and long (``ignore_eos``, so
+every sequence runs to the end); a step at batch B is the difference of the two wall times over
+the difference of the tokens, which cancels the prefill and the call's own overhead.
 
 A row's "of resident" is its speedup over no cache as a share of the resident speedup, i.e.
 ``resident TTFT / row TTFT`` measured in the row's own process.  Targets (issue): CPU tier >= 90%,
@@ -75,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="run each engine's one worker in its process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the uni "
                         "executor, as vLLM does on one GPU): the connector then answers the CPU tier's lookups in "
                         "the scheduler's step; default: vLLM-CPU's multiprocess executor")
+    p.add_argument("--decode", action="store_true",
+                   help="time decode steps at batch 1/2/4/8 (--batches) instead of TTFTs (see the docstring)")
+    p.add_argument("--batches", default="1,2,4,8", help="--decode: batch sizes (default 1,2,4,8)")
+    p.add_argument("--decode-tokens", default="16,144", help="--decode: the short and the long generation (default 16,144)")
     p.add_argument("--out", help="also write the report to this file")
     return p
 
@@ -117,6 +128,14 @@ def _child(spec_path: str, out_path: str) -> int:
             llm.reset_prefix_cache()
         if r.get("sleep"):
             time.sleep(r["sleep"])
+        if r.get("batch"):              # --decode: every prompt of the batch to max_tokens, the call's wall time
+            many = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+            t0 = time.perf_counter()
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in r["batch"]], many, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            records.append({"label": r["label"], "size": len(r["batch"]), "max_tokens": r["max_tokens"],
+                            "seconds": seconds, "generated": min(len(o.outputs[0].token_ids) for o in outs)})
+            continue
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=r["prompt"])], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - t0
@@ -205,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         return _child(argv[1], argv[2])
     args = _parser().parse_args(argv)
-    from radixkv.integrations.transformers import random_model
     from radixkv.tools.s3server import CREDENTIALS, MotoServer
 
     say = Report("vllm", argv)
@@ -216,13 +234,20 @@ def main(argv: list[str] | None = None) -> int:
         + ("engine and worker in one process (--in-process)" if args.in_process else "multiprocess executor"))
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="radixkv-bench-vllm-")
+    if args.decode:
+        try:
+            records = _decode(args, workdir, say)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        say(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+            f"{time.perf_counter() - started:.0f} s in all")
+        _decode_report(args, records, say)
+        say.save(args.out)
+        return 0
     sizes = _sizes(args)
     max_len = max(sizes) + args.question + BLOCK
     try:
-        model_dir = os.path.join(workdir, "model")
-        random_model("llama", seed=args.seed, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                     num_kv_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
-                     max_positions=max_len).save_pretrained(model_dir)
+        model_dir = _save_model(args, workdir, max_len)
         env = {**os.environ, **CREDENTIALS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         records: list[dict[str, Any]] = []
         with MotoServer() as server:
@@ -278,6 +303,65 @@ def main(argv: list[str] | None = None) -> int:
     _report(args, records, say)
     say.save(args.out)
     return 0
+
+
+def _save_model(args: argparse.Namespace, workdir: str, max_len: int) -> str:
+    """The random-weight Llama of ``args``, saved under ``workdir``; its directory."""
+    from radixkv.integrations.transformers import random_model
+
+    model_dir = os.path.join(workdir, "model")
+    random_model("llama", seed=args.seed, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                 num_kv_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
+                 max_positions=max_len).save_pretrained(model_dir)
+    return model_dir
+
+
+def _decode(args: argparse.Namespace, workdir: str, say: Report) -> list[dict[str, Any]]:
+    """``--decode``: one plain engine; per round and batch size, the short then the long
+    generation of a batch of fresh prompts (none reuses another's prefix)."""
+    import numpy as np
+
+    short, long = (int(x) for x in args.decode_tokens.split(","))
+    if not 0 < short < long:
+        raise SystemExit(f"--decode-tokens: two counts, the short below the long, got {args.decode_tokens!r}")
+    batches = [int(x) for x in args.batches.split(",") if x]
+    max_len = args.question + long + BLOCK
+    model_dir = _save_model(args, workdir, max_len)
+    rng = np.random.default_rng([args.seed, 2])
+
+    def batch(b: int) -> list[list[int]]:
+        return [rng.integers(1, args.vocab, args.question).tolist() for _ in range(b)]
+
+    rounds: list[dict[str, Any]] = [{"batch": batch(2), "max_tokens": short, "label": "warmup"}]
+    for _ in range(args.repeat):
+        for b in batches:
+            for n in (short, long):
+                rounds.append({"batch": batch(b), "max_tokens": n, "label": "decode"})
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    t0 = time.perf_counter()
+    records = _run(workdir, "decode", {"model": model_dir, "max_model_len": max_len, "rounds": rounds,
+                                        "connector": None, "in_process": args.in_process}, env)
+    say(f"# decode: {time.perf_counter() - t0:.0f} s")
+    return [r for r in records if r["label"] == "decode"]
+
+
+def _decode_report(args: argparse.Namespace, records: list[dict[str, Any]], say: Report) -> None:
+    """The table ``radixkv.bench.fleet_sim.fit_vllm_cpu_decode`` reads: per batch size, each
+    round's step (the long call less the short one, over the tokens between) and their median."""
+    short, long = (int(x) for x in args.decode_tokens.split(","))
+    say(f"model: random-weight Llama, {args.layers} layers, hidden {args.hidden}, {args.heads} query / "
+        f"{args.kv_heads} KV heads, MLP {args.intermediate}, vocab {args.vocab}, fp32; prompts of {args.question} "
+        f"tokens, {short} and {long} generated (ignore_eos); {args.repeat} rounds")
+    say("")
+    say(f"{'decode step, ms':<16}{'batch':>6}{'median':>9}   rounds")
+    for b in sorted({r["size"] for r in records}):
+        rs = [r for r in records if r["size"] == b]          # (short, long) per round, in order
+        steps = []
+        for s, lg in zip(rs[0::2], rs[1::2]):
+            assert (s["max_tokens"], lg["max_tokens"], lg["generated"]) == (short, long, long), (s, lg)
+            steps.append((lg["seconds"] - s["seconds"]) / (long - short))
+        say(f"{'decode step':<16}{b:>6}{statistics.median(steps) * 1000:9.2f}   "
+            + " ".join(f"{x * 1000:.2f}" for x in steps))
 
 
 def _report(args: argparse.Namespace, records: list[dict[str, Any]], say: Report) -> None:

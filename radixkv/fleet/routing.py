@@ -119,7 +119,10 @@ class CostModel:
 #: S3 as ``SHARED``), relative least squares, every row within 35% (``python -m radixkv.bench
 #: fleet_sim --calibrate``; the CPU-tier rows' own spread is that large, the no-cache and resident
 #: rows are within 18%); a peer is taken as costing what S3 does (not measured through vLLM), and
-#: the decode constants are not measured (set to a few per cent of a prefill step).
+#: the decode step is the fit of ``bench vllm --decode`` (``benchmarks/results/vllm_cpu_decode.txt``:
+#: 177 ms + 18.5 ms a sequence, batches of 1/2/4/8 within 7% of their medians; measured with the
+#: machine's load average at 9-13 on its 2 cores, so the rounds themselves spread 60-244 ms at
+#: batch 1: it is this machine under load, not a quiet vLLM-CPU).
 #: ``h100-8b``: derived from published numbers for Llama-3-8B (8.0e9 parameters: 16 GFLOP a token;
 #: 128 KiB of KV a token in bf16) on one H100 SXM (989 TFLOPS dense bf16 at an assumed 50%
 #: utilisation -> 32 us a token; 3.35 TB/s HBM -> a decode step reads the 16 GB of weights in
@@ -129,7 +132,7 @@ PROFILES: dict[str, CostModel] = {
     "vllm-cpu": CostModel(prefill_s_per_token=513.4e-6, fixed_s=19.5e-3,
                           load_s_per_token={"GPU": 0.0, "CPU": 4.73e-6, "STORAGE": 20.63e-6, "SHARED": 48.51e-6,
                                             "PEER": 48.51e-6},
-                          decode_step_s=0.020, decode_s_per_seq=0.002, source="fit of bench vllm on vLLM-CPU"),
+                          decode_step_s=177.1e-3, decode_s_per_seq=18.51e-3, source="fit of bench vllm on vLLM-CPU"),
     "h100-8b": CostModel(prefill_s_per_token=32e-6, fixed_s=0.004,
                          load_s_per_token={"GPU": 0.0, "CPU": 2.6e-6, "PEER": 5.2e-6, "SHARED": 131e-6,
                                            "STORAGE": 13e-6},

@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 pytest.importorskip("simpy")
 pytest.importorskip("msgspec")
 
-from radixkv.bench.fleet_sim import (SimRequest, calibration_text, fit_vllm_cpu, ideal_hits, scale_to_load,
-                                     simulate, workload)
+from radixkv.bench.fleet_sim import (SimRequest, calibration_text, fit_vllm_cpu, fit_vllm_cpu_decode, ideal_hits,
+                                     scale_to_load, simulate, workload)
 from radixkv.fleet.routing import POLICIES, PROFILES, CostModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,6 +113,20 @@ def test_the_vllm_cpu_profile_is_the_fit_of_the_committed_measurements() -> None
             assert abs(fitted - measured) / measured <= 0.18, (label, n)
     text = calibration_text(str(ROOT / "benchmarks" / "results" / "vllm_cpu.txt"))
     assert "max relative error" in text
+
+
+def test_the_vllm_cpu_decode_costs_are_the_fit_of_the_committed_measurements() -> None:
+    table = ROOT / "benchmarks" / "results" / "vllm_cpu_decode.txt"
+    fit = fit_vllm_cpu_decode(table)
+    profile = PROFILES["vllm-cpu"]
+    assert profile.decode_step_s == pytest.approx(fit["decode_step_s"], rel=0.01)
+    assert profile.decode_s_per_seq == pytest.approx(fit["decode_s_per_seq"], rel=0.01)
+    assert [b for b, _, _ in fit["rows"]] == [1, 2, 4, 8]
+    # the error the profile states (radixkv.fleet.routing) bounds every measured batch size
+    assert fit["max_rel_error"] <= 0.07
+    text = calibration_text(str(ROOT / "benchmarks" / "results" / "vllm_cpu.txt"), str(table))
+    committed = (ROOT / "benchmarks" / "results" / "fleet_sim_calibration.txt").read_text()
+    assert "decode step =" in text and text.split("\n", 1)[1] == committed.split("\n", 1)[1].rstrip("\n")
 
 
 def test_bad_input_names_the_argument() -> None:
