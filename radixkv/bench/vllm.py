@@ -224,8 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         return _child(argv[1], argv[2])
     args = _parser().parse_args(argv)
-    from radixkv.tools.s3server import CREDENTIALS, MotoServer
-
     say = Report("vllm", argv)
     say(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     import vllm
@@ -234,75 +232,73 @@ def main(argv: list[str] | None = None) -> int:
         + ("engine and worker in one process (--in-process)" if args.in_process else "multiprocess executor"))
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="radixkv-bench-vllm-")
-    if args.decode:
-        try:
-            records = _decode(args, workdir, say)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        say(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-            f"{time.perf_counter() - started:.0f} s in all")
-        _decode_report(args, records, say)
-        say.save(args.out)
-        return 0
-    sizes = _sizes(args)
-    max_len = max(sizes) + args.question + BLOCK
     try:
-        model_dir = _save_model(args, workdir, max_len)
-        env = {**os.environ, **CREDENTIALS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        records: list[dict[str, Any]] = []
-        with MotoServer() as server:
-            server.client().create_bucket(Bucket="radixkv-bench")
-            lmdb = os.path.join(workdir, "lmdb")
-            s3 = {"remote_url": "s3://radixkv-bench/kv", "remote_endpoint": server.endpoint_url}
-            base = {"chunk_size": args.chunk_size}
-            gb = 4 * max_len * args.layers * args.kv_heads * (args.hidden // args.heads) * 2 * 4 * (args.repeat + 4) / 1e9
-
-            def radixkv(config: dict[str, Any]) -> dict[str, Any]:
-                return {"name": "RadixKVConnector", "module": "radixkv.integrations.vllm", "role": "kv_both",
-                        "extra": {"radixkv_config": {**base, **config}, "radixkv_timeout_s": 30.0}}
-
-            def spec(rounds: list[dict[str, Any]], connector: dict[str, Any] | None) -> dict[str, Any]:
-                return {"model": model_dir, "max_model_len": max_len, "rounds": rounds, "connector": connector,
-                        "in_process": args.in_process}
-
-            vllm_rounds = _warmup(args)
-            for size in sizes:
-                prefix, qs = _prompts(args, size, "vllm")
-                for i in range(args.repeat):
-                    vllm_rounds.append({"prompt": prefix + qs[2 * i], "reset": True, "label": "no cache", "size": size})
-                    vllm_rounds.append({"prompt": prefix + qs[2 * i + 1], "label": "vllm prefix cache (resident)",
-                                        "size": size})
-            example_rounds = _warmup(args)
-            for size in sizes:
-                prefix, qs = _prompts(args, size, "example")
-                for i in range(args.repeat):
-                    example_rounds.append({"prompt": prefix + qs[i], "reset": True})
-                    example_rounds.append({"prompt": prefix + qs[i], "reset": True, "label": "ExampleConnector",
-                                           "size": size})
-            runs = [
-                ("vllm", spec(vllm_rounds, None)),
-                ("cpu", spec(_tier_rounds(args, "radixkv cpu tier", store=True),
-                             radixkv({"local_cpu": True, "max_local_cpu_size": max(gb, 0.5), "local_disk": lmdb,
-                                      "max_local_disk_size": max(2 * gb, 1.0), **s3}))),
-                ("lmdb", spec(_tier_rounds(args, "radixkv lmdb (restart)", store=False, same_prompt=True),
-                              radixkv({"local_disk": lmdb, "max_local_disk_size": max(2 * gb, 1.0)}))),
-                ("s3", spec(_tier_rounds(args, "radixkv s3 (second process)", store=False), radixkv(s3))),
-                ("example", spec(example_rounds, {
-                    "name": "ExampleConnector",
-                    "module": "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
-                    "role": "kv_both", "extra": {"shared_storage_path": os.path.join(workdir, "example")}})),
-            ]
-            for name, s in runs:
-                t0 = time.perf_counter()
-                records += _run(workdir, name, s, env)
-                say(f"# {name}: {time.perf_counter() - t0:.0f} s")
+        records = _decode(args, workdir, say) if args.decode else _ttfts(args, workdir, say)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     say(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         f"{time.perf_counter() - started:.0f} s in all")
-    _report(args, records, say)
+    (_decode_report if args.decode else _report)(args, records, say)
     say.save(args.out)
     return 0
+
+
+def _ttfts(args: argparse.Namespace, workdir: str, say: Report) -> list[dict[str, Any]]:
+    """The TTFT rows of the module docstring, each configuration in its own engine process."""
+    from radixkv.tools.s3server import CREDENTIALS, MotoServer
+
+    sizes = _sizes(args)
+    max_len = max(sizes) + args.question + BLOCK
+    model_dir = _save_model(args, workdir, max_len)
+    env = {**os.environ, **CREDENTIALS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    records: list[dict[str, Any]] = []
+    with MotoServer() as server:
+        server.client().create_bucket(Bucket="radixkv-bench")
+        lmdb = os.path.join(workdir, "lmdb")
+        s3 = {"remote_url": "s3://radixkv-bench/kv", "remote_endpoint": server.endpoint_url}
+        base = {"chunk_size": args.chunk_size}
+        gb = 4 * max_len * args.layers * args.kv_heads * (args.hidden // args.heads) * 2 * 4 * (args.repeat + 4) / 1e9
+
+        def radixkv(config: dict[str, Any]) -> dict[str, Any]:
+            return {"name": "RadixKVConnector", "module": "radixkv.integrations.vllm", "role": "kv_both",
+                    "extra": {"radixkv_config": {**base, **config}, "radixkv_timeout_s": 30.0}}
+
+        def spec(rounds: list[dict[str, Any]], connector: dict[str, Any] | None) -> dict[str, Any]:
+            return {"model": model_dir, "max_model_len": max_len, "rounds": rounds, "connector": connector,
+                    "in_process": args.in_process}
+
+        vllm_rounds = _warmup(args)
+        for size in sizes:
+            prefix, qs = _prompts(args, size, "vllm")
+            for i in range(args.repeat):
+                vllm_rounds.append({"prompt": prefix + qs[2 * i], "reset": True, "label": "no cache", "size": size})
+                vllm_rounds.append({"prompt": prefix + qs[2 * i + 1], "label": "vllm prefix cache (resident)",
+                                    "size": size})
+        example_rounds = _warmup(args)
+        for size in sizes:
+            prefix, qs = _prompts(args, size, "example")
+            for i in range(args.repeat):
+                example_rounds.append({"prompt": prefix + qs[i], "reset": True})
+                example_rounds.append({"prompt": prefix + qs[i], "reset": True, "label": "ExampleConnector",
+                                       "size": size})
+        runs = [
+            ("vllm", spec(vllm_rounds, None)),
+            ("cpu", spec(_tier_rounds(args, "radixkv cpu tier", store=True),
+                         radixkv({"local_cpu": True, "max_local_cpu_size": max(gb, 0.5), "local_disk": lmdb,
+                                  "max_local_disk_size": max(2 * gb, 1.0), **s3}))),
+            ("lmdb", spec(_tier_rounds(args, "radixkv lmdb (restart)", store=False, same_prompt=True),
+                          radixkv({"local_disk": lmdb, "max_local_disk_size": max(2 * gb, 1.0)}))),
+            ("s3", spec(_tier_rounds(args, "radixkv s3 (second process)", store=False), radixkv(s3))),
+            ("example", spec(example_rounds, {
+                "name": "ExampleConnector",
+                "module": "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
+                "role": "kv_both", "extra": {"shared_storage_path": os.path.join(workdir, "example")}})),
+        ]
+        for name, s in runs:
+            t0 = time.perf_counter()
+            records += _run(workdir, name, s, env)
+            say(f"# {name}: {time.perf_counter() - t0:.0f} s")
+    return records
 
 
 def _save_model(args: argparse.Namespace, workdir: str, max_len: int) -> str:
