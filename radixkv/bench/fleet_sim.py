@@ -444,7 +444,12 @@ class Fleet:
             inst.wake.succeed()
 
     def run(self, requests: Sequence[SimRequest]) -> None:
-        """Serve ``requests`` (arrival order) to the end."""
+        """Serve ``requests`` (arrival order) to the end.  A prompt whose full blocks outnumber
+        the pool's pages could never start: ``ValueError`` before anything runs."""
+        need = max((full_blocks(r, self.block_tokens) for r in requests), default=0)
+        if need > self.pool_blocks:
+            raise ValueError(f"pool_tokens: a prompt of {need * self.block_tokens} tokens does not fit a pool of "
+                             f"{self.pool_blocks * self.block_tokens} (raise --pool-tokens)")
         for inst in self.instances:
             self.env.process(inst.run())
 
@@ -587,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", choices=sorted(PROFILES), default="h100-8b")
     ap.add_argument("--pool-tokens", type=int, default=None,
                     help="KV pool per instance (default: SYNTHETIC_POOL for the synthetic workloads; for mooncake "
-                         "470,000 with h100-8b, an 8B model's KV in an H100 beside its weights, 9,216 with vllm-cpu)")
+                         "470,000, an 8B model's KV in an H100 beside its weights, and above the trace's longest "
+                         "prompt, 134K tokens)")
     ap.add_argument("--cpu-tokens", type=int, default=None, help="CPU tier per instance (default: as the pool)")
     ap.add_argument("--budget", type=int, default=None, help="prompt tokens a step computes (default: the profile's)")
     ap.add_argument("--affinity", type=float, default=None, help="the cost policy's affinity (default: by load)")
@@ -641,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
         f"{'p99 s':>8}  served min/max")
     for kind, n, load, seed in _grid(args):
-        pool = args.pool_tokens or (SYNTHETIC_POOL if kind != "mooncake" else 470_000 if args.profile == "h100-8b" else 9_216)
+        pool = args.pool_tokens or (SYNTHETIC_POOL if kind != "mooncake" else 470_000)
         cpu = args.cpu_tokens if args.cpu_tokens is not None else pool
         reqs, bt = workload(kind, args.requests, seed, args.trace)
         scale_to_load(reqs, bt, model, n, load)

@@ -132,6 +132,8 @@ def test_the_vllm_cpu_decode_costs_are_the_fit_of_the_committed_measurements() -
 def test_bad_input_names_the_argument() -> None:
     with pytest.raises(ValueError, match="instances"):
         run([SimRequest(0, 0.0, [1], 10, 1)], 16, instances=0)
+    with pytest.raises(ValueError, match="pool_tokens"):          # a prompt no pool could ever hold
+        run([SimRequest(0, 0.0, list(range(10)), 640, 1)], 64, pool_tokens=128)
     with pytest.raises(ValueError, match="workload"):
         workload("zipf", 10, 0)
     with pytest.raises(ValueError, match="trace"):
