@@ -21,7 +21,8 @@ Contract:
     router sent it that have not had their first token yet (``CostModel.prefill``, their
     uncached tokens as estimated at routing), and ``own`` the request's own prefill on that
     instance: loading the prefix from the fastest place it is (the instance's own medium; with
-    ``p2p``, any peer's; with ``shared``, a shared tier every instance reads) plus
+    ``p2p``, any peer's that the index says holds it, not one the router only sent it to; with
+    ``shared``, a shared tier every instance reads) plus
     computing the rest.  ``affinity`` >= 1 weighs the work a choice adds to the fleet above the
     queue it waits in (1 is plain expected TTFT); by default it follows the load, from 1 when no
     instance has prefill queued to ``AUTO_MAX`` when every one has: on an idle fleet a request
@@ -297,10 +298,13 @@ class Chooser:
 
     # -- choosing ------------------------------------------------------------------------------
 
-    def holdings(self, names: Sequence[Hashable], now: float) -> dict[str, Match]:
-        """``{instance: Match}``: the index's answer, raised to what the router sent lately (as
-        the GPU medium).  O(matched blocks x instances)."""
-        held = dict(self.lookup(names)) if self.lookup is not None and names else {}
+    def holdings(self, names: Sequence[Hashable], now: float,
+                 indexed: Mapping[str, Match] | None = None) -> dict[str, Match]:
+        """``{instance: Match}``: the index's answer (``indexed`` when the caller has it),
+        raised to what the router sent lately (as the GPU medium).  O(matched blocks x instances)."""
+        if indexed is None:
+            indexed = self.lookup(names) if self.lookup is not None and names else {}
+        held = dict(indexed)
         for inst, blocks in self.recent.lookup(names, now).items():
             m = held.get(inst)
             if m is None or blocks > m.blocks:
@@ -328,7 +332,8 @@ class Chooser:
         imbalanced = hi - lo > self.balance_abs and hi > self.balance_rel * lo
         if self.policy == "cache_aware":
             return self._cache_aware(up, by_load, tokens, names, now, imbalanced)
-        held = self.holdings(names, now)
+        indexed = dict(self.lookup(names)) if self.lookup is not None and names else {}
+        held = self.holdings(names, now, indexed)
         bs = self.block_size
 
         def tok(m: Match | None) -> int:
@@ -359,7 +364,7 @@ class Chooser:
                 first = least[next(self._rr) % len(least)]
                 return Choice([first] + [b for b in by_load if b is not first], "no_match", 0, names)
             return Choice([best] + [b for b in by_load if b is not best], "prefix", tok(held[best.name]), names)
-        return self._cost(up, tokens, names, held, now)
+        return self._cost(up, tokens, names, held, indexed, now)
 
     def own(self, tokens: int, offers: Sequence[tuple[int, float]]) -> tuple[float, int]:
         """(seconds of the request's own prefill on an instance, the prefix tokens it reuses), the
@@ -381,15 +386,17 @@ class Chooser:
         return tokens - left, load
 
     def _cost(self, up: list[Backend], tokens: int, names: list[Hashable], held: dict[str, Match],
-              now: float) -> Choice:
+              indexed: dict[str, Match], now: float) -> Choice:
         bs, m = self.block_size, self.model
         spreads = self.spread(names) if self.spread is not None and names else {}
-        reach: dict[str, int] = {}           # what each instance holds, by the index on any medium or lately sent
+        # what each instance holds by the index, on any medium: what a peer can load from it (what
+        # the router sent lately counts for that instance alone: until its prefill ends, no peer
+        # can load it, and a peer that tried would compute it again)
+        reach = {inst: min(match.blocks * bs, tokens) for inst, match in indexed.items()}
         offers: dict[str, list[tuple[int, float]]] = {}
         for inst, match in held.items():
             h = min(match.blocks * bs, tokens)
             offers.setdefault(inst, []).append((h, m.load(match.medium, h)))
-            reach[inst] = h
         for inst, spread in spreads.items():
             h, load = self._spread_cost(spread, tokens)
             offers.setdefault(inst, []).append((h, load))

@@ -239,3 +239,23 @@ def test_a_prefix_split_across_media_is_credited_whole_at_each_mediums_cost() ->
     assert choice.order[0].name == "a" and choice.promised == 96      # 96 tokens reused, 64 of them loaded
     blind = Chooser("cost", block_size=16, lookup=idx.lookup, model=MODEL, affinity=1.0)
     assert blind.choose(fleet, 6 * 16 + 8, names, now=0.0).order[0].name == "b"   # 48 on b's GPU > 32 on a's
+
+
+def test_with_p2p_what_was_only_sent_is_not_a_load_for_peers() -> None:
+    """A prefix the router has just sent one instance is not yet anywhere to load from: another
+    instance would compute it, so its cost there is the whole prefill and it promises nothing."""
+    fleet = backends(2)
+    for b in fleet:
+        b.in_flight = 1
+    model = PROFILES["h100-8b"]
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=model, affinity=1.0, p2p=True)
+    names, length = list(range(2048 // 16)), 2048 + 64
+    first = chooser.choose(fleet, length, names, now=0.0)
+    chooser.sent(first.order[0], length, first.promised, names, now=0.0)
+    second = chooser.choose(fleet, length, names, now=0.0)
+    # the other instance: the first request's queue there costs more than computing it all here
+    assert second.order[0] is not first.order[0] and second.promised == 0
+    # once the index says it holds the prefix, the other instance can load it from there
+    chooser.lookup = lambda _: {first.order[0].name: Match(2048 // 16, "GPU")}
+    third = chooser.choose(fleet, length, names, now=0.0)
+    assert third.order[0] is not first.order[0] and third.promised == 2048
