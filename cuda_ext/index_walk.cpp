@@ -4,7 +4,7 @@
 //
 //   index_find(table, bits, keys, vals_out, slots_out) -> None
 //   index_put(table, bits, keys, vals, slots_out) -> int (slots claimed)
-//   index_walk(table, bits, hashes, mask, order, starts, best) -> list[int] | None
+//   index_walk(table, bits, hashes, mask, order, starts, best, keys, kinds) -> list[int] | None
 //   index_gather(seqs, out) -> bool | None
 //
 // table: uint8 [12 << bits], slots of a packed uint64 key and int32 value (a block id >= 0, -1 for
@@ -29,9 +29,15 @@
 // own leading run, Index.lookup; a group per instance: Index.lookup_spread).  best: None, and the
 // answer is counts; or int64 [sets + 1], from 0 to pairs, non-decreasing, cutting the pairs into
 // sets (an instance's pairs, fastest first), and the answer is [k, counts[k], ...]: per set whose
-// counts are not all 0, its first pair of the largest count (Index.lookup's pick).  Cost: O(positions
-// walked x words) plus O(pairs) where the masked row changes; probes run kAhead ahead of the walk
-// with prefetches, so that the table's cache misses (one a block) overlap.
+// counts are not all 0, its first pair of the largest count (Index.lookup's pick).  keys: uint64
+// [ids], each id's hash where the table holds it; kinds: int8 [ids], bit 2 set where the id's hash is
+// not in the table (Index keeps it in a dict).  A chain stored at once gets consecutive ids, so the
+// walk, having found hash i at id k, takes id k + 1 for hash i + 1 when keys[k + 1] is that hash,
+// bit 2 of kinds[k + 1] is clear and its mask row is not 0 (an id in use; the table maps a hash to
+// one id, so this is the id a probe would find): sequential reads instead of a random one.  Else it
+// probes the table, and prefetches the home slots of the next kAhead hashes (a chain whose ids are
+// not consecutive costs one overlapped cache miss a block, as a probe of every block would).  Cost:
+// O(positions walked x words) plus O(pairs) where the masked row changes.
 //
 // index_gather: the hashes of seqs (a list of lists or tuples of hashes: a run of BlockStored
 // events), in order, into out (uint64 [their total], written); True when every one is an int in
@@ -94,6 +100,13 @@ struct Buffer {
     return true;
   }
   int64_t len() const { return view.ndim ? view.shape[0] : 1; }
+};
+
+// Per id: its hash and whether it is in the table (the walk's check of the next id).
+struct Ids {
+  const uint64_t* keys;
+  const int8_t* kinds;
+  static constexpr int8_t kNotInTable = 4;
 };
 
 struct Table {
@@ -286,8 +299,8 @@ struct Hashes {
 };
 
 template <typename W>
-bool walk(const Table& t, const Hashes& hs, const W* mask, int64_t rows, int64_t words, const int64_t* order,
-          const int64_t* starts, int64_t groups, int64_t* counts, int64_t* bad_id) {
+bool walk(const Table& t, const Hashes& hs, const Ids& per_id, const W* mask, int64_t rows, int64_t words,
+          const int64_t* order, const int64_t* starts, int64_t groups, int64_t* counts, int64_t* bad_id) {
   constexpr int width = sizeof(W) * 8;
   const int64_t pairs = starts[groups];
 
@@ -306,20 +319,35 @@ bool walk(const Table& t, const Hashes& hs, const W* mask, int64_t rows, int64_t
     same = 0;
   };
 
-  // Each chunk: probe its hashes (their slots prefetched kAhead probes ahead), then walk their rows
-  // (each prefetched kAhead positions ahead), so that the cache misses overlap.
+  // The id after `id` holds `key`, and is in use (its row is not 0).
+  auto next_holds = [&](int64_t id, uint64_t key) {
+    if (id < 0 || id + 1 >= rows) return false;
+    const int64_t c = id + 1;
+    if (per_id.keys[c] != key || (per_id.kinds[c] & Ids::kNotInTable) != 0) return false;
+    const W* row = mask + c * words;
+    for (int64_t w = 0; w < words; ++w)
+      if (row[w] != 0) return true;
+    return false;
+  };
+
+  // Each chunk: find its ids (the next id's hash checked first, else a probe with the next probes'
+  // slots prefetched), then walk their rows (each prefetched kAhead positions ahead).
   int64_t ids[kChunk];
-  uint64_t key[kChunk], slot[kChunk];
+  uint64_t key[kChunk];
+  int64_t last_id = -1;  // the id of the position before
   for (int64_t base = 0; base < hs.n && nalive > 0; base += kChunk) {
     const int64_t m = std::min(kChunk, hs.n - base);
     const int64_t ok = hs.fill(base, m, key);
-    for (int64_t i = 0; i < ok; ++i) slot[i] = t.home(key[i]);
-    for (int64_t i = 0; i < std::min(kAhead, ok); ++i) t.prefetch(slot[i]);
-    int64_t found = ok;
+    int64_t found = ok, fetched = 0;  // positions below `fetched` have had their home slot prefetched
     for (int64_t i = 0; i < ok; ++i) {
-      if (i + kAhead < ok) t.prefetch(slot[i + kAhead]);
+      if (next_holds(last_id, key[i])) {
+        ids[i] = last_id = last_id + 1;
+        continue;
+      }
+      for (fetched = std::max(fetched, i + 1); fetched < std::min(ok, i + 1 + kAhead); ++fetched)
+        t.prefetch(t.home(key[fetched]));
       bool hit;
-      const uint64_t s = t.probe(key[i], slot[i], &hit);
+      const uint64_t s = t.probe(key[i], t.home(key[i]), &hit);
       if (!hit) {
         found = i;
         break;
@@ -329,8 +357,7 @@ bool walk(const Table& t, const Hashes& hs, const W* mask, int64_t rows, int64_t
         *bad_id = id;
         return false;
       }
-      ids[i] = id;
-      if (i < kAhead) __builtin_prefetch(mask + id * words);
+      ids[i] = last_id = id;
     }
     for (int64_t i = 0; i < found && nalive > 0; ++i) {
       if (i + kAhead < found) __builtin_prefetch(mask + ids[i + kAhead] * words);
@@ -384,11 +411,12 @@ bool walk(const Table& t, const Hashes& hs, const W* mask, int64_t rows, int64_t
 
 PyObject* index_walk(PyObject*, PyObject* const* args, Py_ssize_t n_args) {
   const char* fn = "index_walk";
-  Buffer tb, hb, mb, ob, sb, bb;
+  Buffer tb, hb, mb, ob, sb, bb, kb, db;
   Table t;
-  if (!nargs(fn, n_args, 7) || !get_table(args[0], args[1], fn, false, &tb, &t) ||
+  if (!nargs(fn, n_args, 9) || !get_table(args[0], args[1], fn, false, &tb, &t) ||
       !mb.get(args[3], fn, "mask", 0, 2, false) || !ob.get(args[4], fn, "order", 8, 1, false) ||
-      !sb.get(args[5], fn, "starts", 8, 1, false))
+      !sb.get(args[5], fn, "starts", 8, 1, false) || !kb.get(args[7], fn, "keys", 8, 1, false) ||
+      !db.get(args[8], fn, "kinds", 1, 1, false))
     return nullptr;
   const bool best = args[6] != Py_None;
   if (best && !bb.get(args[6], fn, "best", 8, 1, false)) return nullptr;
@@ -405,6 +433,13 @@ PyObject* index_walk(PyObject*, PyObject* const* args, Py_ssize_t n_args) {
   }
   const int64_t rows = mb.view.shape[0], words = mb.view.shape[1], width = mb.view.itemsize * 8;
   const int64_t pairs = ob.len(), groups = sb.len() - 1;
+  if (kb.len() != rows || db.len() != rows) {
+    PyErr_Format(PyExc_ValueError,
+                 "index_walk: keys and kinds must have an entry per mask row (%lld), got %lld and %lld",
+                 static_cast<long long>(rows), static_cast<long long>(kb.len()), static_cast<long long>(db.len()));
+    return nullptr;
+  }
+  const Ids per_id{static_cast<const uint64_t*>(kb.view.buf), static_cast<const int8_t*>(db.view.buf)};
   const auto* order = static_cast<const int64_t*>(ob.view.buf);
   const auto* starts = static_cast<const int64_t*>(sb.view.buf);
   if (words < 1 || groups < 0 || starts[0] != 0 || starts[groups] != pairs) {
@@ -439,16 +474,16 @@ PyObject* index_walk(PyObject*, PyObject* const* args, Py_ssize_t n_args) {
     const void* m = mb.view.buf;
     switch (mb.view.itemsize) {
       case 1:
-        done = walk(t, hs, static_cast<const uint8_t*>(m), rows, words, order, starts, groups, counts.data(), &bad_id);
+        done = walk(t, hs, per_id, static_cast<const uint8_t*>(m), rows, words, order, starts, groups, counts.data(), &bad_id);
         break;
       case 2:
-        done = walk(t, hs, static_cast<const uint16_t*>(m), rows, words, order, starts, groups, counts.data(), &bad_id);
+        done = walk(t, hs, per_id, static_cast<const uint16_t*>(m), rows, words, order, starts, groups, counts.data(), &bad_id);
         break;
       case 4:
-        done = walk(t, hs, static_cast<const uint32_t*>(m), rows, words, order, starts, groups, counts.data(), &bad_id);
+        done = walk(t, hs, per_id, static_cast<const uint32_t*>(m), rows, words, order, starts, groups, counts.data(), &bad_id);
         break;
       default:
-        done = walk(t, hs, static_cast<const uint64_t*>(m), rows, words, order, starts, groups, counts.data(), &bad_id);
+        done = walk(t, hs, per_id, static_cast<const uint64_t*>(m), rows, words, order, starts, groups, counts.data(), &bad_id);
     }
   }
   if (bad_id >= 0) {
@@ -547,7 +582,7 @@ PyMethodDef methods[] = {
     {"index_put", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_put)), METH_FASTCALL,
      "index_put(table, bits, keys, vals, slots_out) -> slots claimed (cuda_ext/index_walk.cpp)"},
     {"index_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_walk)), METH_FASTCALL,
-     "index_walk(table, bits, hashes, mask, order, starts, best) -> counts or None (cuda_ext/index_walk.cpp)"},
+     "index_walk(table, bits, hashes, mask, order, starts, best, keys, kinds) -> counts or None (cuda_ext/index_walk.cpp)"},
     {"index_gather", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_gather)), METH_FASTCALL,
      "index_gather(seqs, out) -> whether distinct, or None (cuda_ext/index_walk.cpp)"},
     {nullptr, nullptr, 0, nullptr},

@@ -49,7 +49,10 @@ Contract:
   block's id).  Where the extension is loaded (``radixkv.core.ops.native_index()``) and the hashes
   are 64-bit ints, the probes, the walk along the masks and each instance's pick are one call of a
   plain C function (``cuda_ext/index_walk.cpp``, about a microsecond to call, no torch dispatch)
-  that stops where every instance's run has ended; else a few vectorised numpy passes.  Both give
+  that stops where every instance's run has ended; else a few vectorised numpy passes.  The C walk
+  probes only where a chain's ids stop being consecutive: a chain stored at once gets consecutive
+  ids, so having found block i at id k it first checks whether id k + 1 holds block i + 1 (its
+  hash is kept per id), a sequential read instead of a random one.  Both give
   the same answers (``Index.native = False`` forces numpy).  ``bench fleet_index`` measures both.
 * Hashes are compared as given: ints in [0, 2**64) (vLLM's default external form) live in numpy
   arrays; anything else (bytes, other ints) in a dict beside them.  A ``numpy.uint64`` array is
@@ -63,8 +66,10 @@ Layout (every array grows by a factor, so appends are amortised O(1)):
   arrays of hashes at once (in C where the extension is loaded).
 * Per id: ``_mask`` (which (instance, medium) pairs hold it, one bit each, in the narrowest
   unsigned dtype that fits the pairs allocated), the parent of the chain that first stored it
-  (``_pk`` kind, ``_par`` value), its ``_slot`` in the table, and the log position of one holder,
-  its *primary* (``_prim``, ``_stamp``).
+  (``_pk`` kind, ``_par`` value), its ``_hash`` (0 where the hash is not a 64-bit int and lives in
+  the dict: ``_pk`` has its ``_OKEY`` bit then), and the log position of one holder, its
+  *primary* (``_prim``, ``_stamp``).  Ids are handed out ascending (freed ones first, sorted), so
+  that a run of new blocks gets consecutive ids where it can.
 * Per instance: a log of ids in store order (a block stored again is appended again, its old
   entry dead), the log positions of the blocks it holds but is not primary of (``over``), and the
   parents that differ from the block's first one (``parents``).  An entry is live when its
@@ -99,6 +104,8 @@ BlockHash = Hashable                                      # int (the default) or
 _MIX = np.uint64(0x9E3779B97F4A7C15)                      # Fibonacci hashing multiplier
 _EMPTY, _TOMB = -1, -2                                    # table slot states (values are >= 0)
 _NONE, _INT, _OBJ = 0, 1, 2                               # parent kinds: None, a uint64, a Python object
+_KIND = 3                                                 # the parent kind's bits of _pk
+_OKEY = 4                                                 # _pk flag: the block's own hash is in _obj
 _MAX_INSTANCES = 32767                                    # _prim is int16
 _QUEUE_BLOCKS = 1 << 16                                   # queued blocks that force a flush
 _SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}   # mask words as the walk takes them
@@ -177,10 +184,9 @@ class _Map:
     ahead), else in numpy; both keep the same invariants (a key is reachable from its home slot
     without crossing an empty one), so either may follow the other."""
 
-    __slots__ = ("table", "raw", "keys", "vals", "bits", "size", "used", "moved", "native")
+    __slots__ = ("table", "raw", "keys", "vals", "bits", "size", "used", "native")
 
-    def __init__(self, moved: Any = None, native: bool = False) -> None:
-        self.moved = moved                        # called with (vals, slots) after a rebuild
+    def __init__(self, native: bool = False) -> None:
         self.native = native
         self._alloc(4)
 
@@ -303,9 +309,7 @@ class _Map:
         while n > 0.5 * (1 << bits):              # at most half full right after a rebuild
             bits += 1
         self._alloc(bits)
-        slots = self.put(keys, vals)
-        if self.moved is not None:
-            self.moved(vals, slots)
+        self.put(keys, vals)
 
     def nbytes(self) -> int:
         return self.table.nbytes
@@ -359,7 +363,7 @@ class Index:
         self._plans: dict[tuple[int, bool], Any] = {}          # the walk's groups, by (active bits, spread)
         self._actives: dict[bool, int] = {}                    # active bits by include_stale, until a change
         self._next_bit = 0
-        self._map = _Map(self._moved, native=True)    # uint64 hash -> id
+        self._map = _Map(native=True)                 # uint64 hash -> id
         self._obj: dict[Any, int] = {}                # any other hash -> id
         self._okey: dict[int, Any] = {}               # id -> that hash
         self._pobj: dict[int, Any] = {}               # id -> its parent, where a Python object
@@ -370,9 +374,9 @@ class Index:
         self._dirty: list[_Instance] = []             # instances with queued events
         self._queued = 0                              # blocks (and events) queued
         self._mask = np.zeros((0, 1), np.uint8)       # per id: the bits of the pairs holding it
-        self._slot = np.zeros(0, np.int32)            # per id: its slot in _map (-1: in _obj)
+        self._hash = np.zeros(0, np.uint64)           # per id: its hash, where in _map (else 0)
         self._par = np.zeros(0, np.uint64)            # per id: its first parent, where an int
-        self._pk = np.zeros(0, np.int8)               # per id: that parent's kind
+        self._pk = np.zeros(0, np.int8)               # per id: that parent's kind, | _OKEY if in _obj
         self._prim = np.zeros(0, np.int16)            # per id: its primary holder's ix (-1: none)
         self._stamp = np.zeros(0, np.int32)           # per id: the primary's log position
         self._grow_ids(16)
@@ -396,7 +400,7 @@ class Index:
 
     def _grow_ids(self, need: int) -> None:
         """Room for ``need`` ids, and at least a quarter more than now.  O(ids)."""
-        old = len(self._slot)
+        old = len(self._hash)
         cap = max(need, old + old // 4, 16)
 
         def grown(a: np.ndarray, fill: int) -> np.ndarray:
@@ -404,7 +408,7 @@ class Index:
             new[:old] = a
             return new
         self._mask = grown(self._mask, 0)
-        self._slot = grown(self._slot, -1)
+        self._hash = grown(self._hash, 0)
         self._par = grown(self._par, 0)
         self._pk = grown(self._pk, _NONE)
         self._prim = grown(self._prim, -1)
@@ -435,16 +439,15 @@ class Index:
             out |= int(word) << (self._wbits * j)
         return out
 
-    def _moved(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        self._slot[ids] = slots
-
     def _alloc(self, n: int) -> np.ndarray:
-        """``n`` fresh ids (rows zeroed).  Amortised O(n)."""
+        """``n`` fresh ids (rows zeroed), ascending, so that a chain stored at once gets
+        consecutive ids wherever the ids freed last allow it (the walk's fast path).  Amortised
+        O(n log n) for reused ids, O(n) for new ones."""
         take = min(n, self._nfree)
-        ids = self._free[self._nfree - take:self._nfree][::-1].copy()
+        ids = np.sort(self._free[self._nfree - take:self._nfree])
         self._nfree -= take
         if take < n:
-            if self._top + n - take > len(self._slot):
+            if self._top + n - take > len(self._hash):
                 self._grow_ids(self._top + n - take)
             ids = np.concatenate([ids, np.arange(self._top, self._top + n - take, dtype=np.int32)])
             self._top += n - take
@@ -454,14 +457,19 @@ class Index:
         """Forget ids no instance holds any more (their masks are 0).  O(len(ids))."""
         if not len(ids):
             return
-        slots = self._slot[ids]
-        self._map.drop(slots[slots >= 0].astype(np.intp))
-        for i in ids[slots < 0].tolist():
+        kinds = self._pk[ids]
+        okey = (kinds & _OKEY) != 0
+        ints = ids[~okey]
+        if len(ints):
+            slots = self._map.locate(self._hash[ints])
+            assert (slots >= 0).all(), "an id's hash is not in the table"
+            self._map.drop(slots)
+        for i in ids[okey].tolist():
             del self._obj[self._okey.pop(i)]
         if self._pobj:
-            for i in ids[self._pk[ids] == _OBJ].tolist():
+            for i in ids[(kinds & _KIND) == _OBJ].tolist():
                 del self._pobj[i]
-        self._slot[ids] = -1
+        self._hash[ids] = 0
         self._pk[ids] = _NONE
         self._par[ids] = 0
         self._prim[ids] = -1
@@ -699,11 +707,12 @@ class Index:
                 is_obj[i] = True
             ints = new[~is_obj[new]]
             if len(ints):
-                self._slot[ids[ints]] = self._map.put(codes[ints], ids[ints])
+                self._map.put(codes[ints], ids[ints])
+                self._hash[ids[ints]] = codes[ints]
             for i in new[is_obj[new]].tolist():
                 self._obj[hs[i]] = int(ids[i])
                 self._okey[int(ids[i])] = hs[i]
-            self._pk[fresh], self._par[fresh] = pk[new], pv[new]
+            self._pk[fresh], self._par[fresh] = pk[new] | (is_obj[new] * _OKEY).astype(np.int8), pv[new]
             for i in new[pk[new] == _OBJ].tolist():
                 self._pobj[int(ids[i])] = pobj[i]
         old = np.ones(len(hs), bool)
@@ -711,8 +720,9 @@ class Index:
         if old.any():                                # parents that differ from the block's first
             at = np.flatnonzero(old)
             oi = ids[at]
-            differ = (self._pk[oi] != pk[at]) | ((pk[at] == _INT) & (self._par[oi] != pv[at]))
-            for j in np.flatnonzero((pk[at] == _OBJ) & (self._pk[oi] == _OBJ)).tolist():
+            okind = self._pk[oi] & _KIND
+            differ = (okind != pk[at]) | ((pk[at] == _INT) & (self._par[oi] != pv[at]))
+            for j in np.flatnonzero((pk[at] == _OBJ) & (okind == _OBJ)).tolist():
                 differ[j] = self._pobj[int(oi[j])] != pobj[int(at[j])]
             if differ.any() or inst.parents:
                 for j, d in zip(at.tolist(), differ.tolist()):
@@ -844,7 +854,7 @@ class Index:
         if plan is None:
             plan = self._plan(active, spread)
         m = self._map
-        out = fns.index_walk(m.raw, m.bits, hs, self._mask, plan[0], plan[1], plan[2])
+        out = fns.index_walk(m.raw, m.bits, hs, self._mask, plan[0], plan[1], plan[2], self._hash, self._pk)
         return None if out is None else (out, plan[3])
 
     def _plan(self, active: int, spread: bool) -> tuple[Any, Any, Any, list[tuple[Any, ...]]]:
@@ -1011,11 +1021,10 @@ class Index:
         return out
 
     def _key(self, i: int) -> BlockHash:
-        slot = int(self._slot[i])
-        return int(self._map.keys[slot]) if slot >= 0 else self._okey[i]
+        return self._okey[i] if self._pk[i] & _OKEY else int(self._hash[i])
 
     def _parent(self, i: int) -> BlockHash | None:
-        kind = int(self._pk[i])
+        kind = int(self._pk[i]) & _KIND
         return None if kind == _NONE else int(self._par[i]) if kind == _INT else self._pobj[i]
 
     def nbytes(self) -> int:
@@ -1023,7 +1032,7 @@ class Index:
         counted; ``bench fleet_index`` measures everything).  O(instances)."""
         if self._dirty:
             self._flush()
-        arrays = (self._mask, self._slot, self._par, self._pk, self._prim, self._stamp, self._free)
+        arrays = (self._mask, self._hash, self._par, self._pk, self._prim, self._stamp, self._free)
         return (self._map.nbytes() + sum(a.nbytes for a in arrays)
                 + sum(i.log.nbytes + i.over.nbytes() for i in self._instances.values()))
 
@@ -1065,20 +1074,21 @@ class Index:
         ixs = [inst.ix for inst in self._instances.values()]
         assert len(set(ixs)) == len(ixs) and not set(ixs) & set(self._free_ix)
         # ids: each in use exactly once (table or dict), the rest free, rows of free ids cleared
-        slots, _keys, vals = self._map.items()
+        _slots, _keys, vals = self._map.items()
         obj_ids = np.array(sorted(self._obj.values()), np.int32)
         used = np.concatenate([vals, obj_ids])
         assert len(np.unique(used)) == len(used), "an id is used twice"
         free = self._free[:self._nfree]
         assert len(np.unique(free)) == len(free) and not np.isin(free, used).any()
         assert len(used) + len(free) == self._top, (len(used), len(free), self._top)
-        assert np.array_equal(self._slot[vals], slots), "an id's slot is wrong"
-        assert (self._slot[obj_ids] == -1).all() and {self._obj[k]: k for k in self._obj} == self._okey
+        assert np.array_equal(self._hash[vals], _keys), "an id's hash is wrong"
+        assert not (self._pk[vals] & _OKEY).any() and (self._pk[obj_ids] & _OKEY).all()
+        assert (self._hash[obj_ids] == 0).all() and {self._obj[k]: k for k in self._obj} == self._okey
         assert (self._mask[used] != 0).any(axis=1).all(), "an id in use has no holder"
-        unused = np.setdiff1d(np.arange(len(self._slot)), used)
+        unused = np.setdiff1d(np.arange(len(self._hash)), used)
         assert not self._mask[unused].any() and (self._prim[unused] == -1).all()
-        assert (self._pk[unused] == _NONE).all() and (self._slot[unused] == -1).all()
-        assert set(self._pobj) == set(np.flatnonzero(self._pk == _OBJ).tolist())
+        assert (self._pk[unused] == _NONE).all() and (self._hash[unused] == 0).all()
+        assert set(self._pobj) == set(np.flatnonzero((self._pk & _KIND) == _OBJ).tolist())
         stray = self._vec(~all_bits & ((1 << (self._wbits * self._words)) - 1))
         assert not (self._mask & stray).any(), "a bit no pair owns is set"
         # instances: the live log entries are exactly the blocks held, each once

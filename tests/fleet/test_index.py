@@ -432,22 +432,48 @@ def test_native_functions_refuse_bad_arguments(walk: None) -> None:
         fns.index_put(raw, 4, np.arange(100, 120, dtype=np.uint64), np.zeros(20, np.int32), np.zeros(20, np.intp))
     mask = np.ones((8, 1), np.uint8)
     order, starts = np.array([0], np.int64), np.array([0, 1], np.int64)
-    assert fns.index_walk(raw, 4, [0, 1, 2], mask, order, starts, None) == [3]
-    assert fns.index_walk(raw, 4, np.array([0, 1, 9], np.uint64), mask, order, starts, None) == [2]
-    assert fns.index_walk(raw, 4, [0, 1, 9], mask, order, starts, np.array([0, 1], np.int64)) == [0, 2]
+    per_id = (np.zeros(8, np.uint64), np.zeros(8, np.int8))     # no id's hash known: every block probed
+    assert fns.index_walk(raw, 4, [0, 1, 2], mask, order, starts, None, *per_id) == [3]
+    assert fns.index_walk(raw, 4, np.array([0, 1, 9], np.uint64), mask, order, starts, None, *per_id) == [2]
+    assert fns.index_walk(raw, 4, [0, 1, 9], mask, order, starts, np.array([0, 1], np.int64), *per_id) == [0, 2]
     with pytest.raises(ValueError, match="best"):
-        fns.index_walk(raw, 4, [0], mask, order, starts, np.array([0, 2], np.int64))
+        fns.index_walk(raw, 4, [0], mask, order, starts, np.array([0, 2], np.int64), *per_id)
     with pytest.raises(ValueError, match="past the mask's 4 rows"):
-        fns.index_walk(raw, 4, [0], mask[:4], order, starts, None)
+        fns.index_walk(raw, 4, [0], mask[:4], order, starts, None, per_id[0][:4], per_id[1][:4])
     with pytest.raises(ValueError, match="bit 9 is past"):
-        fns.index_walk(raw, 4, [0], mask, np.array([9], np.int64), starts, None)
+        fns.index_walk(raw, 4, [0], mask, np.array([9], np.int64), starts, None, *per_id)
     with pytest.raises(ValueError, match="starts"):
-        fns.index_walk(raw, 4, [0], mask, order, np.array([0, 2], np.int64), None)
+        fns.index_walk(raw, 4, [0], mask, order, np.array([0, 2], np.int64), None, *per_id)
     with pytest.raises(TypeError, match="mask"):
-        fns.index_walk(raw, 4, [0], mask[:, 0], order, starts, None)
-    assert fns.index_walk(raw, 4, [0, b"x"], mask, order, starts, None) is None     # the numpy path's to answer
-    assert fns.index_walk(raw, 4, [0, -1], mask, order, starts, None) is None
-    assert fns.index_walk(raw, 4, [3, b"x"], mask, order, starts, None) == [0]      # the walk ends before it
+        fns.index_walk(raw, 4, [0], mask[:, 0], order, starts, None, *per_id)
+    assert fns.index_walk(raw, 4, [0, b"x"], mask, order, starts, None, *per_id) is None     # the numpy path's to answer
+    assert fns.index_walk(raw, 4, [0, -1], mask, order, starts, None, *per_id) is None
+    assert fns.index_walk(raw, 4, [3, b"x"], mask, order, starts, None, *per_id) == [0]      # the walk ends before it
+    with pytest.raises(ValueError, match="an entry per mask row"):
+        fns.index_walk(raw, 4, [0], mask, order, starts, None, per_id[0][:7], per_id[1])
+    with pytest.raises(TypeError, match="kinds"):
+        fns.index_walk(raw, 4, [0], mask, order, starts, None, per_id[0], per_id[0])
+    # The next id's hash: the table maps 10 to id 1 and 11 to id 6, but id 2 claims 11 too (an
+    # index never does so: here it shows which id the walk took).  Row 6 lacks bit 1.
+    t2 = np.zeros(16, index_mod._SLOT)
+    t2["val"] = -1
+    raw2 = t2.view(np.uint8)
+    fns.index_put(raw2, 4, np.array([10, 11], np.uint64), np.array([1, 6], np.int32), np.zeros(2, np.intp))
+    keys = np.zeros(8, np.uint64)
+    keys[[1, 2, 6]] = [10, 11, 11]
+    kinds = np.zeros(8, np.int8)
+    rows = np.full((8, 1), 3, np.uint8)
+    rows[6] = 1
+    two, groups = np.array([0, 1], np.int64), np.array([0, 1, 2], np.int64)
+    assert fns.index_walk(raw2, 4, [10, 11], rows, two, groups, None, keys, kinds) == [2, 2]    # took id 2
+    flagged = kinds.copy()
+    flagged[2] = 4                                              # id 2's hash is not in the table
+    assert fns.index_walk(raw2, 4, [10, 11], rows, two, groups, None, keys, flagged) == [2, 1]  # probed: id 6
+    unused = rows.copy()
+    unused[2] = 0                                               # id 2 is not in use
+    assert fns.index_walk(raw2, 4, [10, 11], unused, two, groups, None, keys, kinds) == [2, 1]
+    last = fns.index_walk(raw2, 4, [11, 10], rows[:7], two, groups, None, keys[:7], kinds[:7])
+    assert last == [2, 0]                                       # id 6 is the last row: 10 probed
     out = np.empty(4, np.uint64)
     assert fns.index_gather([[1, 2**64 - 1], (3,), [2**63]], out) is True and out.tolist() == [1, 2**64 - 1, 3, 2**63]
     assert fns.index_gather([[1, 2], [3, 1]], out) is False
@@ -457,3 +483,40 @@ def test_native_functions_refuse_bad_arguments(walk: None) -> None:
         fns.index_gather([[1, 2], [3, 4, 5]], out)
     with pytest.raises(ValueError, match="seqs hold 3"):
         fns.index_gather([[1, 2], [3]], out)
+
+
+@settings(max_examples=settings.default.max_examples // 2, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["store", "store", "remove", "clear"]), st.sampled_from(INSTANCES),
+                                st.integers(0, 3), st.integers(0, 40), st.integers(1, 40),
+                                st.sampled_from(["GPU", "CPU"])), min_size=1, max_size=25),
+       max_blocks=st.integers(20, 120), queries=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40),
+                                                                   st.integers(0, 60)), max_size=6))
+def test_walk_next_id_fast_path(walk: None, steps: list[tuple[str, str, int, int, int, str]], max_blocks: int,
+                                queries: list[tuple[int, int, int]]) -> None:
+    """The walk's check of the next id (a chain stored at once gets consecutive ids): four long
+    chains sharing their first blocks, stored in pieces in any order (a piece's parent the block
+    before it), removed in pieces, stored again (freed ids reused), cleared and evicted: lookups
+    from any block of a chain, through the walk and numpy, give the reference's answers."""
+    shared = [2**63 + 17 * i for i in range(10)]
+    tails = [[(0x9E3779B97F4A7C15 * (c * 1000 + i + 1)) % 2**64 for i in range(50)] for c in range(4)]
+    chains_ = [shared + t for t in tails]
+    idx, ref = Index(max_blocks=max_blocks), Reference(max_blocks, 1024)
+    seqs: dict[str, int] = {}
+    for kind, name, c, start, length, medium in steps:
+        part = chains_[c][start:start + length]
+        if kind == "store":
+            batch = stored_on(medium, part, chains_[c][start - 1] if start else None)
+        elif kind == "remove":
+            batch = EventBatch(ts=0.0, events=[BlockRemoved(block_hashes=part, medium=medium)])
+        else:
+            batch = EventBatch(ts=0.0, events=[AllBlocksCleared()])
+        seq = seqs.get(name, 0)
+        idx.apply(name, seq, batch)
+        ref.apply(name, seq, batch)
+        seqs[name] = seq + 1
+    idx.check()
+    for c, start, length in queries + [(c, 0, 60) for c in range(4)]:
+        hs = chains_[c][start:start + length]
+        got = both_paths(idx, hs, False)
+        assert got == (ref.lookup(hs, False), ref.spread(hs, False))
+        assert both_paths(idx, np.array(hs, dtype=np.uint64), False) == got
