@@ -4,7 +4,7 @@
 //
 //   index_find(table, bits, keys, vals_out, slots_out) -> None
 //   index_put(table, bits, keys, vals, slots_out) -> int (slots claimed)
-//   index_walk(table, bits, hashes, mask, order, starts, best, keys, kinds) -> list[int] | None
+//   index_walk(table, bits, hashes, mask, order, starts, best, keys, kinds, answer) -> list | dict | None
 //   index_gather(seqs, out) -> bool | None
 //
 // table: uint8 [12 << bits], slots of a packed uint64 key and int32 value (a block id >= 0, -1 for
@@ -29,15 +29,18 @@
 // own leading run, Index.lookup; a group per instance: Index.lookup_spread).  best: None, and the
 // answer is counts; or int64 [sets + 1], from 0 to pairs, non-decreasing, cutting the pairs into
 // sets (an instance's pairs, fastest first), and the answer is [k, counts[k], ...]: per set whose
-// counts are not all 0, its first pair of the largest count (Index.lookup's pick).  keys: uint64
+// counts are not all 0, its first pair of the largest count (Index.lookup's pick).  answer: None, or
+// with best a tuple (match, names, media): match a tuple subclass of two fields, names and media
+// tuples of an entry per pair; the answer is then {names[k]: match(counts[k], media[k])} for those
+// picks (Index.lookup's dict, built here: a Python loop over 16 picks costs more than the walk).  keys: uint64
 // [ids], each id's hash where the table holds it; kinds: int8 [ids], bit 2 set where the id's hash is
-// not in the table (Index keeps it in a dict).  A chain stored at once gets consecutive ids, so the
-// walk, having found hash i at id k, takes id k + 1 for hash i + 1 when keys[k + 1] is that hash,
-// bit 2 of kinds[k + 1] is clear and its mask row is not 0 (an id in use; the table maps a hash to
-// one id, so this is the id a probe would find): sequential reads instead of a random one.  Else it
-// probes the table, and prefetches the home slots of the next kAhead hashes (a chain whose ids are
-// not consecutive costs one overlapped cache miss a block, as a probe of every block would).  Cost:
-// O(positions walked x words) plus O(pairs) where the masked row changes.
+// not in the table (Index keeps it in a dict, or the id is free).  A chain stored at once gets
+// consecutive ids, so the walk, having found hash i at id k, takes id k + 1 for hash i + 1 when
+// keys[k + 1] is that hash and bit 2 of kinds[k + 1] is clear (the table maps a hash to one id, so
+// this is the id a probe would find): sequential reads instead of a random one.  Else it probes the
+// table, prefetching the home slots of the next kAhead hashes and the found id's mask row (a chain
+// whose ids are not consecutive costs one overlapped cache miss a block, as a probe of every block
+// would).  Cost: O(positions walked x words) plus O(pairs) where the masked row changes.
 //
 // index_gather: the hashes of seqs (a list of lists or tuples of hashes: a run of BlockStored
 // events), in order, into out (uint64 [their total], written); True when every one is an int in
@@ -319,30 +322,23 @@ bool walk(const Table& t, const Hashes& hs, const Ids& per_id, const W* mask, in
     same = 0;
   };
 
-  // The id after `id` holds `key`, and is in use (its row is not 0).
-  auto next_holds = [&](int64_t id, uint64_t key) {
-    if (id < 0 || id + 1 >= rows) return false;
-    const int64_t c = id + 1;
-    if (per_id.keys[c] != key || (per_id.kinds[c] & Ids::kNotInTable) != 0) return false;
-    const W* row = mask + c * words;
-    for (int64_t w = 0; w < words; ++w)
-      if (row[w] != 0) return true;
-    return false;
-  };
-
-  // Each chunk: find its ids (the next id's hash checked first, else a probe with the next probes'
-  // slots prefetched), then walk their rows (each prefetched kAhead positions ahead).
+  // Each chunk: find its ids (runs of consecutive ids checked against their hashes, else a probe
+  // with the next probes' slots prefetched), then walk their rows.
   int64_t ids[kChunk];
-  uint64_t key[kChunk];
+  uint64_t buf[kChunk];
   int64_t last_id = -1;  // the id of the position before
   for (int64_t base = 0; base < hs.n && nalive > 0; base += kChunk) {
     const int64_t m = std::min(kChunk, hs.n - base);
-    const int64_t ok = hs.fill(base, m, key);
+    const uint64_t* key = hs.array != nullptr ? hs.array + base : buf;  // an array is read in place
+    const int64_t ok = hs.array != nullptr ? m : hs.fill(base, m, buf);
     int64_t found = ok, fetched = 0;  // positions below `fetched` have had their home slot prefetched
-    for (int64_t i = 0; i < ok; ++i) {
-      if (next_holds(last_id, key[i])) {
-        ids[i] = last_id = last_id + 1;
-        continue;
+    for (int64_t i = 0; i < ok;) {
+      if (last_id >= 0) {  // the run of positions whose ids follow the last one's
+        int64_t c = last_id + 1;
+        const int64_t stop = std::min(ok, i + (rows - c));
+        while (i < stop && per_id.keys[c] == key[i] && (per_id.kinds[c] & Ids::kNotInTable) == 0) ids[i++] = c++;
+        last_id = c - 1;
+        if (i == ok) break;
       }
       for (fetched = std::max(fetched, i + 1); fetched < std::min(ok, i + 1 + kAhead); ++fetched)
         t.prefetch(t.home(key[fetched]));
@@ -357,15 +353,19 @@ bool walk(const Table& t, const Hashes& hs, const Ids& per_id, const W* mask, in
         *bad_id = id;
         return false;
       }
-      ids[i] = last_id = id;
+      __builtin_prefetch(mask + id * words);
+      ids[i++] = last_id = id;
     }
     for (int64_t i = 0; i < found && nalive > 0; ++i) {
-      if (i + kAhead < found) __builtin_prefetch(mask + ids[i + kAhead] * words);
       const W* row = mask + ids[i] * words;
       if (words == 1) {  // one word (up to 64 pairs): the masked row in registers
-        if (W(row[0] & act0) == prev0 && started) {
-          ++same;
-          continue;
+        if (started) {
+          int64_t j = i;
+          while (j < found && W(mask[ids[j]] & act0) == prev0) ++j;
+          same += j - i;
+          if (j == found) break;
+          i = j;
+          row = mask + ids[i];
         }
       } else {
         bool changed = !started;
@@ -413,13 +413,33 @@ PyObject* index_walk(PyObject*, PyObject* const* args, Py_ssize_t n_args) {
   const char* fn = "index_walk";
   Buffer tb, hb, mb, ob, sb, bb, kb, db;
   Table t;
-  if (!nargs(fn, n_args, 9) || !get_table(args[0], args[1], fn, false, &tb, &t) ||
+  if (!nargs(fn, n_args, 10) || !get_table(args[0], args[1], fn, false, &tb, &t) ||
       !mb.get(args[3], fn, "mask", 0, 2, false) || !ob.get(args[4], fn, "order", 8, 1, false) ||
       !sb.get(args[5], fn, "starts", 8, 1, false) || !kb.get(args[7], fn, "keys", 8, 1, false) ||
       !db.get(args[8], fn, "kinds", 1, 1, false))
     return nullptr;
   const bool best = args[6] != Py_None;
   if (best && !bb.get(args[6], fn, "best", 8, 1, false)) return nullptr;
+  PyObject* answer = args[9];
+  PyTypeObject* match = nullptr;
+  PyObject *names = nullptr, *media = nullptr;
+  if (answer != Py_None) {
+    const Py_ssize_t pairs_given = ob.len();
+    if (!best || !PyTuple_CheckExact(answer) || PyTuple_GET_SIZE(answer) != 3 ||
+        !PyType_Check(PyTuple_GET_ITEM(answer, 0)) ||
+        !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(PyTuple_GET_ITEM(answer, 0)), &PyTuple_Type) ||
+        !PyTuple_CheckExact(PyTuple_GET_ITEM(answer, 1)) || !PyTuple_CheckExact(PyTuple_GET_ITEM(answer, 2)) ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(answer, 1)) != pairs_given ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(answer, 2)) != pairs_given) {
+      PyErr_SetString(PyExc_TypeError,
+                      "index_walk: answer must be None or, with best, (a tuple subclass, names, media), "
+                      "names and media tuples of an entry per pair");
+      return nullptr;
+    }
+    match = reinterpret_cast<PyTypeObject*>(PyTuple_GET_ITEM(answer, 0));
+    names = PyTuple_GET_ITEM(answer, 1);
+    media = PyTuple_GET_ITEM(answer, 2);
+  }
   const auto* best_at = best ? static_cast<const int64_t*>(bb.view.buf) : nullptr;
   Hashes hs;
   PyObject* h = args[2];
@@ -506,6 +526,26 @@ PyObject* index_walk(PyObject*, PyObject* const* args, Py_ssize_t n_args) {
   } else {
     flat.swap(counts);
   }
+  if (match != nullptr) {  // {names[k]: match(run, media[k])}, as tuple.__new__(match, ...) builds it
+    PyObject* d = PyDict_New();
+    for (size_t j = 0; d != nullptr && j + 1 < flat.size(); j += 2) {
+      PyObject* run = PyLong_FromLongLong(flat[j + 1]);
+      PyObject* m = run == nullptr ? nullptr : match->tp_alloc(match, 2);
+      if (m == nullptr) {
+        Py_XDECREF(run);
+        Py_CLEAR(d);
+        break;
+      }
+      PyObject* medium = PyTuple_GET_ITEM(media, flat[j]);
+      Py_INCREF(medium);
+      PyTuple_SET_ITEM(m, 0, run);
+      PyTuple_SET_ITEM(m, 1, medium);
+      const int err = PyDict_SetItem(d, PyTuple_GET_ITEM(names, flat[j]), m);
+      Py_DECREF(m);
+      if (err != 0) Py_CLEAR(d);
+    }
+    return d;
+  }
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(flat.size()));
   if (out == nullptr) return nullptr;
   for (size_t k = 0; k < flat.size(); ++k) {
@@ -582,7 +622,7 @@ PyMethodDef methods[] = {
     {"index_put", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_put)), METH_FASTCALL,
      "index_put(table, bits, keys, vals, slots_out) -> slots claimed (cuda_ext/index_walk.cpp)"},
     {"index_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_walk)), METH_FASTCALL,
-     "index_walk(table, bits, hashes, mask, order, starts, best, keys, kinds) -> counts or None (cuda_ext/index_walk.cpp)"},
+     "index_walk(table, bits, hashes, mask, order, starts, best, keys, kinds, answer) -> counts, a dict or None (cuda_ext/index_walk.cpp)"},
     {"index_gather", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(index_gather)), METH_FASTCALL,
      "index_gather(seqs, out) -> whether distinct, or None (cuda_ext/index_walk.cpp)"},
     {nullptr, nullptr, 0, nullptr},

@@ -66,8 +66,9 @@ Layout (every array grows by a factor, so appends are amortised O(1)):
   arrays of hashes at once (in C where the extension is loaded).
 * Per id: ``_mask`` (which (instance, medium) pairs hold it, one bit each, in the narrowest
   unsigned dtype that fits the pairs allocated), the parent of the chain that first stored it
-  (``_pk`` kind, ``_par`` value), its ``_hash`` (0 where the hash is not a 64-bit int and lives in
-  the dict: ``_pk`` has its ``_OKEY`` bit then), and the log position of one holder, its
+  (``_pk`` kind, ``_par`` value), its ``_hash`` (0 where the hash is not in the table: a hash that
+  is not a 64-bit int, in the dict, or a free id; ``_pk`` has its ``_NOKEY`` bit then), and the
+  log position of one holder, its
   *primary* (``_prim``, ``_stamp``).  Ids are handed out ascending (freed ones first, sorted), so
   that a run of new blocks gets consecutive ids where it can.
 * Per instance: a log of ids in store order (a block stored again is appended again, its old
@@ -105,13 +106,12 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)                      # Fibonacci hashing mu
 _EMPTY, _TOMB = -1, -2                                    # table slot states (values are >= 0)
 _NONE, _INT, _OBJ = 0, 1, 2                               # parent kinds: None, a uint64, a Python object
 _KIND = 3                                                 # the parent kind's bits of _pk
-_OKEY = 4                                                 # _pk flag: the block's own hash is in _obj
+_NOKEY = 4                                                # _pk flag: the id's hash is not in the table (in _obj, or free)
 _MAX_INSTANCES = 32767                                    # _prim is int16
 _QUEUE_BLOCKS = 1 << 16                                   # queued blocks that force a flush
 _SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}   # mask words as the walk takes them
 _SLOT = np.dtype([("key", np.uint64), ("val", np.int32)])   # a table slot: 12 bytes, packed
 _NATIVE: list[Any] = []                                   # the extension's index functions (or None), once looked up
-_new_tuple = tuple.__new__                                # a NamedTuple without its Python-level __new__
 
 
 def _native() -> Any:
@@ -376,7 +376,7 @@ class Index:
         self._mask = np.zeros((0, 1), np.uint8)       # per id: the bits of the pairs holding it
         self._hash = np.zeros(0, np.uint64)           # per id: its hash, where in _map (else 0)
         self._par = np.zeros(0, np.uint64)            # per id: its first parent, where an int
-        self._pk = np.zeros(0, np.int8)               # per id: that parent's kind, | _OKEY if in _obj
+        self._pk = np.zeros(0, np.int8)               # per id: that parent's kind, | _NOKEY
         self._prim = np.zeros(0, np.int16)            # per id: its primary holder's ix (-1: none)
         self._stamp = np.zeros(0, np.int32)           # per id: the primary's log position
         self._grow_ids(16)
@@ -410,7 +410,7 @@ class Index:
         self._mask = grown(self._mask, 0)
         self._hash = grown(self._hash, 0)
         self._par = grown(self._par, 0)
-        self._pk = grown(self._pk, _NONE)
+        self._pk = grown(self._pk, _NOKEY)
         self._prim = grown(self._prim, -1)
         self._stamp = grown(self._stamp, 0)
 
@@ -458,7 +458,7 @@ class Index:
         if not len(ids):
             return
         kinds = self._pk[ids]
-        okey = (kinds & _OKEY) != 0
+        okey = (kinds & _NOKEY) != 0                  # in use: in _obj
         ints = ids[~okey]
         if len(ints):
             slots = self._map.locate(self._hash[ints])
@@ -470,7 +470,7 @@ class Index:
             for i in ids[(kinds & _KIND) == _OBJ].tolist():
                 del self._pobj[i]
         self._hash[ids] = 0
-        self._pk[ids] = _NONE
+        self._pk[ids] = _NOKEY
         self._par[ids] = 0
         self._prim[ids] = -1
         if self._nfree + len(ids) > len(self._free):
@@ -712,7 +712,7 @@ class Index:
             for i in new[is_obj[new]].tolist():
                 self._obj[hs[i]] = int(ids[i])
                 self._okey[int(ids[i])] = hs[i]
-            self._pk[fresh], self._par[fresh] = pk[new] | (is_obj[new] * _OKEY).astype(np.int8), pv[new]
+            self._pk[fresh], self._par[fresh] = pk[new] | (is_obj[new] * _NOKEY).astype(np.int8), pv[new]
             for i in new[pk[new] == _OBJ].tolist():
                 self._pobj[int(ids[i])] = pobj[i]
         old = np.ones(len(hs), bool)
@@ -833,11 +833,12 @@ class Index:
         miss = np.flatnonzero(ids < 0)
         return self._mask[ids[:miss[0]] if len(miss) else ids]
 
-    def _walk(self, hs: Sequence[BlockHash], active: int, spread: bool) -> tuple[list[int], list[tuple[Any, ...]]] | None:
+    def _walk(self, hs: Sequence[BlockHash], active: int, spread: bool) -> tuple[Any, list[tuple[Any, ...]]] | None:
         """The extension's one-pass walk (``cuda_ext/index_walk.cpp``) over ``hs`` for the pairs
-        in ``active``: per pair, grouped by instance fastest first, how many leading blocks it holds
-        alone (``spread=False``), or is its instance's fastest holder of, within the instance's run
-        on any medium (``spread=True``); and each pair's (instance, medium).  ``None`` where the
+        in ``active``: ``lookup``'s answer, built in C (``spread=False``), or per pair, grouped by
+        instance fastest first, how many leading blocks it is its instance's fastest holder of,
+        within the instance's run on any medium (``spread=True``); and each pair's (instance,
+        medium).  ``None`` where the
         extension is not loaded or the walk reaches a hash that is not an int in [0, 2**64): the
         numpy path answers.  O(blocks walked), in C, plus O(pairs) in Python."""
         fns = _native() if self._native else None
@@ -854,14 +855,15 @@ class Index:
         if plan is None:
             plan = self._plan(active, spread)
         m = self._map
-        out = fns.index_walk(m.raw, m.bits, hs, self._mask, plan[0], plan[1], plan[2], self._hash, self._pk)
+        out = fns.index_walk(m.raw, m.bits, hs, self._mask, plan[0], plan[1], plan[2], self._hash, self._pk, plan[4])
         return None if out is None else (out, plan[3])
 
-    def _plan(self, active: int, spread: bool) -> tuple[Any, Any, Any, list[tuple[Any, ...]]]:
+    def _plan(self, active: int, spread: bool) -> tuple[Any, Any, Any, list[tuple[Any, ...]], Any]:
         """The walk's ``order``, ``starts`` and ``best`` arrays for the pairs in ``active`` (one
         group per instance for ``spread``, one per pair and each instance's longest run picked
-        otherwise) and each pair's (instance, medium), cached until a pair's bit is given or
-        freed.  O(pairs)."""
+        otherwise), each pair's (instance, medium), and for ``lookup`` the ``answer`` argument
+        (``Match`` and the pairs' names and media), cached until a pair's bit is given or freed.
+        O(pairs)."""
         order: list[int] = []
         starts, sets = [0], [0]
         owners: list[tuple[Any, ...]] = []
@@ -880,8 +882,9 @@ class Index:
             sets.append(len(order))
         if len(self._plans) > 64:
             self._plans.clear()
+        answer = None if spread else (Match, tuple(o[0] for o in owners), tuple(o[1] for o in owners))
         plan = self._plans[(active, spread)] = (np.array(order, np.int64), np.array(starts, np.int64),
-                                                None if spread else np.array(sets, np.int64), owners)
+                                                None if spread else np.array(sets, np.int64), owners, answer)
         return plan
 
     def _active(self, include_stale: bool) -> int:
@@ -912,10 +915,8 @@ class Index:
             return {}
         hs = self._hashes(block_hashes)
         walked = self._walk(hs, active, False) if len(hs) else None
-        if walked is not None:                      # [pair, blocks, ...]: each instance's pick
-            picks, owners = walked
-            it = iter(picks)
-            return {owners[k][0]: _new_tuple(Match, (blocks, owners[k][1])) for k, blocks in zip(it, it)}
+        if walked is not None:                      # the answer, built in C
+            return walked[0]  # type: ignore[no-any-return]
         best: dict[str, Match] = {}
         rows = self._rows(hs)
         if not len(rows):
@@ -1021,7 +1022,7 @@ class Index:
         return out
 
     def _key(self, i: int) -> BlockHash:
-        return self._okey[i] if self._pk[i] & _OKEY else int(self._hash[i])
+        return self._okey[i] if self._pk[i] & _NOKEY else int(self._hash[i])
 
     def _parent(self, i: int) -> BlockHash | None:
         kind = int(self._pk[i]) & _KIND
@@ -1082,12 +1083,12 @@ class Index:
         assert len(np.unique(free)) == len(free) and not np.isin(free, used).any()
         assert len(used) + len(free) == self._top, (len(used), len(free), self._top)
         assert np.array_equal(self._hash[vals], _keys), "an id's hash is wrong"
-        assert not (self._pk[vals] & _OKEY).any() and (self._pk[obj_ids] & _OKEY).all()
+        assert not (self._pk[vals] & _NOKEY).any() and (self._pk[obj_ids] & _NOKEY).all()
         assert (self._hash[obj_ids] == 0).all() and {self._obj[k]: k for k in self._obj} == self._okey
         assert (self._mask[used] != 0).any(axis=1).all(), "an id in use has no holder"
         unused = np.setdiff1d(np.arange(len(self._hash)), used)
         assert not self._mask[unused].any() and (self._prim[unused] == -1).all()
-        assert (self._pk[unused] == _NONE).all() and (self._hash[unused] == 0).all()
+        assert (self._pk[unused] == _NOKEY).all() and (self._hash[unused] == 0).all()
         assert set(self._pobj) == set(np.flatnonzero((self._pk & _KIND) == _OBJ).tolist())
         stray = self._vec(~all_bits & ((1 << (self._wbits * self._words)) - 1))
         assert not (self._mask & stray).any(), "a bit no pair owns is set"

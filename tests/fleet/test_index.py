@@ -433,26 +433,26 @@ def test_native_functions_refuse_bad_arguments(walk: None) -> None:
     mask = np.ones((8, 1), np.uint8)
     order, starts = np.array([0], np.int64), np.array([0, 1], np.int64)
     per_id = (np.zeros(8, np.uint64), np.zeros(8, np.int8))     # no id's hash known: every block probed
-    assert fns.index_walk(raw, 4, [0, 1, 2], mask, order, starts, None, *per_id) == [3]
-    assert fns.index_walk(raw, 4, np.array([0, 1, 9], np.uint64), mask, order, starts, None, *per_id) == [2]
-    assert fns.index_walk(raw, 4, [0, 1, 9], mask, order, starts, np.array([0, 1], np.int64), *per_id) == [0, 2]
+    assert fns.index_walk(raw, 4, [0, 1, 2], mask, order, starts, None, *per_id, None) == [3]
+    assert fns.index_walk(raw, 4, np.array([0, 1, 9], np.uint64), mask, order, starts, None, *per_id, None) == [2]
+    assert fns.index_walk(raw, 4, [0, 1, 9], mask, order, starts, np.array([0, 1], np.int64), *per_id, None) == [0, 2]
     with pytest.raises(ValueError, match="best"):
-        fns.index_walk(raw, 4, [0], mask, order, starts, np.array([0, 2], np.int64), *per_id)
+        fns.index_walk(raw, 4, [0], mask, order, starts, np.array([0, 2], np.int64), *per_id, None)
     with pytest.raises(ValueError, match="past the mask's 4 rows"):
-        fns.index_walk(raw, 4, [0], mask[:4], order, starts, None, per_id[0][:4], per_id[1][:4])
+        fns.index_walk(raw, 4, [0], mask[:4], order, starts, None, per_id[0][:4], per_id[1][:4], None)
     with pytest.raises(ValueError, match="bit 9 is past"):
-        fns.index_walk(raw, 4, [0], mask, np.array([9], np.int64), starts, None, *per_id)
+        fns.index_walk(raw, 4, [0], mask, np.array([9], np.int64), starts, None, *per_id, None)
     with pytest.raises(ValueError, match="starts"):
-        fns.index_walk(raw, 4, [0], mask, order, np.array([0, 2], np.int64), None, *per_id)
+        fns.index_walk(raw, 4, [0], mask, order, np.array([0, 2], np.int64), None, *per_id, None)
     with pytest.raises(TypeError, match="mask"):
-        fns.index_walk(raw, 4, [0], mask[:, 0], order, starts, None, *per_id)
-    assert fns.index_walk(raw, 4, [0, b"x"], mask, order, starts, None, *per_id) is None     # the numpy path's to answer
-    assert fns.index_walk(raw, 4, [0, -1], mask, order, starts, None, *per_id) is None
-    assert fns.index_walk(raw, 4, [3, b"x"], mask, order, starts, None, *per_id) == [0]      # the walk ends before it
+        fns.index_walk(raw, 4, [0], mask[:, 0], order, starts, None, *per_id, None)
+    assert fns.index_walk(raw, 4, [0, b"x"], mask, order, starts, None, *per_id, None) is None     # the numpy path's to answer
+    assert fns.index_walk(raw, 4, [0, -1], mask, order, starts, None, *per_id, None) is None
+    assert fns.index_walk(raw, 4, [3, b"x"], mask, order, starts, None, *per_id, None) == [0]      # the walk ends before it
     with pytest.raises(ValueError, match="an entry per mask row"):
-        fns.index_walk(raw, 4, [0], mask, order, starts, None, per_id[0][:7], per_id[1])
+        fns.index_walk(raw, 4, [0], mask, order, starts, None, per_id[0][:7], per_id[1], None)
     with pytest.raises(TypeError, match="kinds"):
-        fns.index_walk(raw, 4, [0], mask, order, starts, None, per_id[0], per_id[0])
+        fns.index_walk(raw, 4, [0], mask, order, starts, None, per_id[0], per_id[0], None)
     # The next id's hash: the table maps 10 to id 1 and 11 to id 6, but id 2 claims 11 too (an
     # index never does so: here it shows which id the walk took).  Row 6 lacks bit 1.
     t2 = np.zeros(16, index_mod._SLOT)
@@ -465,15 +465,25 @@ def test_native_functions_refuse_bad_arguments(walk: None) -> None:
     rows = np.full((8, 1), 3, np.uint8)
     rows[6] = 1
     two, groups = np.array([0, 1], np.int64), np.array([0, 1, 2], np.int64)
-    assert fns.index_walk(raw2, 4, [10, 11], rows, two, groups, None, keys, kinds) == [2, 2]    # took id 2
+    assert fns.index_walk(raw2, 4, [10, 11], rows, two, groups, None, keys, kinds, None) == [2, 2]    # took id 2
     flagged = kinds.copy()
-    flagged[2] = 4                                              # id 2's hash is not in the table
-    assert fns.index_walk(raw2, 4, [10, 11], rows, two, groups, None, keys, flagged) == [2, 1]  # probed: id 6
-    unused = rows.copy()
-    unused[2] = 0                                               # id 2 is not in use
-    assert fns.index_walk(raw2, 4, [10, 11], unused, two, groups, None, keys, kinds) == [2, 1]
-    last = fns.index_walk(raw2, 4, [11, 10], rows[:7], two, groups, None, keys[:7], kinds[:7])
+    flagged[2] = 4                                              # id 2's hash is not in the table (free)
+    assert fns.index_walk(raw2, 4, [10, 11], rows, two, groups, None, keys, flagged, None) == [2, 1]  # probed: id 6
+    flagged[2] = 4 | 1                                          # the flag beside a parent kind
+    assert fns.index_walk(raw2, 4, [10, 11], rows, two, groups, None, keys, flagged, None) == [2, 1]
+    last = fns.index_walk(raw2, 4, [11, 10], rows[:7], two, groups, None, keys[:7], kinds[:7], None)
     assert last == [2, 0]                                       # id 6 is the last row: 10 probed
+    # answer: lookup's dict built in C, {name: Match(run, medium)} for each set's pick
+    sets = np.array([0, 2], np.int64)
+    answer = (Match, ("a", "a"), ("GPU", None))
+    got = fns.index_walk(raw2, 4, [10, 11], rows, two, groups, sets, keys, flagged, answer)
+    assert got == {"a": Match(2, "GPU")} and type(got["a"]) is Match
+    with pytest.raises(TypeError, match="answer"):
+        fns.index_walk(raw2, 4, [10, 11], rows, two, groups, None, keys, kinds, answer)      # needs best
+    with pytest.raises(TypeError, match="answer"):
+        fns.index_walk(raw2, 4, [10, 11], rows, two, groups, sets, keys, kinds, (Match, ("a",), ("GPU",)))
+    with pytest.raises(TypeError, match="answer"):
+        fns.index_walk(raw2, 4, [10, 11], rows, two, groups, sets, keys, kinds, (dict, ("a", "a"), (1, 2)))
     out = np.empty(4, np.uint64)
     assert fns.index_gather([[1, 2**64 - 1], (3,), [2**63]], out) is True and out.tolist() == [1, 2**64 - 1, 3, 2**63]
     assert fns.index_gather([[1, 2], [3, 1]], out) is False
