@@ -496,6 +496,8 @@ class Index:
         return np.where(mine, self._stamp[ids], inst.over.find(ids.astype(np.uint64)))
 
     def _holds(self, inst: _Instance, ids: np.ndarray) -> np.ndarray:
+        if self._words == 1:                         # one word: no 2-D temporaries
+            return (self._mask[ids, 0] & self._mask.dtype.type(inst.bits)) != 0
         return (self._mask[ids] & self._vec(inst.bits)).any(axis=1)
 
     def _live(self, inst: _Instance, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -515,10 +517,13 @@ class Index:
             if back.any():
                 inst.over.drop(inst.over.locate(ids[back].astype(np.uint64)))
         mine = free | (prim == inst.ix)
+        if mine.all():                               # the common case: no secondaries among them
+            self._prim[ids] = inst.ix
+            self._stamp[ids] = pos
+            return
         self._prim[ids[mine]] = inst.ix
         self._stamp[ids[mine]] = pos[mine]
-        if not mine.all():
-            inst.over.put(ids[~mine].astype(np.uint64), pos[~mine])
+        inst.over.put(ids[~mine].astype(np.uint64), pos[~mine])
 
     def _append(self, inst: _Instance, ids: np.ndarray) -> None:
         """Append ``ids`` (distinct) to ``inst``'s log as its newest holdings.  Amortised O(len(ids))."""
@@ -614,15 +619,18 @@ class Index:
     def _apply_events(self, inst: _Instance, events: list[Any]) -> None:
         """Queue ``events`` for ``inst``: they are applied, consecutive ones of a kind together,
         before the next read or once ``_QUEUE_BLOCKS`` blocks wait."""
-        for ev in events:
-            if type(ev).__name__ not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-                raise TypeError(f"batch holds an unknown event {type(ev).__name__}")
+        queued = self._queued + len(events)
+        for ev in events:                            # all checked before any is queued
+            kind = type(ev).__name__
+            if kind == "BlockStored" or kind == "BlockRemoved":
+                queued += len(ev.block_hashes)
+            elif kind != "AllBlocksCleared":
+                raise TypeError(f"batch holds an unknown event {kind}")
         if not inst.queue:
             self._dirty.append(inst)
         inst.queue.extend(events)
-        for ev in events:
-            self._queued += len(getattr(ev, "block_hashes", ())) + 1
-        if self._queued > _QUEUE_BLOCKS:
+        self._queued = queued
+        if queued > _QUEUE_BLOCKS:
             self._flush()
 
     def _flush(self) -> None:
