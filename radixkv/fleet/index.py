@@ -528,15 +528,19 @@ class Index:
     def _append(self, inst: _Instance, ids: np.ndarray) -> None:
         """Append ``ids`` (distinct) to ``inst``'s log as its newest holdings.  Amortised O(len(ids))."""
         n = len(ids)
+        self._log_room(inst, n)
+        inst.log[inst.tail:inst.tail + n] = ids
+        self._set_stamps(inst, ids, np.arange(inst.tail, inst.tail + n, dtype=np.int32))
+        inst.tail += n
+
+    def _log_room(self, inst: _Instance, n: int) -> None:
+        """Room for ``n`` more entries at the end of ``inst``'s log.  Amortised O(n)."""
         if inst.tail + n > len(inst.log):         # rebuild: live entries only, renumbered from 0
             pos, live = self._live(inst, inst.head, inst.tail)
             inst.log = np.zeros(max(16, (len(live) + n) * 3 // 2), np.int32)
             inst.log[:len(live)] = live
             inst.head, inst.tail = 0, len(live)
             self._set_stamps(inst, live, np.arange(len(live), dtype=np.int32))
-        inst.log[inst.tail:inst.tail + n] = ids
-        self._set_stamps(inst, ids, np.arange(inst.tail, inst.tail + n, dtype=np.int32))
-        inst.tail += n
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -707,8 +711,11 @@ class Index:
             else:
                 pk, pv, pobj = self._parent_codes(pars, None, range(len(pars)))
         new = np.flatnonzero(ids < 0)
+        fresh = self._alloc(len(new)) if len(new) else new
+        if len(new) == n and not other and where is None and int(fresh[-1]) - int(fresh[0]) == n - 1:
+            self._store_fresh(inst, int(fresh[0]), codes, pk, pv, pobj, runs)
+            return
         if len(new):
-            fresh = self._alloc(len(new))
             ids[new] = fresh
             is_obj = np.zeros(len(hs), bool)
             for i, _h in other:
@@ -751,6 +758,41 @@ class Index:
                 these = np.unique(ids[where[per] if where is not None else per])
             self._mask[these, w] |= self._mask.dtype.type(1 << b)
         inst.count += len(ids) - int(held.sum())
+        if inst.count > self.max_blocks:
+            self._evict(inst, inst.count - self.max_blocks)
+
+    def _store_fresh(self, inst: _Instance, lo: int, codes: np.ndarray, pk: np.ndarray, pv: np.ndarray,
+                     pobj: dict[int, Any], runs: list[tuple[int, int]]) -> None:
+        """``_stored`` where every block is new and a 64-bit int, none twice, on the ids
+        ``[lo, lo + n)``: what ``_stored`` does, with slices for its
+        gathers and scatters (the common case: a fleet storing new chains).  O(n) plus O(changes
+        of medium along ``runs``)."""
+        n = len(codes)
+        hi = lo + n
+        ids = np.arange(lo, hi, dtype=np.int32)
+        self._map.put(codes, ids)
+        self._hash[lo:hi] = codes
+        self._pk[lo:hi] = pk
+        self._par[lo:hi] = pv
+        for i, p in pobj.items():
+            self._pobj[lo + i] = p
+        self._log_room(inst, n)
+        t = inst.tail
+        inst.log[t:t + n] = ids
+        self._prim[lo:hi] = inst.ix                  # new ids: the instance is their primary
+        self._stamp[lo:hi] = np.arange(t, t + n, dtype=np.int32)
+        inst.tail = t + n
+        at, k = lo, 0
+        while k < len(runs):                         # the runs' media, adjacent ones of a bit at once
+            bit, count = runs[k]
+            k += 1
+            while k < len(runs) and runs[k][0] == bit:
+                count += runs[k][1]
+                k += 1
+            w, b = divmod(bit, self._wbits)
+            self._mask[at:at + count, w] |= self._mask.dtype.type(1 << b)
+            at += count
+        inst.count += n
         if inst.count > self.max_blocks:
             self._evict(inst, inst.count - self.max_blocks)
 
