@@ -328,7 +328,7 @@ class _Instance:
     """One instance's state: its media bits, its store log, sequence numbers (see ``Index``)."""
 
     __slots__ = ("name", "ix", "bits", "media", "next_seq", "pending", "log", "head", "tail",
-                 "count", "over", "parents", "queue")
+                 "count", "over", "parents", "queue", "bit_of")
 
     def __init__(self, name: str, ix: int, native: bool) -> None:
         self.name, self.ix = name, ix
@@ -342,6 +342,7 @@ class _Instance:
         self.over = _Map(native=native)                # id -> log position, where not primary
         self.parents: dict[int, Any] = {}              # id -> parent, where not the block's first
         self.queue: list[Any] = []                     # events not applied yet
+        self.bit_of: dict[Any, int] = {}               # an event's medium, as given -> its bit
 
 
 class Index:
@@ -548,6 +549,13 @@ class Index:
         """Apply ``batch`` (an ``EventBatch``, ours or vLLM's) of ``instance`` numbered ``seq``.
         Cost: O(blocks in the batch), vectorised, plus the waiting batches a filled gap releases;
         a restart or a clear O(blocks the instance held)."""
+        inst = self._instances.get(instance) if type(instance) is str else None
+        if inst is not None and type(seq) is int and seq == inst.next_seq and not inst.pending:
+            events = getattr(batch, "events", None)     # the next batch of a known instance
+            if type(events) is list:
+                self._apply_events(inst, events)
+                inst.next_seq = seq + 1
+                return
         if not isinstance(instance, str):
             raise TypeError(f"instance must be a str, got {type(instance).__name__}")
         if isinstance(seq, bool) or not isinstance(seq, int):
@@ -673,8 +681,12 @@ class Index:
         runs: list[tuple[int, int]] = []                 # (medium bit, blocks), in order
         starts: list[int] = []
         n = 0
+        bit_of = inst.bit_of
         for ev in events:
-            bit = self._bit(inst, medium_key(ev.medium))
+            try:
+                bit = bit_of[ev.medium]
+            except (KeyError, TypeError):
+                bit = bit_of[ev.medium] = self._bit(inst, medium_key(ev.medium))
             h = ev.block_hashes
             if len(h):
                 starts.append(n)
@@ -806,6 +818,10 @@ class Index:
         pk, pv, pobj = np.full(n, _INT, np.int8), np.zeros(n, np.uint64), {}
         if chain is not None:
             pv[1:] = chain[:-1]
+            if isinstance(pars, list) and pars.count(None) == len(pars):    # every event a chain's root
+                at = np.array(starts, np.intp)
+                pk[at], pv[at] = _NONE, 0
+                return pk, pv, pobj
         for i, p in zip(starts, pars):
             if p is None:
                 pk[i], pv[i] = _NONE, 0

@@ -4,6 +4,7 @@ step, and ``check()`` holds."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -255,6 +256,19 @@ def test_bad_input_names_the_argument() -> None:
         idx.apply("x", 0, [])
     with pytest.raises(KeyError, match="nobody"):
         idx.stale("nobody")
+    idx.apply("x", 0, stored_on("GPU", [1]))            # the next batch of a known instance: checked alike
+    with pytest.raises(TypeError, match="batch"):
+        idx.apply("x", 1, [])
+    with pytest.raises(TypeError, match="unknown event int"):
+        idx.apply("x", 1, SimpleNamespace(events=[1]))
+    with pytest.raises(TypeError, match="seq"):
+        idx.apply("x", True, stored_on("GPU", [2]))
+    assert idx.next_seq("x") == 1
+    idx.apply("x", 1, EventBatch(ts=0.0, events=[BlockStored(block_hashes=[2], parent_block_hash=1, token_ids=[],
+                                                              block_size=16, lora_id=None, medium=["GPU"],
+                                                              lora_name=None)]))
+    with pytest.raises(TypeError, match="medium must be a str"):
+        idx.check()
 
 
 def test_bench_fleet_index_smoke(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
