@@ -815,7 +815,8 @@ class Index:
         parent at ``starts[k]``; ``chain`` (the codes of the hashes, when each other block's parent
         is the hash before it) gives the rest (``None``: ``pars`` holds every block's)."""
         n = len(chain) if chain is not None else len(pars)
-        pk, pv, pobj = np.full(n, _INT, np.int8), np.zeros(n, np.uint64), {}
+        pobj: dict[int, Any] = {}
+        pk, pv = np.full(n, _INT, np.int8), np.zeros(n, np.uint64)
         if chain is not None:
             pv[1:] = chain[:-1]
             if isinstance(pars, list) and pars.count(None) == len(pars):    # every event a chain's root

@@ -265,7 +265,8 @@ def test_bad_input_names_the_argument() -> None:
         idx.apply("x", True, stored_on("GPU", [2]))
     assert idx.next_seq("x") == 1
     idx.apply("x", 1, EventBatch(ts=0.0, events=[BlockStored(block_hashes=[2], parent_block_hash=1, token_ids=[],
-                                                              block_size=16, lora_id=None, medium=["GPU"],
+                                                              block_size=16, lora_id=None,
+                                                              medium=["GPU"],  # type: ignore[arg-type]
                                                               lora_name=None)]))
     with pytest.raises(TypeError, match="medium must be a str"):
         idx.check()
