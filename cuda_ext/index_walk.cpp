@@ -276,6 +276,15 @@ inline bool as_u64(PyObject* item, uint64_t* out) {
   static_assert(PyLong_SHIFT == 30 || PyLong_SHIFT == 15, "unexpected PyLong_SHIFT");
   constexpr uintptr_t kMaxDigits = (64 + PyLong_SHIFT - 1) / PyLong_SHIFT;
   if (ndigits > kMaxDigits) return false;
+  if constexpr (PyLong_SHIFT == 30) {  // the usual build: up to 3 digits, written out
+    if (ndigits == 3) {
+      if (d[2] >> 4) return false;
+      *out = uint64_t{d[0]} | (uint64_t{d[1]} << 30) | (uint64_t{d[2]} << 60);
+      return true;
+    }
+    *out = ndigits == 2 ? uint64_t{d[0]} | (uint64_t{d[1]} << 30) : ndigits == 1 ? uint64_t{d[0]} : 0;
+    return true;
+  }
   uint64_t x = 0;
   for (uintptr_t i = ndigits; i-- > 0;) x = (x << PyLong_SHIFT) | d[i];
   if (ndigits == kMaxDigits && (d[ndigits - 1] >> (64 - PyLong_SHIFT * (kMaxDigits - 1))) != 0) return false;
@@ -295,8 +304,10 @@ struct Hashes {
       std::memcpy(out, array + base, m * sizeof(uint64_t));
       return m;
     }
-    for (int64_t i = 0; i < m; ++i)
+    for (int64_t i = 0; i < m; ++i) {
+      if (base + i + 8 < n) __builtin_prefetch(items[base + i + 8]);  // the int objects, ahead
       if (!as_u64(items[base + i], out + i)) return i;
+    }
     return m;
   }
 };

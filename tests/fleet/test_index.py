@@ -504,6 +504,13 @@ def test_native_functions_refuse_bad_arguments(walk: None) -> None:
     assert fns.index_gather([[1, 2], [3, 1]], out) is False
     assert fns.index_gather([[1, 2], [3, 2**64]], out) is None
     assert fns.index_gather([[1, 2], [3, True]], out) is None
+    edges = [0, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**64 - 2]        # one, two and three 30-bit digits
+    assert fns.index_gather([edges[:2], edges[2:]], np.empty(6, np.uint64)) is True
+    got = np.empty(6, np.uint64)
+    fns.index_gather([edges], got)
+    assert got.tolist() == edges
+    assert fns.index_gather([[2**90]], np.empty(1, np.uint64)) is None
+    assert fns.index_gather([[-5]], np.empty(1, np.uint64)) is None
     with pytest.raises(ValueError, match="out has room for 4"):
         fns.index_gather([[1, 2], [3, 4, 5]], out)
     with pytest.raises(ValueError, match="seqs hold 3"):
