@@ -30,16 +30,18 @@ Contract:
   counts as new).  Chains are stored root first, so eviction cuts the oldest chains at their root;
   the rest of a cut chain can no longer match (``lookup`` walks from the root) and is next in line.
   Plus ``max_pending`` waiting batches per instance.  ``bench fleet_index`` measures the bytes a
-  block costs (about 55 a held block with 64-bit hashes; hashes of other types cost a Python dict
-  entry more).
+  block costs (about 60 a held block with 64-bit hashes, the per-id hash that lets a lookup skip
+  most probes included; hashes of other types cost a Python dict entry more).
 * **Queued events.**  ``apply`` checks a batch and queues its events; they are applied, runs of
   consecutive ``BlockStored`` (or ``BlockRemoved`` of one medium) events of an instance at once,
   by the next read (``lookup``, ``held``, ``blocks``, ``len``, ``check``) or once 64K blocks wait.
   What a read sees is what applying every batch in order gives; a read after many batches pays
   for applying them.  Cost: O(blocks) a run, vectorised; where the extension is loaded a run's
   hashes are gathered and checked for repeats, and probed and inserted in the table, in C
-  (``cuda_ext/index_walk.cpp``), so that a batch of 64 blocks costs about its Python-level
-  checks and queueing (``bench fleet_index`` measures blocks/s).
+  (``cuda_ext/index_walk.cpp``); a run whose blocks are all new (the common case) gets a range
+  of ids and is written with slices.  The next batch of a known instance is checked and queued
+  in a few attribute reads and one pass over its events, so that a batch of 64 blocks costs a
+  few microseconds (``bench fleet_index`` measures blocks/s).
 * **Lookup.**  ``lookup(block_hashes)`` -> ``{instance: Match(blocks, medium)}``: for each instance
   the longest leading run of ``block_hashes`` it holds on one medium, and that medium; where two
   media hold runs of the same length, the faster (GPU, CPU, STORAGE, others by name, ``None``).
