@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))   # --import-mode=imp
 
 #: The test files that take minutes each on the CI machine, longest first (see the durations CI prints).
 LONGEST_FIRST = ("integrations/test_vllm.py", "test_typing.py", "testing/test_mutations.py", "fleet/test_vllm.py",
-                 "tools/test_cli.py", "core/test_capacity.py",
+                 "tools/test_cli.py", "integrations/test_vllm_metrics.py", "core/test_capacity.py",
                  "core/test_policy_replay.py", "p2p/test_vllm_p2p.py", "tools/test_notebooks.py")
 
 
