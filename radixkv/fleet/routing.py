@@ -78,8 +78,8 @@ DYNAMO_CREDIT = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
 class Backend:
     """One instance behind the router: its base URL, its name in the fleet index, its state
     (``queued_tokens``: the uncached prompt tokens of its requests still waiting for their first
-    token, as estimated at routing; ``active_tokens``: the prompt tokens of its requests in
-    flight)."""
+    token, as estimated at routing; ``waiting``: how many requests those are; ``active_tokens``:
+    the prompt tokens of its requests in flight; ``in_flight - waiting`` of them are decoding)."""
 
     url: str
     name: str
@@ -87,6 +87,12 @@ class Backend:
     in_flight: int = 0
     queued_tokens: int = 0
     active_tokens: int = 0
+    waiting: int = 0
+
+    @property
+    def decoding(self) -> int:
+        """Requests in flight past their first token."""
+        return self.in_flight - self.waiting
 
 
 @dataclass(frozen=True)
@@ -94,8 +100,8 @@ class CostModel:
     """Seconds to get a prompt's first token on an idle instance: ``fixed_s`` plus
     ``prefill_s_per_token`` a computed token plus ``load_s_per_token[medium]`` a loaded one
     (``"GPU"``: already in the pool, ``"PEER"``: another instance's, ``"SHARED"``: a tier every
-    instance reads, ``"CPU"``, ``"STORAGE"``).  ``decode_s_per_seq`` is what one sequence adds to
-    an engine step (the simulator's; the router's queue term ignores decodes)."""
+    instance reads, ``"CPU"``, ``"STORAGE"``).  An engine step that also decodes costs
+    ``decode_step_s`` more, plus ``decode_s_per_seq`` a decoding sequence (``decode_s``)."""
 
     prefill_s_per_token: float
     fixed_s: float
@@ -113,6 +119,10 @@ class CostModel:
         """Seconds of prefill for ``tokens`` computed tokens (without ``fixed_s``)."""
         return self.prefill_s_per_token * tokens
 
+    def decode_s(self, sequences: int) -> float:
+        """Seconds ``sequences`` decoding sequences add to an engine step (0 when none)."""
+        return self.decode_step_s + self.decode_s_per_seq * sequences if sequences > 0 else 0.0
+
 
 #: Cost profiles.  ``vllm-cpu``: the fit of the TTFTs ``python -m radixkv.bench vllm`` measured on
 #: this project's CI machine (``benchmarks/results/vllm_cpu.txt``, a 2-layer random Llama: no cache
@@ -121,9 +131,9 @@ class CostModel:
 #: fleet_sim --calibrate``; the CPU-tier rows' own spread is that large, the no-cache and resident
 #: rows are within 18%); a peer is taken as costing what S3 does (not measured through vLLM), and
 #: the decode step is the fit of ``bench vllm --decode`` (``benchmarks/results/vllm_cpu_decode.txt``:
-#: 177 ms + 18.5 ms a sequence, batches of 1/2/4/8 within 7% of their medians; measured with the
-#: machine's load average at 9-13 on its 2 cores, so the rounds themselves spread 60-244 ms at
-#: batch 1: it is this machine under load, not a quiet vLLM-CPU).
+#: 3.66 ms + 0.169 ms a sequence, batches of 1/2/4/8 within 1.4% of their medians, on a quiet
+#: machine, load average below 1.2; an earlier fit under a load average of 9-13 read 177 ms + 18.5 ms:
+#: a decode step is cheap, and it was the machine's other work that made it look dear).
 #: ``h100-8b``: derived from published numbers for Llama-3-8B (8.0e9 parameters: 16 GFLOP a token;
 #: 128 KiB of KV a token in bf16) on one H100 SXM (989 TFLOPS dense bf16 at an assumed 50%
 #: utilisation -> 32 us a token; 3.35 TB/s HBM -> a decode step reads the 16 GB of weights in
@@ -133,7 +143,7 @@ PROFILES: dict[str, CostModel] = {
     "vllm-cpu": CostModel(prefill_s_per_token=513.4e-6, fixed_s=19.5e-3,
                           load_s_per_token={"GPU": 0.0, "CPU": 4.73e-6, "STORAGE": 20.63e-6, "SHARED": 48.51e-6,
                                             "PEER": 48.51e-6},
-                          decode_step_s=177.1e-3, decode_s_per_seq=18.51e-3, source="fit of bench vllm on vLLM-CPU"),
+                          decode_step_s=3.66e-3, decode_s_per_seq=0.169e-3, source="fit of bench vllm on vLLM-CPU"),
     "h100-8b": CostModel(prefill_s_per_token=32e-6, fixed_s=0.004,
                          load_s_per_token={"GPU": 0.0, "CPU": 2.6e-6, "PEER": 5.2e-6, "SHARED": 131e-6,
                                            "STORAGE": 13e-6},
@@ -254,14 +264,17 @@ class Chooser:
                  model: CostModel | None = None, affinity: float | None = None, p2p: bool = False,
                  shared: Any = None, balance_abs: int = 16, balance_rel: float = 1.5,
                  cache_threshold: float = 0.3, overlap_weight: float = 1.0, recent: Recent | None = None,
-                 seed: int = 0) -> None:
+                 budget: int = 2048, seed: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be a positive int, got {budget!r}")
         if affinity is not None and not affinity >= 1.0:
             raise ValueError(f"affinity must be >= 1 or None (by load), got {affinity!r}")
         self.policy, self.block_size, self.lookup, self.spread = policy, block_size, lookup, spread
+        self.budget = budget
         self.model = model or PROFILES["h100-8b"]
         self.affinity, self.p2p, self.shared = (None if affinity is None else float(affinity)), p2p, shared
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
@@ -280,6 +293,7 @@ class Chooser:
         (as estimated); returns its charge, to give back to ``prefilled``.  O(names)."""
         charge = max(0, tokens - promised)
         backend.in_flight += 1
+        backend.waiting += 1
         backend.queued_tokens += charge
         backend.active_tokens += tokens
         self.recent.add(backend.name, names, now)
@@ -288,6 +302,7 @@ class Chooser:
     def prefilled(self, backend: Backend, charge: int, names: Sequence[Hashable], now: float) -> None:
         """The request's first token came back: its prefill no longer queues.  O(names)."""
         backend.queued_tokens -= charge
+        backend.waiting -= 1
         self.recent.settle(backend.name, names, now)
 
     def ended(self, backend: Backend, tokens: int) -> None:
@@ -418,9 +433,12 @@ class Chooser:
                 mine.append((shared, m.load("SHARED", shared)))
             own_s, reused = self.own(tokens, mine)
             queue_s = m.prefill(b.queued_tokens)
+            # every step until this prefill ends also decodes what the instance is decoding
+            steps = max(1, -(-(b.queued_tokens + tokens - reused) // self.budget))
+            decode_s = steps * m.decode_s(b.decoding)
             # an idle instance's work delays only what arrives there while it runs, not a queue
             weight = affinity if b.in_flight else (1.0 + affinity) / 2
-            scored.append((queue_s + weight * own_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
+            scored.append((queue_s + decode_s + weight * own_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
         return Choice([s[4] for s in scored], "cost", scored[0][5], names)
 
@@ -443,4 +461,6 @@ class Chooser:
         for b in backends:
             assert b.in_flight >= 0 and b.queued_tokens >= 0 and b.active_tokens >= 0, f"a negative count on {b.name}"
             assert b.in_flight or not (b.queued_tokens or b.active_tokens), f"tokens counted on idle {b.name}"
+            assert 0 <= b.waiting <= b.in_flight, f"{b.waiting} waiting of {b.in_flight} in flight on {b.name}"
+            assert b.waiting or not b.queued_tokens, f"queued tokens with no request waiting on {b.name}"
         self.recent.check()

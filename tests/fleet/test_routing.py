@@ -5,6 +5,7 @@ its first request while that is cheaper; the reference policies follow their own
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -14,7 +15,8 @@ from radixkv.fleet.index import MEDIA, Match
 from radixkv.fleet.routing import AUTO_MAX, PROFILES, Backend, Chooser, CostModel, Recent
 
 MODEL = CostModel(prefill_s_per_token=1e-4, fixed_s=0.01,
-                  load_s_per_token={"GPU": 0.0, "CPU": 1e-5, "STORAGE": 5e-5, "PEER": 2e-5, "SHARED": 3e-5})
+                  load_s_per_token={"GPU": 0.0, "CPU": 1e-5, "STORAGE": 5e-5, "PEER": 2e-5, "SHARED": 3e-5},
+                  decode_step_s=0.02, decode_s_per_seq=0.005)
 
 
 def backends(n: int) -> list[Backend]:
@@ -36,21 +38,23 @@ def expected_own(tokens: int, mine: Match | None, peer: int, shared: int, bs: in
 
 @settings(max_examples=300, deadline=None)
 @given(n=st.integers(1, 6), data=st.data(), tokens=st.integers(0, 3000), p2p=st.booleans(),
-       shared=st.integers(0, 40), affinity=st.one_of(st.none(), st.floats(1.0, 8.0)))
+       shared=st.integers(0, 40), affinity=st.one_of(st.none(), st.floats(1.0, 8.0)),
+       budget=st.sampled_from([64, 512, 2048, 8192]))
 def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObject, tokens: int, p2p: bool,
-                                                        shared: int, affinity: float | None) -> None:
+                                                        shared: int, affinity: float | None, budget: int) -> None:
     bs = 64
     fleet = backends(n)
     for b in fleet:
         b.queued_tokens = data.draw(st.integers(0, 5000), label="queued")
-        b.in_flight = data.draw(st.integers(0, 5), label="in flight") + (b.queued_tokens > 0)
+        b.waiting = data.draw(st.integers(0, 3), label="waiting") + (b.queued_tokens > 0)
+        b.in_flight = b.waiting + data.draw(st.integers(0, 12), label="decoding")
         b.active_tokens = b.queued_tokens
         b.healthy = data.draw(st.booleans(), label="healthy")
     held = {b.name: Match(data.draw(st.integers(1, 50)), data.draw(st.sampled_from(MEDIA)))
             for b in fleet if data.draw(st.booleans(), label="holds")}
     names = list(range(tokens // bs))
     chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, affinity=affinity, p2p=p2p,
-                      shared=(lambda ns: shared) if shared else None)
+                      shared=(lambda ns: shared) if shared else None, budget=budget)
     choice = chooser.choose(fleet, tokens, names, now=0.0)
     up = [b for b in fleet if b.healthy] or fleet
     assert choice.why == "cost" and sorted(b.name for b in choice.order) == sorted(b.name for b in up)
@@ -63,7 +67,11 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
         peer = max((min(m.blocks * bs, tokens) for inst, m in held_here.items() if inst != b.name), default=0) if p2p else 0
         own, reused = expected_own(tokens, held_here.get(b.name), peer, shared_tokens, bs)
         weight = affinity if b.in_flight else (1.0 + affinity) / 2   # an idle instance: halfway to the affinity
-        return MODEL.prefill_s_per_token * b.queued_tokens + weight * own, reused
+        decoding = b.in_flight - b.waiting
+        # each step until its prefill ends (budget tokens a step) also decodes the running requests
+        steps = max(1, math.ceil((b.queued_tokens + tokens - reused) / budget))
+        decode = steps * (MODEL.decode_step_s + MODEL.decode_s_per_seq * decoding) if decoding else 0.0
+        return MODEL.prefill_s_per_token * b.queued_tokens + decode + weight * own, reused
 
     costs = [cost(b) for b in choice.order]
     assert all(costs[i][0] <= costs[i + 1][0] + 1e-12 for i in range(len(costs) - 1)), "in the order of expected TTFT"
@@ -146,7 +154,10 @@ def test_a_burst_follows_its_first_request_while_that_is_cheaper() -> None:
         if first is None:
             first = chosen
         else:
-            there, elsewhere = model.prefill(first.queued_tokens) + 2.0 * hit_s, 2.0 * miss_s
+            # every step until the prefill ends also decodes the instance's one running request
+            steps = max(1, math.ceil((first.queued_tokens + 64) / chooser.budget))
+            there = model.prefill(first.queued_tokens) + steps * model.decode_s(1) + 2.0 * hit_s
+            elsewhere = math.ceil(length / chooser.budget) * model.decode_s(1) + 2.0 * miss_s
             if abs(there - elsewhere) > 1e-9:          # (a tie goes to the longer prefix: first)
                 assert (chosen is first) == (there < elsewhere), f"request {i}: queue {first.queued_tokens} tokens"
             if chosen is first:
