@@ -88,6 +88,7 @@ class SimRequest:
     left: float = 0.0
     charge: int = 0
     names: list[Any] = field(default_factory=list)
+    tier_keys: list[bytes] = field(default_factory=list)
     hold: Any = None
     pages: Any = None
 
@@ -232,6 +233,16 @@ class _Instance:
 
         return resident_tokens(self.cache.tree, r.blocks[:full_blocks(r, self.fleet.block_tokens)])
 
+    def held(self, r: SimRequest) -> int:
+        """Leading full blocks of ``r`` in this instance's pool or, after them, its CPU tier: what
+        a peer can load from it (a real instance serves its CPU tier, which under vLLM holds what
+        the pool holds too; here the tier takes what the pool lets go).  O(blocks)."""
+        n = self.resident(r)
+        stack = self.cache.stack
+        if stack is not None and n < len(r.tier_keys):
+            n += stack.tiers[0].contains_prefix(r.tier_keys[n:])
+        return n
+
     def start(self, r: SimRequest) -> float | None:
         """Begin ``r``'s prefill: match (loading from the CPU tier, a peer, a shared tier), hold its
         pages; seconds its loads cost, or ``None`` when the pool has no room yet."""
@@ -265,7 +276,7 @@ class _Instance:
         hit, below = m.num_tokens, m.tier_tokens
         load_s = model.load("CPU", below * bt)
         extra = 0
-        peer = max((inst.resident(r) for inst in f.instances if inst is not self), default=0) if f.p2p else 0
+        peer = max((inst.held(r) for inst in f.instances if inst is not self), default=0) if f.p2p else 0
         shared = f.shared_blocks(r) if f.shared else 0
         best, source = max((peer, "PEER"), (shared, "SHARED"), key=lambda o: (o[0], o[1] == "PEER"))
         best = min(best, len(r.blocks) - 1)
@@ -417,7 +428,9 @@ class Fleet:
         from radixkv.fleet.hashing import external_hash
 
         full = r.blocks[:full_blocks(r, self.block_tokens)]
-        return [external_hash(k) for k in chunk_keys(full, 1, self.instances[0].namespace)] if full else []
+        keys = chunk_keys(full, 1, self.instances[0].namespace) if full else []
+        r.tier_keys = [self.instances[0].namespace.id + k for k in keys]
+        return [external_hash(k) for k in keys]
 
     def shared_blocks(self, r: SimRequest) -> int:
         """Leading blocks of ``r`` the shared tier holds (never its last block)."""
@@ -672,17 +685,24 @@ def goals(lines: Sequence[str], default: str = "cost") -> list[str]:
     """The goals' check over a table's rows (means over seeds per workload, size and load): the
     default policy's TTFT p50, p95 and p99 each at most the best reference policy's (every other
     policy in the table) plus ``NOISE``, never above round-robin's, and its hit rate at least 90%
-    of ``prefix``'s.  One line per miss and a count.  A row repeated (same workload, size, load,
-    seed and policy) replaces the earlier one: tables concatenated, a rerun's rows win.  O(rows)."""
-    rows: dict[tuple[str, int, float], dict[str, dict[int, tuple[float, float, float, float]]]] = {}
+    of ``prefix``'s.  One line per miss and a count.  Rows are kept apart by the run's
+    configuration (its ``# profile`` line: pool, CPU tier, budget, p2p, ...), so a table of several
+    runs checks each; a row repeated (same configuration, workload, size, load, seed and policy)
+    replaces the earlier one: tables concatenated, a rerun's rows win.  O(rows)."""
+    rows: dict[tuple[str, str, int, float], dict[str, dict[int, tuple[float, float, float, float]]]] = {}
+    config = ""
     for line in lines:
+        if line.startswith("# profile "):
+            config = line.split(";", 1)[-1].strip()
+            continue
         f = line.split()
         if len(f) < 9 or line.startswith("#") or f[0] in ("workload", "goals:", "MISSED") or not f[1].isdigit():
             continue                # the header, comments and a summary already there
-        key = (f[0], int(f[1]), float(f[2]))
+        key = (config, f[0], int(f[1]), float(f[2]))
         rows.setdefault(key, {}).setdefault(f[4], {})[int(f[3])] = (
             float(f[5].rstrip("%")) / 100, float(f[6]), float(f[7]), float(f[8]))
     out, misses, checked = [], 0, 0
+    several = len({key[0] for key in rows}) > 1
     for key, by_policy in sorted(rows.items()):
         if default not in by_policy or len(by_policy) < 2:
             continue
@@ -701,8 +721,9 @@ def goals(lines: Sequence[str], default: str = "cost") -> list[str]:
             problems.append(f"hit {mine[0]:.1%} < 90% of prefix's {refs['prefix'][0]:.1%}")
         if problems:
             misses += 1
-            out.append(f"MISSED {key[0]} n={key[1]} load={key[2]:.2f}: " + "; ".join(problems))
-    out.append(f"goals: {checked - misses} of {checked} (workload, size, load) cells met by {default} "
+            where = f" [{key[0]}]" if several else ""
+            out.append(f"MISSED {key[1]} n={key[2]} load={key[3]:.2f}{where}: " + "; ".join(problems))
+    out.append(f"goals: {checked - misses} of {checked} ({'run, ' if several else ''}workload, size, load) cells met by {default} "
                f"(means over seeds; p50/p95/p99 within {NOISE:.0%} of the best other policy and not above "
                f"round_robin's, hit rate >= 90% of prefix's)")
     return out

@@ -180,6 +180,15 @@ hot          8  0.95    1 prefix         90.0%    0.300    0.900    1.000  10/12
     rerun = table + ["goals: 1 of 2 (workload, size, load) cells met by cost (means over seeds)",
                      "hot          8  0.95    1 cost          100.0%    0.500    0.800    0.900  10/12"]
     assert goals(rerun)[0] == "MISSED hot n=8 load=0.95: p50 0.500 s > prefix's 0.300 s"
+    # two runs of other configurations (their "# profile" lines) in one table are checked apart:
+    # the second run's rows do not replace the first's
+    first = ["# profile h100-8b (x): prefill 1 us/token; pool 8192, budget 8192"] + table[:4]
+    second = ["# profile h100-8b (x): prefill 1 us/token; pool 32768, budget 8192",
+              "tenants      4  0.50    0 cost           90.0%    0.500    0.300    0.400  10/12",
+              "tenants      4  0.50    0 prefix         80.0%    0.200    0.500    0.600  10/12"]
+    out = goals(first + second)
+    assert out[-1].startswith("goals: 1 of 2 (run, workload")
+    assert out[0] == "MISSED tenants n=4 load=0.50 [pool 32768, budget 8192]: p50 0.500 s > prefix's 0.200 s"
 
 
 @pytest.mark.parametrize("where", ["p2p", "shared"])
