@@ -33,6 +33,7 @@ that builds a ``PrefixCache`` with its tier stack.  The keys follow LMCache's wh
     p2p_address: tcp://10.0.0.5:5601      # this instance's request channel (bound; port 0: any); none: serve nothing
     p2p_instance: engine-a       # this instance's id (default: host name and process id)
     p2p_transport: nixl          # nixl (one READ per batch) or zmq (the bytes in the answer); nixl falls back to zmq
+    peer_codec: int8             # ask peers to code what they send (their CPU time for fewer bytes; none: raw, the default)
     write_policy: write_through  # or write_back
     promote: true                # copy lower-tier hits into the tiers above
     namespace: {model: meta-llama/Llama-2-7b-hf, revision: main, salt: tenant-a}
@@ -118,6 +119,7 @@ class CacheConfig:
     codec: str = "none"
     local_disk_codec: str | None = None
     remote_codec: str | None = None
+    peer_codec: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size"):
@@ -196,7 +198,7 @@ class CacheConfig:
     def _check_p2p(self) -> None:
         if not isinstance(self.p2p_enabled, bool):
             raise ValueError(f"p2p_enabled must be true or false, got {self.p2p_enabled!r}")
-        named = [k for k in ("p2p_controller", "p2p_address", "p2p_instance") if getattr(self, k) is not None]
+        named = [k for k in ("p2p_controller", "p2p_address", "p2p_instance", "peer_codec") if getattr(self, k) is not None]
         if not self.p2p_enabled:
             if named or self.p2p_transport != "nixl":
                 raise ValueError(f"{(named or ['p2p_transport'])[0]}: set, but p2p_enabled is not true")
@@ -219,7 +221,7 @@ class CacheConfig:
     def _check_codecs(self) -> None:
         from radixkv.core.codec import get_codec
 
-        for name in ("codec", "local_disk_codec", "remote_codec"):
+        for name in ("codec", "local_disk_codec", "remote_codec", "peer_codec"):
             value = getattr(self, name)
             if value is None and name != "codec":
                 continue
@@ -341,7 +343,7 @@ class CacheConfig:
             assert self.p2p_controller is not None     # __post_init__ requires it with p2p_enabled
             tiers, node = join(tiers, ns, controller=self.p2p_controller, secret=self.secret,
                                instance=self.p2p_instance, address=self.p2p_address,
-                               transport=self.p2p_transport, timeout_s=self.remote_timeout)
+                               transport=self.p2p_transport, timeout_s=self.remote_timeout, codec=self.peer_codec)
         if not tiers:
             return None
         stack = TierStack(tiers, namespace=ns, layout=layout, chunk_size=self.chunk_size, promote=self.promote,

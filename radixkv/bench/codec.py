@@ -3,6 +3,7 @@
 Command of the committed results (``benchmarks/results/codec_cpu.txt``)::
 
     python -m radixkv.bench codec --out benchmarks/results/codec_cpu.txt
+    python -m radixkv.bench codec --skip 1,2,3 --out benchmarks/results/codec_cpu_links.txt   # parts 4, 5
 
 Every codec of ``radixkv.core.codec`` against raw chunks:
 
@@ -24,7 +25,12 @@ Every codec of ``radixkv.core.codec`` against raw chunks:
    1 Gbit/s and to 100 MB/s): the lookup and load of a ``--prefix``-token prefix of an 8-layer,
    8-KV-head, 128-dim float16 model (32 KiB a token; a random-weight Llama of that shape computed
    it), raw against each codec; medians of ``--repeat`` cold loads, each checked to load every
-   chunk.  Peers serve their CPU tiers, which stay raw: a peer load is a raw load.
+   chunk.
+5. **Load time of a prefix from a peer** (``peer_codec``): the same prefix in one instance's CPU
+   tier (raw, as CPU tiers are), served over pyzmq through the same proxy to a reader that asks
+   for each codec, so the serving instance codes it on request (``radixkv.p2p.node.Recoder``):
+   each load once with the coding (the server's coded blobs dropped before it) and once with the
+   coded blobs the server kept; raw is the plain read.
 """
 
 from __future__ import annotations
@@ -284,6 +290,95 @@ def load_times(report: Report, prefix: int, chunk: int, repeat: int) -> None:
     _table(report, ["codec", "stored MiB", *[f"{label} (ms)" for label, _, _ in links]], rows)
 
 
+def peer_load_times(report: Report, prefix: int, chunk: int, repeat: int) -> None:
+    """Part 5."""
+    import secrets
+
+    from radixkv.backends.cpu import CpuTier
+    from radixkv.core.hashing import Namespace
+    from radixkv.core.pool import KVLayout
+    from radixkv.core.stack import TierStack
+    from radixkv.p2p.controller import Controller, ControllerClient
+    from radixkv.p2p.node import join
+    from radixkv.p2p.tier import PeerTier
+    from radixkv.testing.proxy import FaultyProxy
+
+    layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_size=16)
+    model = _random_model(torch.float32, hidden=1024)
+    report(f"## 5. load time of a {prefix}-token prefix from a peer's CPU tier (pyzmq through a proxy on loopback, "
+           f"then throttled as in part 4), the model of part 4, {chunk}-token chunks, median of {repeat} loads "
+           f"(lookup, fetch, verify, decode): 'coded on request' with the server's coded blobs dropped before each "
+           f"load, 'kept' with them kept (a hot prefix: coded once for every reader)")
+    rng = random.Random(5)
+    tokens = [rng.randrange(4096) for _ in range(prefix)]
+    kv = _model_kv(model, tokens).to(torch.float16)
+    secret = secrets.token_hex(16)
+    ns = Namespace(model=f"bench-peer-{uuid.uuid4().hex[:8]}").bind(layout)
+    links = (("loopback", "pass", 0.0), ("1 Gbit/s", "throttle", 125e6), ("100 MB/s", "throttle", 100e6))
+    rows = []
+    with Controller("tcp://127.0.0.1:0", secret) as controller:
+        cpu = CpuTier(4 * prefix * layout.token_bytes)
+        tiers, node = join([cpu], ns, controller=controller.address, secret=secret, instance="server",
+                           address="tcp://127.0.0.1:0", transport="zmq", timeout_s=120.0)
+        server = TierStack(tiers, namespace=ns, layout=layout, chunk_size=chunk, secret=secret, timeout_s=120.0)
+        node.watch(server)
+        host, port = node.endpoint.removeprefix("tcp://").split(":")
+        with FaultyProxy((host, int(port)), mode="pass") as proxy:
+            node.endpoint = f"tcp://127.0.0.1:{proxy.port}"       # readers reach the server through the proxy
+            node.start()
+            refs = server.refs(tokens)
+            server.store([(r, c) for r, c in zip(refs, _chunks(kv, chunk))], tiers=[0])
+            server.flush()
+            keys = [ns.id + r.key for r in refs]
+            asker = ControllerClient(controller.address, secret)
+            deadline = time.monotonic() + 30
+            while asker.lookup(keys).get("server", 0) < len(keys):     # the controller has the holdings
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the controller never saw the server's chunks")
+                time.sleep(0.05)
+            asker.close()
+            recoder = node.server.recoder if node.server is not None else None
+            assert recoder is not None
+            for name in NAMES:
+                peer = PeerTier(controller.address, secret, instance=f"reader-{name}", transport="zmq",
+                                timeout_s=120.0, codec=name)
+                reader = TierStack([peer], namespace=ns, layout=layout, chunk_size=chunk, secret=secret,
+                                   timeout_s=120.0, promote=False)
+                before = peer.stats()["bytes_read"]
+
+                def load() -> None:
+                    where = reader.lookup([r.key for r in refs], deadline=time.monotonic() + 120)
+                    got = reader.load(refs[:len(where)], where=where, deadline=time.monotonic() + 120)
+                    if len(got) != len(refs):
+                        raise RuntimeError(f"{name}: {len(got)} of {len(refs)} chunks loaded from the peer: the "
+                                           f"row would not measure a hit")
+
+                load()
+                sent = peer.stats()["bytes_read"] - before
+                row = [name, f"{sent / 2**20:.1f}"]
+                for _, mode, rate in links:
+                    proxy.mode = mode
+                    proxy.rate_bytes_s = rate or 1e12
+
+                    def cold() -> None:
+                        recoder.clear()
+                        load()
+
+                    if name != "none":
+                        row.append(f"{statistics.median(_timed(cold) for _ in range(repeat)) * 1e3:.0f}")
+                    else:
+                        row.append("-")
+                    row.append(f"{statistics.median(_timed(load) for _ in range(repeat)) * 1e3:.0f}")
+                proxy.mode = "pass"
+                reader.close()
+                rows.append(row)
+        server.close()
+    head = ["codec", "sent MiB"]
+    for label, _, _ in links:
+        head += [f"{label}: coded on request (ms)", f"{label}: kept (ms)"]
+    _table(report, head, rows)
+
+
 def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -324,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         answers_trained(report, trained, 16, args.questions, args.seed)
     if 4 not in skip:
         load_times(report, args.prefix, args.chunk, args.repeat)
+    if 5 not in skip:
+        peer_load_times(report, args.prefix, args.chunk, args.repeat)
     report.save(args.out)
     return 0
 

@@ -111,6 +111,11 @@ class Codec:
     def __hash__(self) -> int:
         return hash(self.key)
 
+    def wrote(self, code: int, param: int) -> bool:
+        """Whether a chunk whose header names codec ``code`` with ``param`` is one this codec
+        writes (the same blob it would store).  O(1)."""
+        return code == self.code
+
     def ready(self) -> None:
         """Raise ``ImportError`` (naming the extra to install) when a library this codec needs is
         missing.  O(1) after the first call."""
@@ -212,6 +217,16 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
                         module=__name__)
 
 
+def _readonly(array: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy`` of an array that is only read (a view of a read-only blob, e.g. a
+    peer's frame): torch's warning that it cannot protect such an array is silenced.  O(1)."""
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return torch.from_numpy(array)
+
+
 def _write(shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None, layers: list[_Layer],
            group: int) -> torch.Tensor:
     """The second half of a lossy decode, once everything is parsed and checked: per layer
@@ -228,7 +243,7 @@ def _write(shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None,
         # instructions: several times the kernel's scalar rounding); float32 is written at once.
         staged = torch.empty(shape[1:], dtype=torch.float32) if dtype != torch.float32 else None
         for i, (packed, bits, step, reference) in enumerate(layers):
-            native(torch.from_numpy(packed), bits, torch.from_numpy(step), torch.from_numpy(reference), group,
+            native(_readonly(packed), bits, _readonly(step), _readonly(reference), group,
                    target[i] if staged is None else staged)
             if staged is not None:
                 target[i].copy_(staged)
@@ -372,6 +387,9 @@ class _CacheGen(Codec):
     @property
     def key(self) -> tuple[int, int]:
         return (self.code, self.bits)
+
+    def wrote(self, code: int, param: int) -> bool:
+        return code == self.code and param == self.bits
 
     def encode(self, kv: torch.Tensor) -> tuple[int, bytes] | None:
         if kv.dtype not in _FLOATS or not kv.numel():

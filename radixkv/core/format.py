@@ -75,7 +75,7 @@ import xxhash
 from radixkv.core.codec import Codec, codec_by_code, get_codec
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "SEAL_AEAD", "SEAL_CHECKSUM", "SEAL_MAC", "ChunkAuthError",
-           "ChunkFormatError", "Seal", "VerifiedChunk", "chunk_codec", "decode_chunk", "encode_chunk", "encoded_size",
+           "ChunkFormatError", "Seal", "VerifiedChunk", "chunk_codec", "chunk_codec_param", "decode_chunk", "encode_chunk", "encoded_size",
            "hkdf_sha256", "verify_chunk"]
 
 MAGIC = b"RKVC"
@@ -523,6 +523,13 @@ def chunk_codec(blob: Blob) -> int:
     """
     view = memoryview(blob).cast("B")
     return view[85] if len(view) > 85 else 0
+
+
+def chunk_codec_param(blob: Blob) -> tuple[int, int]:
+    """The codec code and parameter a blob's header names (``(0, 0)``: raw), read without
+    verifying anything, as ``chunk_codec``.  O(1)."""
+    view = memoryview(blob).cast("B")
+    return (view[85], view[86]) if len(view) > 86 else (0, 0)
 
 
 def _payload(payload: memoryview, codec: int, param: int, dtype: torch.dtype, shape: tuple[int, ...],

@@ -55,9 +55,11 @@ secrets are never stored on the stack, logged or shown in a ``repr``.
 (``radixkv.core.codec``: ``none``, the default; lossless ``zstd``; lossy ``int8`` and
 ``cachegen``), encoded on the writer thread.  Every tier decodes every codec on the way up,
 within the load's deadline, whatever it writes.  The CPU tier (a victim tier: ``Tier.victim``)
-and peer tiers stay raw.  A chunk decoded from a lossy codec is approximate: counted per tier in
-``lossy_loaded``, told by ``approximate(chunk)``, and promoted only into tiers that write it with
-the same codec (as the same blob), never into a raw tier, where it would pass for exact.
+and peer tiers write nothing coded (a peer may send coded blobs: ``radixkv.p2p``'s ``peer_codec``).
+A chunk decoded from a lossy codec is approximate: counted per tier in ``lossy_loaded``, told by
+``approximate(chunk)``, and promoted only into tiers that write the codec the blob was written
+with (its header's, not the tier's setting: a tier holds what any writer put there), as the same
+blob, never into a raw tier, where it would pass for exact.
 
 **Peers.**  A tier with ``Tier.peer`` set (``PeerTier``: other instances' CPU tiers) is read, never
 written: stores and promotions skip it, and its blobs are verified with the local tiers' seal.
@@ -81,8 +83,8 @@ from radixkv.core.tier import Tier, redact
 from radixkv.core.writer import WriteQueue
 from radixkv.core.observe import Observers
 from radixkv.core.codec import Codec, get_codec, lossy_code
-from radixkv.core.format import (ChunkAuthError, ChunkFormatError, Seal, chunk_codec, decode_chunk, encode_chunk,
-                                 encoded_size)
+from radixkv.core.format import (ChunkAuthError, ChunkFormatError, Seal, chunk_codec, chunk_codec_param, decode_chunk,
+                                 encode_chunk, encoded_size)
 from radixkv.core.hashing import Namespace, as_token_bytes, keys_from_token_bytes, tail_key
 from radixkv.core.pool import KVLayout
 
@@ -528,11 +530,17 @@ class TierStack:
         if self.observers:
             self.observers.io(self.tiers[t].name, "load", seconds, nbytes, 1, "ok")
         upper = [u for u in range(t) if u not in self.victims and not self.tiers[u].peer] if self.promote else []
+        # the codec the blob was written with: a tier reads every codec, whatever its own (a peer
+        # codes on request, another instance may write a shared tier with another setting)
+        written = chunk_codec_param(blob) if blob is not None else (self.codecs[t].code, 0)
+
+        def same(u: int) -> bool:       # tier u would store this very blob
+            return self.seals[u] == self.seals[t] and self.codecs[u].wrote(*written)
+
         if lossy:     # approximate KV goes up only as the same coded blob, never re-encoded as if exact
-            upper = [u for u in upper if self.codecs[u] == self.codecs[t] and self.seals[u] == self.seals[t]]
+            upper = [u for u in upper if same(u)]
         if upper:
-            if all(self.seals[u] == self.seals[t] and self.codecs[u] == self.codecs[t] for u in upper) \
-                    and blob is not None:
+            if all(same(u) for u in upper) and blob is not None:
                 self._enqueue(("promote", upper, ref, bytes(blob), None))
             elif not lossy:  # sealed or coded differently above: re-encoded by the writer
                 self._enqueue(("promote", upper, ref, None, chunk.detach().to("cpu", copy=True)))

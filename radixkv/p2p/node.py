@@ -23,6 +23,14 @@ With ``p2p_enabled: true`` (``radixkv.config``) every instance joins the fleet o
   At most ``max_leases`` slots (a quarter of the tier's, at least 16) are leased at once; a pin past
   that gets fewer keys (the peer asks again for the rest).  ``Fetch(keys)`` (the pyzmq transport,
   for machines without NIXL) answers the blobs themselves, copied out of leased slots.
+* **Coded reads** (``Fetch(keys, codec)``: a reader with ``peer_codec`` set): the CPU tier stays
+  raw, so the server codes each blob on its own thread (``Recoder``: verified under the CPU tier's
+  seal, encoded by ``radixkv.core.codec``, sealed again as the tier seals), never on the engine's;
+  the coded blobs are kept in a bounded LRU (``coded_cache_bytes``, 64 MiB) so a hot prefix is
+  coded once for every reader.  A codec the server does not know, cannot run, or that would not
+  make the blob smaller answers it raw: a reader accepts any codec.  Coding costs the server's
+  CPU (``int8`` about 180 MB/s a core, ``cachegen`` about 85, on this project's machine): it pays
+  on links slower than that (see ``docs/pages/codecs.md``); NIXL's one-sided READs stay raw.
 
 **What a peer can read.**  Only members that hold the deployment secret get answers, and with the
 pyzmq transport they get exactly the keys they asked for.  With NIXL, the agent metadata a member
@@ -41,13 +49,15 @@ import secrets
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Sequence
 
 from radixkv.p2p.controller import ControllerClient, snapshot_batch
 from radixkv.fleet.events import BlockRemoved, BlockStored, EventBatch
 from radixkv.p2p.wire import (Ack, Blobs, Deregister, Fetch, Heartbeat, Pin, Pinned, Register, Release, Report,
                                 Server, Signer)
+from radixkv.core.codec import get_codec
+from radixkv.core.format import Seal, chunk_codec, encode_chunk, verify_chunk
 from radixkv.core.observe import Listener
 
 if TYPE_CHECKING:
@@ -57,12 +67,82 @@ if TYPE_CHECKING:
     from radixkv.core.hashing import Namespace
     from radixkv.core.stack import TierStack
 
-__all__ = ["TRANSPORTS", "Node", "PeerServer", "join"]
+__all__ = ["TRANSPORTS", "Node", "PeerServer", "Recoder", "join"]
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("nixl", "zmq")
 _MAX_EVENTS = 65536       # events waiting for the controller before a snapshot replaces them
 _REPORT_BATCH = 4096      # keys per report message
+
+
+class Recoder:
+    """Codes the CPU tier's raw blobs for readers that ask for a codec (see the module docstring):
+    ``recode(key, blob, codec)`` is the blob of tier key ``key`` (namespace id and chunk key)
+    verified under ``seal``, coded by ``codec`` and sealed by ``seal``, or ``None`` where it stays
+    raw.  Coded blobs are kept, least recently used dropped first, up to ``max_bytes``: a key names
+    one chunk's exact KV, so a kept blob is the blob of that key whatever the tier did since.
+    Cost: O(size) to verify and encode, O(1) when kept.  Thread-safe (one lock)."""
+
+    def __init__(self, seal: Seal | None, max_bytes: int = 64 << 20) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.seal, self.max_bytes = seal, max_bytes
+        self._kept: OrderedDict[tuple[bytes, tuple[int, int]], bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.counts = dict.fromkeys(("coded", "kept_hits", "raw", "refused", "coded_bytes", "raw_bytes"), 0)
+
+    def recode(self, key: bytes, blob: Any, codec: str) -> bytes | None:
+        """``key``'s blob coded by ``codec``, or ``None`` (send it raw).  See the class docstring."""
+        try:
+            chosen = get_codec(codec)
+            chosen.ready()
+        except (ValueError, TypeError, ImportError):
+            with self._lock:
+                self.counts["refused"] += 1
+            return None
+        if not chosen.code:
+            return None
+        kept_key = (bytes(key), chosen.key)
+        with self._lock:
+            kept = self._kept.get(kept_key)
+            if kept is not None:
+                self._kept.move_to_end(kept_key)
+                self.counts["kept_hits"] += 1
+                return kept
+        try:
+            found = verify_chunk(blob, namespace_id=key[:8], key=key[8:], seal=self.seal)
+            coded = encode_chunk(key[:8], key[8:], found.parent, found.tokens, found.kv, seal=self.seal,
+                                 codec=chosen)
+        except Exception as e:  # noqa: BLE001 - a blob that cannot be coded is sent raw; the reader verifies it
+            log.debug("radixkv p2p: blob %s not coded (%s: %s)", key.hex(), type(e).__name__, e)
+            coded = None
+        with self._lock:
+            if coded is None or not chunk_codec(coded):     # not smaller, or not a chunk: raw
+                self.counts["raw"] += 1
+                self.counts["raw_bytes"] += len(blob)
+                return None
+            self.counts["coded"] += 1
+            self.counts["coded_bytes"] += len(coded)
+            if len(coded) <= self.max_bytes:
+                old = self._kept.pop(kept_key, None)
+                self._bytes += len(coded) - (len(old) if old is not None else 0)
+                self._kept[kept_key] = coded
+                while self._bytes > self.max_bytes:
+                    self._bytes -= len(self._kept.popitem(last=False)[1])
+        return coded
+
+    def clear(self) -> None:
+        """Drop every kept coded blob (the next read of each codes it again).  O(kept)."""
+        with self._lock:
+            self._kept.clear()
+            self._bytes = 0
+
+    def check(self) -> None:
+        """Assert: the kept bytes are counted right and within ``max_bytes``."""
+        with self._lock:
+            assert self._bytes == sum(map(len, self._kept.values())), "kept bytes miscounted"
+            assert self._bytes <= self.max_bytes, "more kept than max_bytes"
 
 
 class PeerServer:
@@ -74,6 +154,9 @@ class PeerServer:
                  max_leases: int | None = None, max_ttl_s: float = 10.0, clock: Any = time.monotonic) -> None:
         self.tier = tier
         self.agent = agent
+        #: Codes blobs for coded reads (``Node.watch`` sets it, knowing the tier's seal); ``None``:
+        #: every blob is answered raw.
+        self.recoder: Recoder | None = None
         slots = int(tier.stats().get("slots", 0))
         self.max_leases = max_leases if max_leases is not None else max(min(slots, 16), slots // 4, 1)
         self.max_ttl_s = float(max_ttl_s)
@@ -116,7 +199,8 @@ class PeerServer:
 
     def handle(self, body: Any, blobs: Sequence[memoryview] = ()) -> tuple[Any, Sequence[Any]] | None:
         """The answer to one request ``body`` and its blobs (``None``: no answer), as the server's
-        thread gives it; public for tests.  O(keys), plus the copies of a ``Fetch``."""
+        thread gives it; public for tests.  O(keys), plus the copies of a ``Fetch`` (and, for a coded
+        one, the coding of each blob not kept coded already)."""
         if isinstance(body, Pin):
             with self._lock:
                 leases = self._lease_leading(body.keys) if self.agent is not None else []
@@ -140,8 +224,10 @@ class PeerServer:
             with self._lock:
                 leases = self._lease_leading(body.keys)
                 self._leased += len(leases)
+            recoder = self.recoder if body.codec else None
+            out: list[bytes] = []
             try:
-                out = [memory[x.offset:x.offset + x.length].tobytes() for x in leases]
+                out = [self._blob(memory, key, x, recoder, body.codec) for key, x in zip(body.keys, leases)]
             finally:
                 with self._lock:
                     for lease in leases:
@@ -152,6 +238,17 @@ class PeerServer:
                     self.counts["fetched_bytes"] += sum(map(len, out))
             return Blobs([len(b) for b in out]), out
         return None
+
+    @staticmethod
+    def _blob(memory: Any, key: bytes, lease: Lease, recoder: Recoder | None, codec: str) -> bytes:
+        """The blob of ``key`` in a leased slot: coded by ``recoder`` when asked and it can, else
+        copied raw."""
+        view = memory[lease.offset:lease.offset + lease.length]
+        if recoder is not None:
+            coded = recoder.recode(key, memoryview(view), codec)
+            if coded is not None:
+                return coded
+        return view.tobytes()
 
     def _end(self, pin: int) -> bool:
         # Lock held.  End pin ``pin``'s leases; whether it was held.
@@ -278,9 +375,13 @@ class Node:
         self._thread.start()
         return self
 
-    def watch(self, stack: TierStack) -> None:
-        """Report what ``stack``'s CPU tier stores and drops (a listener on its observers).  O(1)."""
+    def watch(self, stack: TierStack, *, coded_cache_bytes: int = 64 << 20) -> None:
+        """Report what ``stack``'s CPU tier stores and drops (a listener on its observers), and code
+        blobs for coded reads under that tier's seal (``Recoder``, keeping ``coded_cache_bytes``).
+        O(1)."""
         stack.observers.add(self.listener)
+        if self.server is not None and self.cpu is not None and self.cpu in stack.tiers:
+            self.server.recoder = Recoder(stack.seals[stack.tiers.index(self.cpu)], coded_cache_bytes)
 
     def note(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
         """Queue holdings changes for the next report.  O(keys)."""
@@ -424,13 +525,15 @@ class Node:
         """The server's invariants, and the queue's count.  O(queued + pins)."""
         if self.server is not None:
             self.server.check()
+            if self.server.recoder is not None:
+                self.server.recoder.check()
         with self._lock:
             assert self._pending <= _MAX_EVENTS, "report queue over its bound"
 
 
 def join(tiers: list[Tier], namespace: Namespace, *, controller: str, secret: bytes | str | None,
          instance: str | None = None, address: str | None = None, transport: str = "nixl",
-         timeout_s: float | None = None) -> tuple[list[Tier], Node]:
+         timeout_s: float | None = None, codec: str | None = None) -> tuple[list[Tier], Node]:
     """``tiers`` with a ``PeerTier`` placed after the local ones (before S3, Redis), and the
     ``Node`` serving the first ``CpuTier`` among them, not started (the configuration factory starts
     it once the stack is built and watches it).  ``controller`` is the controller's endpoint,
@@ -438,7 +541,8 @@ def join(tiers: list[Tier], namespace: Namespace, *, controller: str, secret: by
     ``timeout_s`` the bound on a peer read (the configuration's ``remote_timeout``).  The instance
     id is ``instance`` (default: host name and process id), with ``/tp<rank>`` appended under
     tensor parallelism.  ``transport="nixl"`` without NIXL installed falls back to pyzmq, with a
-    warning.  Cost: a socket bind and, with NIXL, one registration of the CPU tier's arena."""
+    warning.  ``codec``: what the peer tier asks peers to code their blobs with (``PeerTier``'s).
+    Cost: a socket bind and, with NIXL, one registration of the CPU tier's arena."""
     from radixkv.backends.cpu import CpuTier
     from radixkv.p2p.tier import PeerTier
     from radixkv.p2p.transport import available
@@ -452,7 +556,7 @@ def join(tiers: list[Tier], namespace: Namespace, *, controller: str, secret: by
     cpu = next((t for t in tiers if isinstance(t, CpuTier)), None)
     node = Node(controller=controller, secret=secret, instance=instance,
                 address=address, transport=transport, cpu=cpu)
-    peer = (PeerTier(controller, secret, instance=instance, transport=transport, node=node) if timeout_s is None
-            else PeerTier(controller, secret, instance=instance, transport=transport, node=node, timeout_s=timeout_s))
+    peer = PeerTier(controller, secret, instance=instance, transport=transport, node=node, codec=codec,
+                    timeout_s=2.0 if timeout_s is None else timeout_s)
     at = next((i for i, t in enumerate(tiers) if not t.local), len(tiers))
     return [*tiers[:at], peer, *tiers[at:]], node

@@ -15,7 +15,11 @@ Storage contract:
 * **Load** (``get_many``): per run of keys one peer holds, with ``transport="nixl"`` a ``Pin``
   request (the peer leases the slots and says where they lie), one NIXL READ of them all into a
   registered staging buffer, and a ``Release``; with ``"zmq"`` (or a peer without NIXL) a
-  ``Fetch`` whose answer carries the blobs.  Only the leading keys the peer still holds come
+  ``Fetch`` whose answer carries the blobs.  With ``codec`` (``peer_codec``: ``int8``,
+  ``cachegen``, ...), every load is a ``Fetch`` asking the peer to code its blobs
+  (``radixkv.p2p.node.Recoder``): fewer bytes on the link for the peer's CPU time; what comes back
+  coded lossily is approximate KV, counted apart by the stack as any lossy chunk
+  (``radixkv.core.stack``), and the peer may answer raw.  Only the leading keys the peer still holds come
   back: a controller entry gone stale is a short answer (a miss), never an error.
 * **Blobs over NIXL are views** (``radixkv.p2p.staging``): read-only ``memoryview`` slices of the
   staging buffer, which is not written again while any of them (or anything made from one) is
@@ -42,7 +46,9 @@ from collections import Counter, OrderedDict
 from typing import Any, Iterator, Sequence
 
 from radixkv.backends import register
+from radixkv.core.codec import get_codec
 from radixkv.core.deadline import current_max_blob_bytes
+from radixkv.core.format import chunk_codec
 from radixkv.core.tier import Blob, Entry, Tier, check_key, check_namespace_id
 from radixkv.backends.remote import CircuitBreaker, call_deadline
 from radixkv.p2p.controller import ControllerClient
@@ -70,7 +76,9 @@ class PeerTier(Tier):
     docstring).  ``instance``: this instance's id (excluded from lookups); ``transport``:
     ``"nixl"`` or ``"zmq"``; ``node``: the serving ``radixkv.p2p.Node`` closed with this tier;
     ``staging_buffers``: how many registered buffers of NIXL reads may be held by callers at once
-    (each the size of the largest read, at least 1 MiB; one more is kept to copy out of)."""
+    (each the size of the largest read, at least 1 MiB; one more is kept to copy out of);
+    ``codec``: the codec to ask peers to send blobs in (``None``: raw; ``ValueError`` for an
+    unknown name, ``ImportError`` naming the extra when its library is missing)."""
 
     name = "peer"
     local = False
@@ -78,13 +86,17 @@ class PeerTier(Tier):
 
     def __init__(self, controller: str, secret: bytes | str | None = None, *, instance: str,
                  transport: str = "zmq", node: Any = None, timeout_s: float = 2.0,
-                 max_remembered: int = 65536, staging_buffers: int = 4) -> None:
+                 max_remembered: int = 65536, staging_buffers: int = 4, codec: str | None = None) -> None:
         if transport not in ("nixl", "zmq"):
             raise ValueError(f"transport must be 'nixl' or 'zmq', got {transport!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if isinstance(staging_buffers, bool) or not isinstance(staging_buffers, int) or staging_buffers < 1:
             raise ValueError(f"staging_buffers must be a positive int, got {staging_buffers!r}")
+        chosen = get_codec(codec)
+        chosen.ready()
+        #: The codec asked of peers ("" for raw).
+        self.codec: str = codec if codec is not None and chosen.code else ""
         self.instance = instance
         self.transport = transport
         self.timeout_s = float(timeout_s)
@@ -101,7 +113,7 @@ class PeerTier(Tier):
         self._ring: StagingRing | None = None     # with the agent
         self._counts: Counter[str] = Counter(dict.fromkeys(
             ("lookups", "lookup_hits", "gets", "hits", "misses", "skipped", "failures", "nixl_reads", "zmq_reads",
-             "bytes_read", "oversize", "abandoned", "nixl_lent", "nixl_copied"), 0))
+             "coded_reads", "coded_blobs", "bytes_read", "oversize", "abandoned", "nixl_lent", "nixl_copied"), 0))
         self._read_seconds = 0.0        # time in NIXL READs (the transfers alone)
         self._closed = False
 
@@ -185,7 +197,7 @@ class PeerTier(Tier):
             return []
         blobs: list[Blob] | None = None
         try:
-            if self.transport == "nixl" and holder.transport == "nixl" and self._nixl_usable():
+            if not self.codec and self.transport == "nixl" and holder.transport == "nixl" and self._nixl_usable():
                 blobs = self._read_nixl(peer, keys, deadline)
             else:
                 blobs = self._fetch(peer, keys, deadline)
@@ -203,14 +215,15 @@ class PeerTier(Tier):
         return blobs
 
     def _fetch(self, peer: _Peer, keys: list[bytes], deadline: float) -> list[Blob] | None:
-        answer = peer.channel.ask(Fetch(keys), deadline)
+        answer = peer.channel.ask(Fetch(keys, self.codec), deadline)
         if answer is None or not isinstance(answer[0], Blobs):
             return None
         lengths, frames = answer[0].lengths, answer[1]
         if len(frames) != len(lengths) or len(frames) > len(keys) or \
                 any(len(f) != n for f, n in zip(frames, lengths)):
             return None
-        self._count(zmq_reads=1, bytes_read=sum(lengths))
+        coded = sum(1 for f in frames if chunk_codec(f)) if self.codec else 0
+        self._count(zmq_reads=1, bytes_read=sum(lengths), coded_reads=int(bool(self.codec)), coded_blobs=coded)
         return list(frames)
 
     def _read_nixl(self, peer: _Peer, keys: list[bytes], deadline: float) -> list[Blob] | None:

@@ -125,9 +125,13 @@ class Release(msgspec.Struct, tag=True, frozen=True):
 
 
 class Fetch(msgspec.Struct, tag=True, frozen=True):
-    """The blobs of the leading ``keys`` the peer holds, in the answer (the pyzmq transport)."""
+    """The blobs of the leading ``keys`` the peer holds, in the answer (the pyzmq transport, and
+    every coded read).  ``codec``: the codec (``radixkv.core.codec``) the reader asks the blobs to
+    be coded with (``""``: raw); a peer that cannot code them sends them raw, which every reader
+    accepts."""
 
     keys: list[bytes]
+    codec: str = ""
 
 
 class Ack(msgspec.Struct, tag=True, frozen=True):

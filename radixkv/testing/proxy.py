@@ -27,6 +27,7 @@ __all__ = ["FaultyProxy", "timed_requests"]
 
 _MODES = ("pass", "slow", "trickle", "throttle")
 _PIECE = 16384        # bytes a throttled answer is sent in
+_SLACK_S = 0.005      # how far behind its schedule a throttled link may catch up (a burst of 5 ms)
 
 
 class FaultyProxy:
@@ -90,9 +91,13 @@ class FaultyProxy:
                         piece = data[i:i + _PIECE]
                         with self._lock:      # each piece takes its turn on the one link
                             now = time.monotonic()
-                            self._link_free_at = max(now, self._link_free_at) + len(piece) / self.rate_bytes_s
+                            # the link's own schedule, caught up by at most _SLACK_S when this thread
+                            # ran late (a sleep's wake-up, the copy): the rate holds on average
+                            self._link_free_at = (max(now - _SLACK_S, self._link_free_at)
+                                                  + len(piece) / self.rate_bytes_s)
                             wait = self._link_free_at - now
-                        time.sleep(wait)
+                        if wait > 0:
+                            time.sleep(wait)
                         dst.sendall(piece)
                     continue
                 if answers and self._mode == "trickle":

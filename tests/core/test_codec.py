@@ -303,6 +303,41 @@ def test_lossy_chunks_are_promoted_only_as_the_same_blob_and_exact_ones_are_re_e
         stack.close()
 
 
+@pytest.mark.parametrize("written, own, above, promoted_as", [
+    ("int8", "none", "none", None),          # lossy, foreign to a raw tier: never stored above as exact
+    ("int8", "none", "int8", 2),             # lossy, the codec above writes: the same blob goes up
+    ("cachegen", "cachegen:4", "cachegen:4", None),   # another bit depth: not the blob the tier writes
+    ("cachegen:4", "none", "cachegen:4", 3),
+    ("zstd", "none", "none", 0),             # exact: re-encoded for the raw tier above
+    ("none", "int8", "none", 0),             # a raw blob in a coded tier: the same blob goes up
+])
+def test_promotion_follows_the_codec_a_blob_was_written_with_not_the_tier_setting(
+        written: str, own: str, above: str, promoted_as: int | None) -> None:
+    """A tier holds what any writer put there (a shared tier, a peer that codes on request): a
+    chunk goes up as the same blob only into a tier that writes that codec, lossy KV never into
+    another, and exact KV is re-encoded for the tier above."""
+    kv = [torch.randn(LAYOUT.chunk_shape(CHUNK)).half() for _ in range(2)]
+    top, bottom = MemoryTier(), MemoryTier()
+    writer = stack_of([bottom], [written])
+    refs = writer.refs(list(range(2 * CHUNK)))
+    writer.store(list(zip(refs, kv)))
+    writer.flush()
+    reader = stack_of([top, bottom], [above, own])
+    got = reader.load(refs, where=[1, 1])
+    reader.flush()
+    assert len(got) == 2
+    assert all(reader.approximate(g) == get_codec(written).lossy for g in got)
+    keys = [reader.namespace.id + r.key for r in refs]
+    if promoted_as is None:
+        assert top.contains_prefix(keys) == 0
+    else:
+        assert top.contains_prefix(keys) == 2
+        assert {chunk_codec(top.get(k)) for k in keys} == {promoted_as}
+    reader.check()
+    reader.close()
+    writer.close()
+
+
 def fill(cache: PrefixCache, tokens: list[int], seed: int = 0) -> torch.Tensor:
     pages = cache.alloc(len(tokens) // LAYOUT.page_size)
     kv = torch.randn(cache.pool.kv[:, :, pages].shape, generator=torch.Generator().manual_seed(seed)).half()

@@ -35,7 +35,7 @@ def config(spec: dict[str, Any], instance: str, address: str | None) -> CacheCon
         "max_local_cpu_size": spec.get("cpu_gb", 0.001), "secret": spec["secret"], "namespace": {"model": "p2p-test"},
         "p2p_enabled": True, "p2p_controller": spec["controller"], "p2p_instance": instance,
         "p2p_address": address, "p2p_transport": spec.get("transport", "zmq"),
-        "remote_timeout": spec.get("timeout", 2.0)})
+        "remote_timeout": spec.get("timeout", 2.0), "peer_codec": spec.get("peer_codec")})
 
 
 def tokens(seed: int, chunks: int) -> list[int]:

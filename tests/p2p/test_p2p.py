@@ -209,9 +209,9 @@ class Fleet:
             time.sleep(0.05)
         client.close()
 
-    def reader(self, name: str, transport: str, timeout: float = 2.0) -> Any:
+    def reader(self, name: str, transport: str, timeout: float = 2.0, peer_codec: str | None = None) -> Any:
         cfg = config({"controller": self.controller.address, "secret": SECRET, "transport": transport,
-                      "timeout": timeout}, name, None)
+                      "timeout": timeout, "peer_codec": peer_codec}, name, None)
         stack = cfg.make_stack(LAYOUT, exclusive=False)
         self.stacks.append(stack)
         return stack
@@ -618,3 +618,116 @@ def test_nixl_blobs_are_views_kept_intact_while_held_reused_once_released_and_co
         b.check()
     finally:
         b.close()
+
+
+# ---- coded reads -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transport", ["zmq", "nixl"])
+@pytest.mark.parametrize("codec", ["int8", "cachegen", "zstd"])
+def test_a_reader_with_peer_codec_gets_coded_chunks_counted_apart_and_never_stored_as_exact(
+        fleet: Fleet, transport: str, codec: str) -> None:
+    """B asks A (a raw CPU tier) for coded blobs: A codes them on its server thread, B decodes
+    them (within the codec's bound; exactly for the lossless one), counts the lossy ones apart and
+    does not promote approximate KV into its own raw CPU tier; a forged peer is still a miss; a
+    raw reader of the same peer still gets the exact chunks."""
+    pytest.importorskip("zstandard")
+    if transport == "nixl" and not _have_nixl():
+        pytest.skip("NIXL does not load here")
+    from radixkv.core.codec import get_codec
+
+    fleet.start("a", seed=1, transport=transport)
+    fleet.start("f", seed=2, mode="forge", transport=transport)
+    b = fleet.reader("b", transport, peer_codec=codec)
+    lossy = get_codec(codec).lossy
+    for round_ in range(2):                      # the second time A sends what it kept coded
+        before = b.tiers[1].stats()["coded_blobs"], b.stats()["lossy_loaded"][1]
+        where, chunks = _load(b, 1)
+        assert where == [1] * CHUNKS and len(chunks) == CHUNKS, f"round {round_}"
+        for i, chunk in enumerate(chunks):
+            exact = chunk_kv(1, i)
+            if lossy:
+                assert b.approximate(chunk)
+                span = (exact.amax() - exact.amin()).item()
+                assert (chunk - exact).abs().max().item() <= span / 4, f"chunk {i} beyond the codec's bound"
+            else:
+                assert torch.equal(chunk, exact) and not b.approximate(chunk)
+        peer = b.tiers[1].stats()
+        assert peer["coded_reads"] >= round_ + 1 and peer["coded_blobs"] == before[0] + CHUNKS
+        assert peer["nixl_reads"] == 0, "a coded read is a Fetch"
+        assert b.stats()["lossy_loaded"][1] == before[1] + (CHUNKS if lossy else 0)
+        b.flush(5.0)
+        # approximate KV is never stored into the raw CPU tier; exact KV is
+        assert _load(b, 1)[0] == ([1] * CHUNKS if lossy else [0] * CHUNKS)
+        if not lossy:
+            break
+    where, chunks = _load(b, 2)                  # f's blobs were changed: A cannot code them, B refuses them
+    assert chunks == [] and b.stats()["forged"][1] >= 1
+    raw = fleet.reader("r", transport)
+    where, chunks = _load(raw, 1)
+    assert len(chunks) == CHUNKS and all(torch.equal(c, chunk_kv(1, i)) for i, c in enumerate(chunks))
+    assert not any(raw.approximate(c) for c in chunks)
+    b.check()
+
+
+def test_the_recoder_codes_what_verifies_keeps_a_bounded_lru_and_answers_raw_otherwise() -> None:
+    """In process: a blob that verifies comes back coded and sealed as the tier seals it (a reader
+    decodes it); a forged blob, an unknown or raw codec, or a blob not made smaller is ``None``
+    (sent raw); the kept coded blobs stay within ``max_bytes``, the least recently used dropped."""
+    pytest.importorskip("zstandard")
+    from radixkv.core.format import Seal, chunk_codec, decode_chunk, encode_chunk
+    from radixkv.core.hashing import as_token_bytes
+    from radixkv.p2p.node import Recoder
+
+    seal = Seal(SECRET)
+    ns = bytes(range(8))
+    blobs = {}
+    for i in range(6):
+        kv = chunk_kv(3, i)
+        toks = as_token_bytes(list(range(i * CHUNK, (i + 1) * CHUNK)))
+        import xxhash
+
+        key = xxhash.xxh3_128_digest(bytes(16) + toks)
+        blobs[ns + key] = (encode_chunk(ns, key, bytes(16), toks, kv, seal=seal), kv, toks)
+    one = next(iter(blobs.values()))[0]
+    recoder = Recoder(seal, max_bytes=2 * len(one) // 3)       # room for about one int8 blob
+    for tier_key, (blob, kv, toks) in blobs.items():
+        coded = recoder.recode(tier_key, memoryview(blob), "int8")
+        assert coded is not None and chunk_codec(coded) == 2 and len(coded) < len(blob)
+        back = decode_chunk(coded, namespace_id=tier_key[:8], key=tier_key[8:], parent_key=bytes(16), tokens=toks,
+                            dtype=kv.dtype, shape=tuple(kv.shape), seal=seal)
+        assert (back - kv).abs().max().item() <= (kv.amax() - kv.amin()).item() / 200
+        with pytest.raises(Exception):          # sealed by the tier's secret: another one refuses it
+            decode_chunk(coded, namespace_id=tier_key[:8], key=tier_key[8:], parent_key=bytes(16), tokens=toks,
+                         dtype=kv.dtype, shape=tuple(kv.shape), seal=Seal("another secret of 32 bytes......"))
+        recoder.check()
+    assert recoder.counts["coded"] == len(blobs) and recoder.counts["kept_hits"] == 0
+    last = list(blobs)[-1]
+    assert recoder.recode(last, blobs[last][0], "int8") is not None and recoder.counts["kept_hits"] == 1
+    first = list(blobs)[0]
+    recoder.recode(first, blobs[first][0], "int8")            # dropped from the LRU: coded again
+    assert recoder.counts["coded"] == len(blobs) + 1
+    forged = bytearray(blobs[first][0])
+    forged[-3] ^= 0xFF
+    assert recoder.recode(first + b"", bytes(forged), "cachegen") is None
+    assert recoder.recode(first, blobs[first][0], "no-such-codec") is None
+    assert recoder.recode(first, blobs[first][0], "none") is None
+    tiny = encode_chunk(ns, bytes(16), bytes(16), bytes(4), torch.randn(1, 2, 1, 1, 2), seal=seal)
+    assert recoder.recode(ns + bytes(16), tiny, "int8") is None          # not smaller: raw
+    recoder.check()
+    with pytest.raises(ValueError):
+        Recoder(seal, max_bytes=-1)
+
+
+def test_peer_codec_is_checked_and_needs_p2p() -> None:
+    base = {"local_cpu": True, "max_local_cpu_size": 0.001, "secret": SECRET, "num_pages": 1,
+            "namespace": {"model": "p2p-test"}}
+    from radixkv.config import CacheConfig
+
+    with pytest.raises(ValueError, match="peer_codec"):
+        CacheConfig.from_mapping({**base, "peer_codec": "int8"})
+    with pytest.raises(ValueError, match="peer_codec"):
+        CacheConfig.from_mapping({**base, "p2p_enabled": True, "p2p_controller": "tcp://127.0.0.1:5600",
+                                  "peer_codec": "jpeg"})
+    ok = CacheConfig.from_mapping({**base, "p2p_enabled": True, "p2p_controller": "tcp://127.0.0.1:5600",
+                                   "peer_codec": "cachegen:4"})
+    assert ok.peer_codec == "cachegen:4"
