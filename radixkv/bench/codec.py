@@ -240,29 +240,40 @@ def answers_trained(report: Report, model: Any, chunk: int, questions: int, seed
                  rows)
 
 
+#: The links parts 4 and 5 load through: (label, the proxy's mode, its rate in bytes a second).
+LINKS = (("loopback", "pass", 0.0), ("1 Gbit/s", "throttle", 125e6), ("100 MB/s", "throttle", 100e6))
+
+
+def _prefix_kv(prefix: int, seed: int) -> tuple[Any, list[int], torch.Tensor]:
+    """Parts 4 and 5: the layout (8 layers, 8 KV heads of 128, float16), a ``prefix``-token prompt
+    and its KV, computed by a random-weight Llama of that shape."""
+    from radixkv.core.pool import KVLayout
+
+    layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_size=16)
+    model = _random_model(torch.float32, hidden=1024)
+    rng = random.Random(seed)
+    tokens = [rng.randrange(4096) for _ in range(prefix)]
+    return layout, tokens, _model_kv(model, tokens).to(torch.float16)          # [8, 2, prefix, 8, 128]
+
+
 def load_times(report: Report, prefix: int, chunk: int, repeat: int) -> None:
     """Part 4."""
     from radixkv.backends.s3 import S3Tier
     from radixkv.core.hashing import Namespace
-    from radixkv.core.pool import KVLayout
     from radixkv.core.stack import TierStack
     from radixkv.testing.proxy import FaultyProxy
     from radixkv.tools.s3server import moto_with_bucket
 
-    layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_size=16)
-    model = _random_model(torch.float32, hidden=1024)
+    layout, tokens, kv = _prefix_kv(prefix, 4)
     report(f"## 4. load time of a {prefix}-token prefix from S3 (moto on loopback; behind a proxy throttled to "
                 f"a shared link), KV of an 8-layer, 8-KV-head, 128-dim float16 model ({layout.token_bytes // 1024} "
                 f"KiB a token; the KV of a random-weight Llama of that shape), {chunk}-token chunks, median of {repeat} "
                 f"cold loads (lookup, fetch, verify, decode)")
-    rng = random.Random(4)
-    tokens = [rng.randrange(4096) for _ in range(prefix)]
-    kv = _model_kv(model, tokens).to(torch.float16)                     # [8, 2, prefix, 8, 128]
     rows = []
     with moto_with_bucket("radixkv-codec-bench") as server:
         host, port = server.endpoint_url.removeprefix("http://").split(":")
         with FaultyProxy((host, int(port)), mode="pass") as proxy:
-            links = (("loopback", "pass", 0.0), ("1 Gbit/s", "throttle", 125e6), ("100 MB/s", "throttle", 100e6))
+            links = LINKS
             for name in NAMES:
                 ns = Namespace(model=f"bench-{uuid.uuid4().hex[:8]}").bind(layout)
                 tier = S3Tier("radixkv-codec-bench", "b", endpoint_url=proxy.url)
@@ -296,25 +307,20 @@ def peer_load_times(report: Report, prefix: int, chunk: int, repeat: int) -> Non
 
     from radixkv.backends.cpu import CpuTier
     from radixkv.core.hashing import Namespace
-    from radixkv.core.pool import KVLayout
     from radixkv.core.stack import TierStack
     from radixkv.p2p.controller import Controller, ControllerClient
     from radixkv.p2p.node import join
     from radixkv.p2p.tier import PeerTier
     from radixkv.testing.proxy import FaultyProxy
 
-    layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_size=16)
-    model = _random_model(torch.float32, hidden=1024)
+    layout, tokens, kv = _prefix_kv(prefix, 5)
     report(f"## 5. load time of a {prefix}-token prefix from a peer's CPU tier (pyzmq through a proxy on loopback, "
            f"then throttled as in part 4), the model of part 4, {chunk}-token chunks, median of {repeat} loads "
            f"(lookup, fetch, verify, decode): 'coded on request' with the server's coded blobs dropped before each "
            f"load, 'kept' with them kept (a hot prefix: coded once for every reader)")
-    rng = random.Random(5)
-    tokens = [rng.randrange(4096) for _ in range(prefix)]
-    kv = _model_kv(model, tokens).to(torch.float16)
     secret = secrets.token_hex(16)
     ns = Namespace(model=f"bench-peer-{uuid.uuid4().hex[:8]}").bind(layout)
-    links = (("loopback", "pass", 0.0), ("1 Gbit/s", "throttle", 125e6), ("100 MB/s", "throttle", 100e6))
+    links = LINKS
     rows = []
     with Controller("tcp://127.0.0.1:0", secret) as controller:
         cpu = CpuTier(4 * prefix * layout.token_bytes)
