@@ -517,7 +517,8 @@ def fit_vllm_cpu(path: str | Path) -> dict[str, Any]:
     """Fit ``TTFT = fixed + prefill x computed + load[medium] x loaded`` to ``bench vllm``'s table
     (no cache at each length; the resident prefix: only the question computed; the CPU tier, LMDB
     as ``STORAGE`` and S3 as ``SHARED``, each loading the prefix);
-    least squares of the relative error.  Returns the constants and each measurement with its fitted value."""
+    least squares of the relative error, no constant below 0.  Returns the constants and each
+    measurement with its fitted value."""
     import numpy as np
 
     lines = Path(path).read_text().splitlines()
@@ -549,9 +550,19 @@ def fit_vllm_cpu(path: str | Path) -> dict[str, Any]:
     for medium, times in below.items():
         for n, t in zip(lengths, times):
             add(medium.lower(), n, t, question, medium)
-    # relative least squares (each row weighed by 1/measured): the short TTFTs count as much as the long
+    # relative least squares (each row weighed by 1/measured): the short TTFTs count as much as the long;
+    # no constant may be negative (a negative fixed cost is attention's superlinear growth read as an
+    # intercept): the most negative one is held at 0 and the rest refitted, until none is
     w = 1.0 / np.array(y)
-    coef, *_ = np.linalg.lstsq(np.array(a) * w[:, None], np.array(y) * w, rcond=None)
+    m_, b_ = np.array(a) * w[:, None], np.array(y) * w
+    free = list(range(m_.shape[1]))
+    coef = np.zeros(m_.shape[1])
+    while free:
+        sol, *_ = np.linalg.lstsq(m_[:, free], b_, rcond=None)
+        if (sol >= 0).all():
+            coef[free] = sol
+            break
+        free.pop(int(np.argmin(sol)))
     fitted = np.array(a) @ coef
     rows = [(label, n, t, float(f)) for (label, n, t), f in zip(points, fitted)]
     return {"fixed_s": float(coef[0]), "prefill_s_per_token": float(coef[1]),

@@ -127,22 +127,24 @@ class CostModel:
 #: Cost profiles.  ``vllm-cpu``: the fit of the TTFTs ``python -m radixkv.bench vllm`` measured on
 #: this project's CI machine (``benchmarks/results/vllm_cpu.txt``, a 2-layer random Llama: no cache
 #: at 2K/4K/8K + 256 tokens; the resident prefix; loads from the CPU tier, LMDB as ``STORAGE`` and
-#: S3 as ``SHARED``), relative least squares, every row within 35% (``python -m radixkv.bench
-#: fleet_sim --calibrate``; the CPU-tier rows' own spread is that large, the no-cache and resident
-#: rows are within 18%); a peer is taken as costing what S3 does (not measured through vLLM), and
-#: the decode step is the fit of ``bench vllm --decode`` (``benchmarks/results/vllm_cpu_decode.txt``:
-#: 3.66 ms + 0.169 ms a sequence, batches of 1/2/4/8 within 1.4% of their medians, on a quiet
-#: machine, load average below 1.2; an earlier fit under a load average of 9-13 read 177 ms + 18.5 ms:
-#: a decode step is cheap, and it was the machine's other work that made it look dear).
+#: S3 as ``SHARED``), relative least squares with no constant below 0 (``python -m radixkv.bench
+#: fleet_sim --calibrate``): 249 us a computed token and no fixed cost (a free intercept came out
+#: negative: attention's superlinear growth), every row within 25% but one CPU-tier row (43%: the
+#: 4K row of that medium took 142 ms where 2K and 8K took 79 and 84); a peer is taken as costing
+#: what S3 does (not measured through vLLM); the decode step is the fit of ``bench vllm --decode``
+#: (``benchmarks/results/vllm_cpu_decode.txt``: 3.66 ms + 0.169 ms a sequence, batches of
+#: 1/2/4/8 within 1.4% of their medians).  Both measured on one quiet machine (load average below
+#: 2); an earlier decode fit under a load average of 9-13 read 177 ms + 18.5 ms: on 2 shared cores
+#: a decode step measured the machine's other work.
 #: ``h100-8b``: derived from published numbers for Llama-3-8B (8.0e9 parameters: 16 GFLOP a token;
 #: 128 KiB of KV a token in bf16) on one H100 SXM (989 TFLOPS dense bf16 at an assumed 50%
 #: utilisation -> 32 us a token; 3.35 TB/s HBM -> a decode step reads the 16 GB of weights in
 #: 4.8 ms; PCIe 5 x16 at ~50 GB/s -> 2.6 us a token from the CPU tier; 200 Gbit/s RDMA -> 5.2 us
 #: from a peer; local NVMe at ~10 GB/s -> 13 us; S3 at 1 GB/s -> 131 us, slower than computing it).
 PROFILES: dict[str, CostModel] = {
-    "vllm-cpu": CostModel(prefill_s_per_token=513.4e-6, fixed_s=19.5e-3,
-                          load_s_per_token={"GPU": 0.0, "CPU": 4.73e-6, "STORAGE": 20.63e-6, "SHARED": 48.51e-6,
-                                            "PEER": 48.51e-6},
+    "vllm-cpu": CostModel(prefill_s_per_token=249.4e-6, fixed_s=0.0,
+                          load_s_per_token={"GPU": 0.0, "CPU": 3.98e-6, "STORAGE": 0.73e-6, "SHARED": 22.20e-6,
+                                            "PEER": 22.20e-6},
                           decode_step_s=3.66e-3, decode_s_per_seq=0.169e-3, source="fit of bench vllm on vLLM-CPU"),
     "h100-8b": CostModel(prefill_s_per_token=32e-6, fixed_s=0.004,
                          load_s_per_token={"GPU": 0.0, "CPU": 2.6e-6, "PEER": 5.2e-6, "SHARED": 131e-6,

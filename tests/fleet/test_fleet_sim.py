@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -107,12 +108,46 @@ def test_the_vllm_cpu_profile_is_the_fit_of_the_committed_measurements() -> None
     for medium, per in fit["load_s_per_token"].items():
         assert profile.load_s_per_token[medium] == pytest.approx(per, rel=0.01), medium
     # the error the profile states (radixkv.fleet.routing) bounds every measured row
-    assert fit["max_rel_error"] <= 0.36
+    assert fit["max_rel_error"] <= 0.44
     for label, n, measured, fitted in fit["rows"]:
         if label in ("no cache", "resident"):
-            assert abs(fitted - measured) / measured <= 0.18, (label, n)
+            assert abs(fitted - measured) / measured <= 0.25, (label, n)
     text = calibration_text(str(ROOT / "benchmarks" / "results" / "vllm_cpu.txt"))
     assert "max relative error" in text
+
+
+@settings(max_examples=60, deadline=None)
+@given(fixed=st.floats(0.0, 0.05), per=st.floats(1e-5, 1e-3), square=st.floats(0.0, 1e-7),
+       loads=st.lists(st.floats(0.0, 1e-4), min_size=3, max_size=3), noise=st.lists(st.floats(0.8, 1.25), min_size=15,
+                                                                              max_size=15))
+def test_the_ttft_fit_never_gives_a_negative_constant(tmp_path_factory: Any, fixed: float, per: float, square: float,
+                                                     loads: list[float], noise: list[float]) -> None:
+    """Any table of TTFTs (linear, or growing faster than linear as attention does, with noise):
+    every fitted constant is >= 0, and a table that is exactly linear is fitted exactly."""
+    lengths, q = (2048, 4096, 8192), 256
+
+    def table(square: float, noise: list[float]) -> Any:
+        def ttft(computed: int, loaded: int, medium: int | None) -> float:
+            return (fixed + per * computed + square * computed ** 2
+                    + (loads[medium] * loaded if medium is not None else 0))
+
+        rows = {"no cache": [ttft(n + q, 0, None) for n in lengths],
+                "vllm prefix cache (resident)": [ttft(q, 0, None)] * 3,
+                "radixkv cpu tier": [ttft(q, n, 0) for n in lengths],
+                "radixkv lmdb (restart)": [ttft(q, n, 1) for n in lengths],
+                "radixkv s3 (second process)": [ttft(q, n, 2) for n in lengths]}
+        it = iter(noise)
+        path = tmp_path_factory.mktemp("fit") / "vllm.txt"
+        path.write_text("TTFT, ms    2K + 256    4K + 256    8K + 256\n" + "".join(
+            f"{label:40s}" + "".join(f"  {t * 1000 * next(it):14.8f} x 1.0" for t in times) + "\n"
+            for label, times in rows.items()))
+        return fit_vllm_cpu(path)
+
+    fit = table(square, noise)
+    assert fit["fixed_s"] >= 0 and fit["prefill_s_per_token"] >= 0 and min(fit["load_s_per_token"].values()) >= 0
+    exact = table(0.0, [1.0] * 15)
+    assert exact["max_rel_error"] < 1e-4
+    assert exact["prefill_s_per_token"] == pytest.approx(per, rel=1e-3)
 
 
 def test_the_vllm_cpu_decode_costs_are_the_fit_of_the_committed_measurements() -> None:
