@@ -34,7 +34,9 @@ Contract:
     stay idle, and a tenant's prefix recomputed there is work the fleet then lacks (at weight 1,
     16 instances at 95% load copied tenants onto whichever instance fell idle and queued more
     than ``cache_aware``).  Ties go to the longer prefix, then fewer
-    requests in flight, then round-robin.
+    requests in flight, then round-robin: a turn that moves on only when it broke a tie (one that
+    moved with every request gave every tie to the same instance when bursts were a multiple of
+    the instances: on two instances with bursts of 6, every new tenant).
   - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
     imbalance first (``balance_abs``/``balance_rel``, on requests in flight); no match goes to
     the least loaded.
@@ -286,6 +288,7 @@ class Chooser:
         self.recent = recent if recent is not None else (
             Recent(ttl_s=60.0, settle_s=60.0) if policy == "cache_aware" else Recent())
         self._rr = itertools.count()
+        self._tie_turn = 0
         self._random = random.Random(seed)
 
     # -- what happens to a request -------------------------------------------------------------
@@ -421,7 +424,7 @@ class Chooser:
         shared = min(self.shared(names) * bs, tokens) if self.shared is not None and names else 0
         peers = sorted(((h, inst) for inst, h in reach.items()), reverse=True)
         scored = []
-        turn = next(self._rr)
+        turn = self._tie_turn
         affinity = self.affinity
         if affinity is None:        # by load: 1 on an idle fleet, AUTO_MAX when every instance has a queue
             busy = sum(1 for b in up if b.queued_tokens) / len(up)
@@ -442,6 +445,8 @@ class Chooser:
             weight = affinity if b.in_flight else (1.0 + affinity) / 2
             scored.append((queue_s + decode_s + weight * own_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
+        if len(scored) > 1 and scored[0][:3] == scored[1][:3]:      # the turn broke a tie: it moves on
+            self._tie_turn += 1
         return Choice([s[4] for s in scored], "cost", scored[0][5], names)
 
     def _cache_aware(self, up: list[Backend], by_load: list[Backend], tokens: int, names: list[Hashable],

@@ -78,6 +78,8 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
     best = costs[0][0]
     ties = [c for c in costs if abs(c[0] - best) <= 1e-12]
     assert costs[0][1] == max(t[1] for t in ties), "ties go to the longer prefix"
+    tied = [b for b, c in zip(choice.order, costs) if abs(c[0] - best) <= 1e-12 and c[1] == costs[0][1]]
+    assert choice.order[0].in_flight == min(b.in_flight for b in tied), "then to fewer in flight"
     assert choice.promised == costs[0][1]
     chooser.check(fleet)
 
@@ -134,6 +136,32 @@ def test_recent_matches_a_model_of_expiries(ops: list[Any], cap: int) -> None:
             if k:
                 want[who] = k
         assert recent.lookup(query, now) == want
+
+
+@pytest.mark.parametrize("instances, burst", [(2, 6), (2, 4), (3, 6), (4, 8)])
+def test_tenants_arriving_on_an_idle_fleet_spread_whatever_the_burst_size(instances: int, burst: int) -> None:
+    """Bursts of one new tenant each, every burst arriving on an idle fleet: each burst follows its
+    first request, and the first requests of new tenants take turns over the instances (a turn
+    counted per request would send every tenant to one instance when the burst size is a multiple
+    of the instances)."""
+    fleet = backends(instances)
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=PROFILES["vllm-cpu"])
+    tenants = 4 * instances
+    sent: dict[str, int] = {}
+    for t in range(tenants):
+        names = [("tenant", t, k) for k in range(96)]
+        got = []
+        for _ in range(burst):
+            choice = chooser.choose(fleet, 96 * 16 + 64, names, now=float(t))
+            charge = chooser.sent(choice.order[0], 96 * 16 + 64, choice.promised, names, now=float(t))
+            got.append((choice.order[0], charge))
+        assert len({b.name for b, _ in got}) == 1, f"tenant {t}'s burst scattered"
+        sent[got[0][0].name] = sent.get(got[0][0].name, 0) + burst
+        for b, charge in got:                      # the burst is served: the fleet is idle again
+            chooser.prefilled(b, charge, names, now=float(t) + 0.5)
+            chooser.ended(b, 96 * 16 + 64)
+        chooser.check(fleet)
+    assert sorted(sent.values()) == [4 * burst] * instances
 
 
 def test_a_burst_follows_its_first_request_while_that_is_cheaper() -> None:
