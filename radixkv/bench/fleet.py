@@ -26,10 +26,8 @@ with an error, or lost (no answer at all); the claim is none lost.
 
 Side by side with sglang-router (commands that produced ``benchmarks/results/fleet_cpu_sglang_*.txt``)::
 
-    python -m radixkv.bench fleet --requests 96 --burst 6 --seed 0,1 --routers radixkv:cost,sglang:cache_aware,\
+    python -m radixkv.bench fleet --requests 96 --burst 6 --seed 0,1,2 --routers radixkv:cost,sglang:cache_aware,\
         sglang:cache_aware_low,radixkv:round_robin --out benchmarks/results/fleet_cpu_sglang_bursty.txt
-    python -m radixkv.bench fleet --requests 96 --burst 6 --seed 2 --routers radixkv:cost,sglang:cache_aware,\
-        radixkv:round_robin --out benchmarks/results/fleet_cpu_sglang_bursty_seed2.txt
     python -m radixkv.bench fleet --requests 96 --seed 0,1 --routers radixkv:cost,sglang:cache_aware,\
         radixkv:round_robin --out benchmarks/results/fleet_cpu_sglang_spaced.txt
 
