@@ -23,9 +23,13 @@ measurements, ``h100-8b`` from published numbers).
 
 Each block of ``block_tokens`` tokens is one token of the simulated cache (page and chunk of 1):
 what is cached is counted in blocks, what costs time in tokens.  Virtual time is ``simpy``'s (the
-well-kept discrete-event library; the serving simulators we looked at model one engine's kernels
-for hardware sizing, not a fleet with a router and per-instance prefix caches, and none runs a
-router's code unchanged).  Deterministic per seed: no thread runs behind the simulation (the CPU
+well-kept discrete-event library).  Existing serving simulators do not fit: NVIDIA's
+``aisimulate`` (Dynamo's GPU-free simulator: it predicts a deployment's performance and searches
+its configuration, with Dynamo's own router) publishes its stable releases as a source archive of
+metadata only (0.12-0.13: nothing to build here) and pins jax, flax and a nightly
+tensorflow-probability; neither it nor LLMServingSim (cycle-level, per-hardware profiles, a C++
+network backend) runs a router's Python policy unchanged against per-instance caches whose
+evictions and KV events are radixkv's own, which is what the policies are judged on here.  Deterministic per seed: no thread runs behind the simulation (the CPU
 tier's writer is flushed after each step).
 
 Load: ``--loads`` are fractions of the fleet's capacity for the workload, the work of every request
