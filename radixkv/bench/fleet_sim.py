@@ -15,8 +15,9 @@ prompt takes several steps), and one decode token of every running request.  A s
 a request's match found below the pool (``load_s_per_token`` of the CPU tier, a peer, a shared
 tier) + ``decode_step_s + decode_s_per_seq x running`` (when anything decodes).  Between prefills,
 decodes advance fluidly at one token a decode step.  A request's prefix is matched when its prefill
-starts (what an earlier request of the same step computes is not there yet, as in vLLM), its full
-blocks enter the pool when its prefill ends, and it holds its pages until its last token.  TTFT is
+starts; its full blocks enter the pool (and the index, by their KV events) as a step schedules their
+tokens, as vLLM's V1 scheduler caches them (``KVCacheManager.allocate_slots``), so a request
+scheduled after it in the same step reuses them; it holds its pages until its last token.  TTFT is
 the end of the request's last prefill step less its arrival.  Costs come from a ``CostModel``
 profile (``radixkv.fleet.routing.PROFILES``: ``vllm-cpu`` fitted to this project's vLLM-CPU
 measurements, ``h100-8b`` from published numbers).
@@ -304,6 +305,21 @@ class _Instance:
         r.started = True
         return load_s
 
+    def commit(self, r: SimRequest, upto: int) -> None:
+        """``r``'s first ``upto`` full blocks enter the pool now that a step has scheduled their
+        tokens (vLLM's scheduler caches a request's blocks when it schedules them, so a request
+        scheduled after it, in the same step or later, reuses them); ``r`` holds them."""
+        m = r.hold
+        held = len(m.pages)
+        if upto <= held or r.pages is None:
+            return
+        n = upto - held
+        with self._held_writer():
+            self.cache.insert(r.blocks[:upto], [*m.pages.tolist(), *r.pages[:n].tolist()])
+            r.hold = self.cache.match(r.blocks[:upto], leave_last=False)
+            self.cache.release(m)
+        r.pages = r.pages[n:]
+
     def finish_prefill(self, r: SimRequest) -> None:
         """``r``'s prefill ended: its full blocks enter the pool (what another request put there
         meanwhile is freed), and it holds them until its last token."""
@@ -343,6 +359,7 @@ class _Instance:
                 r.remaining -= take
                 budget -= take
                 tokens += take
+                self.commit(r, min((r.tokens - r.remaining) // f.block_tokens, full_blocks(r, f.block_tokens)))
                 if r.remaining:
                     break
                 done.append(self.waiting.popleft())

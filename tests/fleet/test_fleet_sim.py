@@ -238,3 +238,19 @@ def test_a_prefix_another_instance_computed_is_loaded_not_recomputed(where: str)
     medium = "PEER" if where == "p2p" else "SHARED"
     want = MODEL.fixed_s + MODEL.load(medium, 31 * bt) + MODEL.prefill(bt)
     assert other["ttft"][1] == pytest.approx(want) and other["hit"] == 31 / 64
+
+
+@settings(max_examples=30, deadline=None)
+@given(same=st.integers(2, 6), prefix_blocks=st.integers(1, 40), question=st.integers(1, 300),
+       budget=st.sampled_from([512, 2048, 8192]))
+def test_a_request_scheduled_after_another_reuses_the_blocks_that_step_computes(same: int, prefix_blocks: int,
+                                                                               question: int, budget: int) -> None:
+    """As vLLM's scheduler caches a request's blocks when it schedules their tokens, requests of
+    one prefix arriving together on one instance compute it once: the first computes the prefix,
+    every later one reuses it, in the same step or the next (the budget permitting)."""
+    bt = 16
+    blocks = list(range(1, prefix_blocks + 1))
+    reqs = [SimRequest(i, 0.0, blocks + [10_000 + i] * (-(-question // bt)), prefix_blocks * bt + question, 1)
+            for i in range(same)]
+    out = run(reqs, bt, budget=budget)          # (simulate runs copies: its answer says what each reused)
+    assert out["hit"] == pytest.approx((same - 1) * prefix_blocks * bt / sum(r.tokens for r in reqs))
