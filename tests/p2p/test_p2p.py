@@ -491,6 +491,22 @@ def test_a_departed_readers_pins_end_when_the_controller_says_it_left() -> None:
     assert other.pin != mine.pin
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until every thread of process ``pid`` is stopped (state T in /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue                  # a thread that just ended
+        if states and all(st in ("T", "t") for st in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("transport", ["zmq", "nixl"])
 def test_a_stopped_peer_costs_a_request_at_most_remote_timeout(fleet: Fleet, transport: str) -> None:
     """A peer that is alive but stopped (SIGSTOP: its sockets open, nothing answers) costs a request
@@ -518,6 +534,7 @@ def test_a_stopped_peer_costs_a_request_at_most_remote_timeout(fleet: Fleet, tra
     refs = refs[1:]
     pid = fleet.procs["a"].pid
     os.kill(pid, signal.SIGSTOP)
+    _wait_stopped(pid)            # kill() returns before the stop: a running thread could still answer
     try:
         t0 = time.monotonic()
         req = cache.open(prompt)                                    # the request's own deadline
