@@ -273,7 +273,6 @@ def load_times(report: Report, prefix: int, chunk: int, repeat: int) -> None:
     with moto_with_bucket("radixkv-codec-bench") as server:
         host, port = server.endpoint_url.removeprefix("http://").split(":")
         with FaultyProxy((host, int(port)), mode="pass") as proxy:
-            links = LINKS
             for name in NAMES:
                 ns = Namespace(model=f"bench-{uuid.uuid4().hex[:8]}").bind(layout)
                 tier = S3Tier("radixkv-codec-bench", "b", endpoint_url=proxy.url)
@@ -284,7 +283,7 @@ def load_times(report: Report, prefix: int, chunk: int, repeat: int) -> None:
                 stack.flush()
                 stored = stack.stats()["tier_bytes_stored"][0]
                 row = [name, f"{stored / 2**20:.1f}"]
-                for _, mode, rate in links:
+                for _, mode, rate in LINKS:
                     proxy.mode = mode
                     proxy.rate_bytes_s = rate or 1e12
 
@@ -298,7 +297,7 @@ def load_times(report: Report, prefix: int, chunk: int, repeat: int) -> None:
                 proxy.mode = "pass"
                 stack.close()
                 rows.append(row)
-    _table(report, ["codec", "stored MiB", *[f"{label} (ms)" for label, _, _ in links]], rows)
+    _table(report, ["codec", "stored MiB", *[f"{label} (ms)" for label, _, _ in LINKS]], rows)
 
 
 def peer_load_times(report: Report, prefix: int, chunk: int, repeat: int) -> None:
@@ -320,7 +319,6 @@ def peer_load_times(report: Report, prefix: int, chunk: int, repeat: int) -> Non
            f"load, 'kept' with them kept (a hot prefix: coded once for every reader)")
     secret = secrets.token_hex(16)
     ns = Namespace(model=f"bench-peer-{uuid.uuid4().hex[:8]}").bind(layout)
-    links = LINKS
     rows = []
     with Controller("tcp://127.0.0.1:0", secret) as controller:
         cpu = CpuTier(4 * prefix * layout.token_bytes)
@@ -362,7 +360,7 @@ def peer_load_times(report: Report, prefix: int, chunk: int, repeat: int) -> Non
                 load()
                 sent = peer.stats()["bytes_read"] - before
                 row = [name, f"{sent / 2**20:.1f}"]
-                for _, mode, rate in links:
+                for _, mode, rate in LINKS:
                     proxy.mode = mode
                     proxy.rate_bytes_s = rate or 1e12
 
@@ -380,7 +378,7 @@ def peer_load_times(report: Report, prefix: int, chunk: int, repeat: int) -> Non
                 rows.append(row)
         server.close()
     head = ["codec", "sent MiB"]
-    for label, _, _ in links:
+    for label, _, _ in LINKS:
         head += [f"{label}: coded on request (ms)", f"{label}: kept (ms)"]
     _table(report, head, rows)
 

@@ -544,7 +544,7 @@ def join(tiers: list[Tier], namespace: Namespace, *, controller: str, secret: by
     warning.  ``codec``: what the peer tier asks peers to code their blobs with (``PeerTier``'s).
     Cost: a socket bind and, with NIXL, one registration of the CPU tier's arena."""
     from radixkv.backends.cpu import CpuTier
-    from radixkv.p2p.tier import PeerTier
+    from radixkv.p2p.tier import DEFAULT_TIMEOUT_S, PeerTier
     from radixkv.p2p.transport import available
 
     instance = instance or f"{socket.gethostname()}-{os.getpid()}"
@@ -557,6 +557,6 @@ def join(tiers: list[Tier], namespace: Namespace, *, controller: str, secret: by
     node = Node(controller=controller, secret=secret, instance=instance,
                 address=address, transport=transport, cpu=cpu)
     peer = PeerTier(controller, secret, instance=instance, transport=transport, node=node, codec=codec,
-                    timeout_s=2.0 if timeout_s is None else timeout_s)
+                    timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     at = next((i for i, t in enumerate(tiers) if not t.local), len(tiers))
     return [*tiers[:at], peer, *tiers[at:]], node

@@ -60,6 +60,7 @@ __all__ = ["PeerTier"]
 log = logging.getLogger(__name__)
 _MAX_RETIRED = 4   # staging buffers left to an abandoned transfer before NIXL is given up for pyzmq
 _WINDOW_BYTES = 1 << 20   # the smallest staging buffer
+DEFAULT_TIMEOUT_S = 2.0   # the bound of a peer read without a caller's deadline
 
 
 class _Peer:
@@ -85,7 +86,7 @@ class PeerTier(Tier):
     peer = True
 
     def __init__(self, controller: str, secret: bytes | str | None = None, *, instance: str,
-                 transport: str = "zmq", node: Any = None, timeout_s: float = 2.0,
+                 transport: str = "zmq", node: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_remembered: int = 65536, staging_buffers: int = 4, codec: str | None = None) -> None:
         if transport not in ("nixl", "zmq"):
             raise ValueError(f"transport must be 'nixl' or 'zmq', got {transport!r}")
