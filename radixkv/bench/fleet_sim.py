@@ -37,9 +37,11 @@ Load: ``--loads`` are fractions of the fleet's capacity for the workload, the wo
 with the trace's infinite-cache hits (``ideal`` below) over ``instances x`` the trace's span: a
 policy that loses hits is past 100% at a load of 95%.
 
-Workloads: ``mooncake`` (a trace in the Mooncake FAST'25 format, ``--trace``: timestamps in ms,
-``input_length``, ``output_length``, chained 512-token ``hash_ids``, each id one fixed block; a seed
-takes another window of ``--requests``), and three synthetic ones of 64-token blocks, each with
+Workloads: ``mooncake`` (a trace in the Mooncake FAST'25 format, ``--trace``: timestamps in any
+unit (the load sets the time scale), ``input_length``, ``output_length``, chained ``hash_ids``, each
+id one fixed block of 512 tokens as in that release, or of ``--trace-block`` tokens, or of the size
+its rows' lengths say (``trace_block``: the 16-token blocks of other published traces); a seed takes
+another window of ``--requests``), and three synthetic ones of 64-token blocks, each with
 ``TENANTS`` tenants whose prefixes are three times a ``SYNTHETIC_POOL`` pool: ``tenants`` (the
 fleet benchmark's shape: 1,536-token system prompts and a 64-token question, Poisson arrivals),
 ``hot`` (768-2,048-token prompts, one tenant with half the requests, arriving in bursts of 6 at
@@ -122,17 +124,72 @@ def ideal_hits(requests: Sequence[SimRequest], block_tokens: int) -> list[int]:
 # -- workloads ---------------------------------------------------------------------------------
 
 
-def _mooncake(path: str, n: int, seed: int) -> tuple[list[SimRequest], int]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+#: Block sizes a trace's ``hash_ids`` may be counted in, the Mooncake release's first.
+TRACE_BLOCKS = (512, 16, 32, 64, 128, 256, 1024, 2048, 4096)
+_TRACE_FIELDS = "a Mooncake-format trace: one JSON object a line with timestamp, input_length, output_length, hash_ids"
+
+
+def read_trace(path: str) -> list[dict[str, Any]]:
+    """The rows of a Mooncake-format trace, checked: each a JSON object with a numeric
+    ``timestamp``, an int ``input_length`` >= 1, an int ``output_length`` >= 0 and a list
+    ``hash_ids`` (ids of any JSON scalar type), in the order of their timestamps (the file's order
+    among equal ones).  ``ValueError`` naming the line and field otherwise.  O(trace)."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--trace: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    rows = []
+    for k, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise ValueError(f"--trace: line {k} of {path} is not JSON ({_TRACE_FIELDS})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"--trace: line {k} of {path} is not a JSON object ({_TRACE_FIELDS})")
+        for name, ok in (("timestamp", lambda v: isinstance(v, (int, float)) and math.isfinite(v)),
+                         ("input_length", lambda v: isinstance(v, int) and v >= 1),
+                         ("output_length", lambda v: isinstance(v, int) and v >= 0),
+                         ("hash_ids", lambda v: isinstance(v, list) and all(
+                             isinstance(h, (int, str, float)) and not isinstance(h, bool) for h in v))):
+            if name not in row:
+                raise ValueError(f"--trace: line {k} of {path} has no {name!r} ({_TRACE_FIELDS})")
+            if isinstance(row[name], bool) or not ok(row[name]):
+                raise ValueError(f"--trace: line {k} of {path}: {name} {row[name]!r} is not valid ({_TRACE_FIELDS})")
+        rows.append(row)
     if not rows:
         raise ValueError(f"--trace: {path} holds no requests")
+    return sorted(rows, key=lambda r: r["timestamp"])
+
+
+def trace_block(rows: Sequence[dict[str, Any]]) -> int:
+    """The tokens a ``hash_ids`` entry stands for: the size in ``TRACE_BLOCKS`` for which the
+    most rows have ``ceil(input_length / size)`` ids (512, the Mooncake release's, on a tie).
+    O(rows x sizes)."""
+    def fits(size: int) -> int:
+        return sum(1 for r in rows if len(r["hash_ids"]) == -(-r["input_length"] // size))
+
+    return max(TRACE_BLOCKS, key=lambda size: (fits(size), size == 512))
+
+
+def _mooncake(path: str, n: int, seed: int, block: int | None = None) -> tuple[list[SimRequest], int]:
+    rows = read_trace(path)
+    bt = block or trace_block(rows)
     n = min(n, len(rows))
     start = (seed * n) % max(1, len(rows) - n + 1)
     rows = rows[start:start + n]
     t0 = rows[0]["timestamp"]
-    reqs = [SimRequest(i, (r["timestamp"] - t0) / 1000.0, list(map(int, r["hash_ids"])), int(r["input_length"]),
-                       max(1, int(r["output_length"]))) for i, r in enumerate(rows)]
-    return reqs, 512
+    # each id one fixed block: int ids as they are, others (strings, floats) numbered in order seen
+    ids: dict[Any, int] = {}
+    plain = all(isinstance(h, int) for r in rows for h in r["hash_ids"])
+
+    def block_of(h: Any) -> int:
+        return h if plain else ids.setdefault(h, len(ids))
+
+    reqs = [SimRequest(i, float(r["timestamp"] - t0), [block_of(h) for h in r["hash_ids"]],
+                       r["input_length"], max(1, r["output_length"])) for i, r in enumerate(rows)]
+    return reqs, bt
 
 
 def _synthetic(kind: str, n: int, seed: int) -> tuple[list[SimRequest], int]:
@@ -171,13 +228,15 @@ def _synthetic(kind: str, n: int, seed: int) -> tuple[list[SimRequest], int]:
     return reqs, bt
 
 
-def workload(kind: str, n: int, seed: int, trace: str | None = None) -> tuple[list[SimRequest], int]:
+def workload(kind: str, n: int, seed: int, trace: str | None = None,
+             trace_block_tokens: int | None = None) -> tuple[list[SimRequest], int]:
     """``(requests, block_tokens)`` of workload ``kind`` (see the module docstring); arrival times
-    are in the workload's own unit until ``scale_to_load`` sets them."""
+    are in the workload's own unit until ``scale_to_load`` sets them.  A trace's block size is
+    ``trace_block_tokens``, or what its rows say (``trace_block``)."""
     if kind == "mooncake":
         if trace is None:
             raise ValueError("--trace: the mooncake workload needs the trace's path")
-        return _mooncake(trace, n, seed)
+        return _mooncake(trace, n, seed, trace_block_tokens)
     return _synthetic(kind, n, seed)
 
 
@@ -623,12 +682,37 @@ def _grid(args: argparse.Namespace) -> Iterable[tuple[str, int, float, int]]:
                     yield kind, n, load, seed
 
 
+def _numbers(flag: str, text: str, kind: type, low: float) -> list[Any]:
+    """``--flag``'s comma-separated numbers, each at least ``low``; ``ValueError`` naming it."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag}: give {kind.__name__}s separated by commas, got {text!r}") from None
+    if not all(v >= low for v in values):
+        raise ValueError(f"{flag}: every value must be at least {low}, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command (see the module docstring): bad input (a trace, an argument, a table) is one
+    line on stderr and exit status 2."""
+    import sys
+
+    try:
+        return _main(argv)
+    except (ValueError, OSError) as exc:
+        print(f"python -m radixkv.bench fleet_sim: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     from radixkv.fleet.routing import POLICIES, PROFILES
 
     ap = argparse.ArgumentParser(prog="python -m radixkv.bench fleet_sim", description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="mooncake,tenants,hot,fleetwide")
     ap.add_argument("--trace", default=None, help="a Mooncake-format trace (JSON lines) for the mooncake workload")
+    ap.add_argument("--trace-block", type=int, default=None,
+                    help="tokens a trace's hash id stands for (default: as its rows' lengths say; 512 in Mooncake's)")
     ap.add_argument("--instances", default="4,8,16")
     ap.add_argument("--loads", default="0.5,0.8,0.95")
     ap.add_argument("--seeds", default="0,1,2")
@@ -655,7 +739,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.summarize:
-        print("\n".join(goals([line for t in args.summarize.split(",") for line in Path(t).read_text().splitlines()])))
+        lines = []
+        for table in args.summarize.split(","):
+            try:
+                lines += Path(table).read_text().splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"--summarize: cannot read {table}: {getattr(exc, 'strerror', None) or exc}") from None
+        print("\n".join(goals(lines)))
         return 0
     if args.calibrate:
         text = calibration_text(args.calibrate, args.decode_table)
@@ -664,9 +754,18 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(text + "\n")
         return 0
     args.workloads = args.workloads.split(",")
-    args.instances = [int(x) for x in args.instances.split(",")]
-    args.loads = [float(x) for x in args.loads.split(",")]
-    args.seeds = [int(x) for x in args.seeds.split(",")]
+    for kind in args.workloads:
+        if kind not in WORKLOADS:
+            raise ValueError(f"--workloads: unknown workload {kind!r} (one of {', '.join(WORKLOADS)})")
+    args.instances = _numbers("--instances", args.instances, int, 1)
+    args.loads = _numbers("--loads", args.loads, float, 1e-6)
+    args.seeds = _numbers("--seeds", args.seeds, int, 0)
+    for flag, value in (("--requests", args.requests), ("--trace-block", args.trace_block or 1),
+                        ("--budget", args.budget or 1)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    for kind in args.workloads:             # a bad trace is refused before anything is printed
+        workload(kind, 1, 0, args.trace, args.trace_block)
     policies = args.policies.split(",")
     for p in policies:
         if p not in POLICIES:
@@ -694,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, n, load, seed in _grid(args):
         pool = args.pool_tokens or (SYNTHETIC_POOL if kind != "mooncake" else 470_000)
         cpu = args.cpu_tokens if args.cpu_tokens is not None else pool
-        reqs, bt = workload(kind, args.requests, seed, args.trace)
+        reqs, bt = workload(kind, args.requests, seed, args.trace, args.trace_block)
         scale_to_load(reqs, bt, model, n, load)
         for policy in policies:
             s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,
@@ -717,7 +816,8 @@ def goals(lines: Sequence[str], default: str = "cost") -> list[str]:
     """The goals' check over a table's rows (means over seeds per workload, size and load): the
     default policy's TTFT p50, p95 and p99 each at most the best reference policy's (every other
     policy in the table) plus ``NOISE``, never above round-robin's, and its hit rate at least 90%
-    of ``prefix``'s.  One line per miss and a count.  Rows are kept apart by the run's
+    of ``prefix``'s.  One line per miss, each problem with the number of seeds on which the
+    default did worse than that policy (a miss on every seed is not one seed's noise), and a count.  Rows are kept apart by the run's
     configuration (its ``# profile`` line: pool, CPU tier, budget, p2p, ...), so a table of several
     runs checks each; a row repeated (same configuration, workload, size, load, seed and policy)
     replaces the earlier one: tables concatenated, a rerun's rows win.  O(rows)."""
@@ -743,14 +843,23 @@ def goals(lines: Sequence[str], default: str = "cost") -> list[str]:
         refs = {p: m for p, m in mean.items() if p != default}
         checked += 1
         problems = []
+
+        def seeds(ref: str, i: int, worse: Any) -> str:
+            """On how many of the seeds both ran the default did worse than ``ref`` on column ``i``."""
+            both = sorted(set(by_policy[default]) & set(by_policy[ref]))
+            k = sum(1 for s in both if worse(by_policy[default][s][i], by_policy[ref][s][i]))
+            return f"worse on {k} of {len(both)} seeds"
+
         for i, name in ((1, "p50"), (2, "p95"), (3, "p99")):
             best = min(refs, key=lambda p: refs[p][i])
             if mine[i] > refs[best][i] * (1 + NOISE):
-                problems.append(f"{name} {mine[i]:.3f} s > {best}'s {refs[best][i]:.3f} s")
+                problems.append(f"{name} {mine[i]:.3f} s > {best}'s {refs[best][i]:.3f} s "
+                                f"({seeds(best, i, lambda a, b: a > b)})")
             if "round_robin" in refs and mine[i] > refs["round_robin"][i]:
-                problems.append(f"{name} above round_robin's")
+                problems.append(f"{name} above round_robin's ({seeds('round_robin', i, lambda a, b: a > b)})")
         if "prefix" in refs and mine[0] < 0.9 * refs["prefix"][0]:
-            problems.append(f"hit {mine[0]:.1%} < 90% of prefix's {refs['prefix'][0]:.1%}")
+            problems.append(f"hit {mine[0]:.1%} < 90% of prefix's {refs['prefix'][0]:.1%} "
+                            f"({seeds('prefix', 0, lambda a, b: a < b)})")
         if problems:
             misses += 1
             where = f" [{key[0]}]" if several else ""

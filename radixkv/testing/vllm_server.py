@@ -15,6 +15,9 @@ attention needs a block size that is a multiple of 32.  ``VLLM_SERVER_DEV_MODE=1
 without it the directory needs one (``radixkv.testing.word_tokenizer`` writes one for a
 random-weight model) and text prompts work too.  A KV-event endpoint without a wildcard is one vLLM
 *connects* to: its consumer binds it (``radixkv.fleet.Follower.add(..., bind=True)``).
+``cpus`` pins the server and every process it starts to those CPU cores (its OpenMP threads: one
+a core), so that two servers on one machine do not share cores: unpinned, each runs as many
+threads as the machine has cores, and two of them busy at once oversubscribe it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Any
+from typing import Any, Sequence
 
 from radixkv.tools.s3server import free_port, stop_process
 
@@ -42,7 +45,13 @@ class VllmServer:
     def __init__(self, model: str, *, connector: dict[str, Any] | None = None, kv_events: str | None = None,
                  block_size: int = 128, max_model_len: int = 4096, port: int | None = None,
                  extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 start_timeout: float = 300.0, skip_tokenizer_init: bool = True) -> None:
+                 start_timeout: float = 300.0, skip_tokenizer_init: bool = True,
+                 cpus: Sequence[int] | None = None) -> None:
+        if cpus is not None:
+            cpus = sorted(set(cpus))
+            if not cpus or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus):
+                raise ValueError(f"cpus must be CPU core numbers (ints >= 0), got {cpus!r}")
+        self.cpus = cpus
         self.skip_tokenizer_init = skip_tokenizer_init
         self.model, self.connector, self.kv_events = model, connector, kv_events
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -53,8 +62,12 @@ class VllmServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
-        """The server's command line."""
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+        """The server's command line (with ``cpus``: pinned to them before it starts, by an
+        ``exec`` from a pinned Python, so no thread of it ever runs elsewhere)."""
+        pin = [] if self.cpus is None else [
+            sys.executable, "-c", f"import os, sys; os.sched_setaffinity(0, {set(self.cpus)!r}); "
+            "os.execv(sys.argv[1], sys.argv[1:])"]
+        cmd = [*pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
                "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--seed", "0"]
@@ -74,6 +87,8 @@ class VllmServer:
         the log's tail if it exits or does not answer in time."""
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false", **self.env}
+        if self.cpus is not None:
+            env.setdefault("OMP_NUM_THREADS", str(len(self.cpus)))
         if "ATEN_CPU_CAPABILITY" in env:
             # Forced to an older CPU's kernels, torch's inductor still generates C++ for the CPU it
             # sees and fails to compile it for vLLM's compiled sampler helpers: run them eagerly.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from radixkv.bench import fleet
 
@@ -30,3 +32,39 @@ def test_the_reuse_bound_counts_whole_shared_blocks_once_seen() -> None:
     # blocks of 4: the second prompt shares 8 tokens, the third none, the fourth 4
     assert fleet.reuse_bound(work, block=4) == pytest.approx((8 + 0 + 4) / (9 + 9 + 8 + 5))
     assert fleet.reuse_bound([(0.0, a), (0.1, a)], block=4) == pytest.approx(4 / 16), "never the last block"
+
+
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=64, unique=True), st.integers(1, 8),
+       st.sampled_from(("auto", "on", "off")))
+def test_pinning_gives_each_instance_cores_of_its_own(available: list[int], instances: int, pin: str) -> None:
+    if pin == "on" and len(available) < instances:
+        with pytest.raises(ValueError, match="--pin on"):
+            fleet.cores(instances, pin, available)
+        return
+    got = fleet.cores(instances, pin, available)
+    if pin == "off" or len(available) < instances:
+        assert got is None
+        return
+    assert got is not None and len(got) == instances
+    flat = [c for each in got for c in each]
+    assert len(flat) == len(set(flat)), "a core given twice"
+    assert set(flat) <= set(available) and all(len(each) == len(available) // instances for each in got)
+
+
+def test_pin_on_with_too_few_cores_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    assert fleet.main(["--pin", "on", "--instances", str(len(os.sched_getaffinity(0)) + 1)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--pin on" in err and "\n" not in err
+
+
+def test_a_pinned_server_runs_under_a_pinned_python_and_bad_cores_are_refused() -> None:
+    from radixkv.testing.vllm_server import VllmServer
+
+    cmd = VllmServer("model", cpus=[1, 0, 1]).command()
+    assert cmd[1] == "-c" and "sched_setaffinity(0, {0, 1})" in cmd[2] and "vllm.entrypoints.openai.api_server" in cmd
+    assert "-c" not in VllmServer("model").command()[:2]
+    for bad in ([], [-1], [True], ["0"]):
+        with pytest.raises(ValueError, match="cpus"):
+            VllmServer("model", cpus=bad)
