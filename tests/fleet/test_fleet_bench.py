@@ -68,3 +68,39 @@ def test_a_pinned_server_runs_under_a_pinned_python_and_bad_cores_are_refused() 
     for bad in ([], [-1], [True], ["0"]):
         with pytest.raises(ValueError, match="cpus"):
             VllmServer("model", cpus=bad)
+
+
+def test_ttft_is_timed_to_the_first_data_event_not_the_first_bytes() -> None:
+    """A server that sends a keep-alive comment at once and its first token 0.3 s later: the
+    bench's TTFT is the token's, and the request counts as served."""
+    import asyncio
+    import json
+
+    aiohttp_web = pytest.importorskip("aiohttp.web")
+
+    async def main() -> list[dict]:
+        async def completions(request: "aiohttp_web.Request") -> "aiohttp_web.StreamResponse":
+            await request.json()
+            resp = aiohttp_web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b": keep-alive\n\n")
+            await asyncio.sleep(0.3)
+            event = {"choices": [{"index": 0, "text": " a"}], "usage": {"prompt_tokens": 2}}
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+
+        app = aiohttp_web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = aiohttp_web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp_web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            return await fleet._drive(f"http://127.0.0.1:{port}", "m", [(0.0, [1, 2])], 1, None, None)
+        finally:
+            await runner.cleanup()
+
+    [res] = asyncio.run(main())
+    assert res["outcome"] == "served" and res["ttft"] >= 0.3, res
