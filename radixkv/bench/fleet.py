@@ -14,8 +14,8 @@ streamed with ``max_tokens=--max-tokens``.  The pools are too small for every te
 so where a tenant's requests go decides what stays cached.
 
 Per policy (``--policies``, default ``cost`` (the router's default, with ``--cost-profile
-vllm-cpu``), ``prefix``, ``cache_aware``, ``round_robin``; each on prompts of its own, so no run
-inherits another's cache; ``--burst N`` sends one tenant's requests N at once, each burst a
+vllm-cpu``), ``prefix``, ``cache_aware``, ``round_robin``; every policy on the same prompts, each on
+fresh instances, so no run inherits another's cache; ``--burst N`` sends one tenant's requests N at once, each burst a
 Poisson arrival): the **prefix hit rate** from vLLM's own counters summed over the
 instances (``vllm:prefix_cache_hits`` / ``queries``: the GPU pool; ``+ tiers`` adds the
 connector's, ``vllm:external_prefix_cache_hits``), TTFT p50/p95/p99 at the client (its first
@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-tier-mb", type=float, default=16.0)
     p.add_argument("--balance-abs", type=int, default=2, help="the router's --balance-abs (in flight per instance)")
     p.add_argument("--balance-rel", type=float, default=1.5, help="the router's --balance-rel")
+    p.add_argument("--affinity", type=float, default=None,
+                   help="radixkv's router's --affinity for its cost policy (default: by load)")
     p.add_argument("--seed", type=parse_seeds, default=[0], help="a seed, or several separated by commas")
     p.add_argument("--policies", default=",".join(POLICIES), help="the router policies to run, in order")
     p.add_argument("--routers", type=parse_routers, default=None,
@@ -247,6 +249,8 @@ def _start_router(args: argparse.Namespace, urls: list[str], events: list[str], 
         cmd = [sys.executable, "-m", "radixkv", "route", "--port", str(port), "--policy", spec.policy,
                "--cost-profile", "vllm-cpu", "--block-size", str(BLOCK), "--balance-abs", str(args.balance_abs),
                "--balance-rel", str(args.balance_rel)]
+        if args.affinity is not None:
+            cmd += ["--affinity", str(args.affinity)]
         for url, ep in zip(urls, events):
             cmd += ["--backend", url, "--events", ep]
         if tokenizer is not None:
@@ -398,26 +402,23 @@ def main(argv: list[str] | None = None) -> int:
         report.save(args.out)
         return 0
     for seed in args.seed:
-        events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
-        servers = _servers(args, model, events, tokenizer=False)
-        t0 = time.perf_counter()
-        for s in servers:
-            s.start()
-        report(f"# servers up in {time.perf_counter() - t0:.0f} s")
-        rows = []
+        # every policy on the same prompts, each on fresh instances (the same cold state)
+        work = _workload(args, seed, 0)
+        rows, ups = [], []
         policies = args.policies.split(",")
         runs = [(p, False) for p in policies] + ([] if args.no_kill or args.instances < 2 else [(policies[0], True)])
-        try:
-            for run, (policy, kill) in enumerate(runs):
-                rows.append(_measure(args, model, servers, events, RouterSpec("radixkv", policy),
-                                     _workload(args, seed, run), log, kill=kill))
-        finally:
-            for s in servers:
-                s.stop()
-        if len(args.seed) > 1:
-            report()
-            report(f"## seed {seed}")
-        _table(report, rows)
+        for policy, kill in runs:
+            events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
+            servers = _servers(args, model, events, tokenizer=False)
+            ups.append(_start_all(servers))
+            try:
+                rows.append(_measure(args, model, servers, events, RouterSpec("radixkv", policy), work, log, kill=kill))
+            finally:
+                for s in servers:
+                    s.stop()
+        report()
+        report(f"## seed {seed}: servers up in {', '.join(f'{u:.0f}' for u in ups)} s")
+        _table(report, rows, reuse_bound(work))
     report.save(args.out)
     return 0
 
