@@ -130,6 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kill", action="store_true", help="skip the run with an instance killed")
     p.add_argument("--pin", choices=("auto", "on", "off"), default="auto",
                    help="give each instance cores of its own (auto: when the machine has one per instance)")
+    p.add_argument("--dump", default=None, metavar="DIR",
+                   help="write each run's requests (arrival, TTFT, outcome, instance) to DIR as JSON lines")
     p.add_argument("--out", default=None)
     return p
 
@@ -203,6 +205,7 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
                     "model": model, "prompt": words(prompt) if as_text else prompt, "max_tokens": max_tokens,
                     "stream": True,
                     "stream_options": {"include_usage": True}}) as r:
+                res["instance"] = r.headers.get("X-Radixkv-Instance")     # radixkv's router names it
                 if r.status != 200:
                     res.update(outcome="error", status=r.status)
                     await r.read()
@@ -299,13 +302,15 @@ def _servers(args: argparse.Namespace, model: str, events: list[str], tokenizer:
             for ep, cpus in zip(events, pinned)]
 
 
-def _start_all(servers: list[Any]) -> float:
-    """Start ``servers`` in parallel (all stopped if one fails); the seconds it took."""
+def _start_all(servers: list[Any], text: bool = False) -> float:
+    """Start ``servers`` in parallel (all stopped if one fails) and warm each up; the seconds it took."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(servers)) as pool:
         futures = [pool.submit(s.start) for s in servers]
         try:
             for f in futures:
+                f.result()
+            for f in [pool.submit(_warm, s, text) for s in servers]:
                 f.result()
         except BaseException:
             for s in servers:
@@ -314,9 +319,29 @@ def _start_all(servers: list[Any]) -> float:
     return time.perf_counter() - t0
 
 
+#: The warm-up prompt: a token id the workload never draws (its ids are 1-998), as long as a request.
+WARM_ID, WARM_TOKENS = 999, 1600
+
+
+def _warm(server: Any, text: bool) -> None:
+    """One request straight to ``server`` (a fresh engine's first prefill pays for its first-time
+    allocations: without it the slowest request of a run was one of its first), then its prefix
+    cache emptied; before the router starts and before the counters are read, so neither sees it."""
+    from radixkv.testing.word_tokenizer import words
+
+    prompt: Any = [WARM_ID] * WARM_TOKENS
+    body = json.dumps({"model": server.model, "prompt": words(prompt) if text else prompt, "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        r.read()
+    server.reset_prefix_cache()
+
+
 def _measure(args: argparse.Namespace, model: str, servers: list[Any], events: list[str], spec: RouterSpec,
-             work: list[tuple[float, list[int]]], log: str, kill: bool = False, text: bool = False) -> dict[str, Any]:
-    """One run of ``work`` through ``spec``'s router in front of ``servers``: its table row."""
+             work: list[tuple[float, list[int]]], log: str, kill: bool = False, text: bool = False,
+             seed: int = 0) -> dict[str, Any]:
+    """One run of ``work`` through ``spec``'s router in front of ``servers``: its table row (and,
+    with ``--dump``, its requests in ``DIR/<router>-seed<seed>.jsonl``)."""
     from radixkv.tools.s3server import free_port, stop_process
 
     port = free_port()
@@ -332,6 +357,13 @@ def _measure(args: argparse.Namespace, model: str, servers: list[Any], events: l
         routed = _get(f"http://127.0.0.1:{port}/metrics") if spec.kind == "radixkv" else ""
     finally:
         stop_process(router)
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        name = spec.name.replace(":", "_") + ("-killed" if kill else "")
+        with open(os.path.join(args.dump, f"{name}-seed{seed}.jsonl"), "w") as f:
+            for (at, prompt), res in zip(work, results):
+                f.write(json.dumps({"arrival": at, "tokens": len(prompt), "outcome": res.get("outcome"),
+                                    "ttft": res.get("ttft"), "instance": res.get("instance")}) + "\n")
     if text:
         _check_prompt_tokens(work, results)
     row = _row(spec.name if text else spec.policy + (" (instance killed)" if kill else ""),
@@ -389,9 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             for spec in args.routers:
                 events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
                 servers = _servers(args, model, events, tokenizer=True)
-                up = _start_all(servers)
+                up = _start_all(servers, text=True)
                 try:
-                    rows.append({**_measure(args, model, servers, events, spec, work, log, text=True), "up": up})
+                    row = _measure(args, model, servers, events, spec, work, log, text=True, seed=seed)
+                    rows.append({**row, "up": up})
                 finally:
                     for s in servers:
                         s.stop()
@@ -404,20 +437,22 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seed:
         # every policy on the same prompts, each on fresh instances (the same cold state)
         work = _workload(args, seed, 0)
-        rows, ups = [], []
+        rows = []
+        times: list[float] = []
         policies = args.policies.split(",")
         runs = [(p, False) for p in policies] + ([] if args.no_kill or args.instances < 2 else [(policies[0], True)])
         for policy, kill in runs:
             events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
             servers = _servers(args, model, events, tokenizer=False)
-            ups.append(_start_all(servers))
+            times.append(_start_all(servers))
             try:
-                rows.append(_measure(args, model, servers, events, RouterSpec("radixkv", policy), work, log, kill=kill))
+                rows.append(_measure(args, model, servers, events, RouterSpec("radixkv", policy), work, log, kill=kill,
+                                     seed=seed))
             finally:
                 for s in servers:
                     s.stop()
         report()
-        report(f"## seed {seed}: servers up in {', '.join(f'{u:.0f}' for u in ups)} s")
+        report(f"## seed {seed}: servers up in {', '.join(f'{u:.0f}' for u in times)} s")
         _table(report, rows, reuse_bound(work))
     report.save(args.out)
     return 0

@@ -31,6 +31,7 @@ Contract:
   a byte, is retried on the next candidate (each instance once); when none is left the client gets
   a 503 with a JSON error.  A stream cut after bytes went out ends with an SSE ``error`` event and
   ``[DONE]``.  No request is lost silently: each is answered, and counted under its outcome.
+  An instance's answer carries ``X-Radixkv-Instance``: the instance's position in the list.
 * **Validation.**  A request an instance would choke on is answered 400 by the router and never
   forwarded: a body that is not a JSON object, a token-id prompt that is not a list of ints, an id
   outside the model's vocabulary, a prompt (or prompt and ``max_tokens``) longer than its context
@@ -57,9 +58,13 @@ from typing import Any, Callable, Sequence
 from radixkv.fleet.hashing import request_extra_keys, vllm_block_hashes
 from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser
 
-__all__ = ["Backend", "Router", "add_arguments", "main", "model_limits"]
+__all__ = ["INSTANCE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits"]
 
 log = logging.getLogger(__name__)
+
+#: The response header that names the instance that answered (its position in ``--backend``'s
+#: list, not its address): what a client or a benchmark reads to see where a request went.
+INSTANCE_HEADER = "X-Radixkv-Instance"
 
 
 class Router:
@@ -326,9 +331,11 @@ class Router:
                     if r.status >= 500:
                         return None if r.status in (502, 503) else web.Response(
                             status=r.status, body=data, content_type=r.content_type)
-                    return web.Response(status=r.status, body=data, content_type=r.content_type)
+                    return web.Response(status=r.status, body=data, content_type=r.content_type,
+                                        headers={INSTANCE_HEADER: str(self.backends.index(backend))})
                 out = web.StreamResponse(status=200, headers={"Content-Type": r.headers.get(
-                    "Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+                    "Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
+                    INSTANCE_HEADER: str(self.backends.index(backend))})
                 await out.prepare(request)
                 async for piece in r.content.iter_any():
                     prefilled()

@@ -24,10 +24,19 @@ Contract:
     ``p2p``, any peer's that the index says holds it, not one the router only sent it to; with
     ``shared``, a shared tier every instance reads) plus
     computing the rest.  ``affinity`` >= 1 weighs the work a choice adds to the fleet above the
-    queue it waits in (1 is plain expected TTFT); by default it follows the load, from 1 when no
-    instance has prefill queued to ``AUTO_MAX`` when every one has: on an idle fleet a request
-    goes where it starts soonest, on a busy one the work it adds (which every later request
-    waits behind) counts more, so a prefix is computed once rather than on every instance.
+    queue it waits in (1 is plain expected TTFT); by default it follows the load
+    (``Chooser.load``: the fraction of instances with prefill queued, averaged over the last
+    ``LOAD_ARRIVALS`` arrivals an instance; sampled at arrivals, so on Poisson arrivals the time
+    average), from 1 on an idle fleet to ``AUTO_MAX`` on one where every instance always has a
+    queue: on a lightly loaded fleet a request goes where it starts soonest, on a busy one the work
+    it adds (which every later request waits behind) counts more, so a prefix is computed once
+    rather than on every instance.  The average, not the fraction at this moment: on two instances
+    that fraction is 1/2 whenever one of them works, so at 10% load a request waited behind
+    another tenant's cold prefill on its prefix's holder rather than compute the prefix on the idle
+    instance.  What another instance is computing for this prompt right now (the router sent it
+    there, the index does not show it yet) is weighed by the load at this moment, ``1 + (AUTO_MAX -
+    1) x`` the fraction busy now, if that is more: computing it again doubles work already under
+    way, so a burst follows its first request on a lightly loaded fleet too.
     An instance with nothing in flight weighs its work at ``(1 + affinity) / 2``: work on an idle
     instance delays only what arrives there while it runs, not a queue, so a hot prefix spreads to
     idle instances instead of queueing on its holder; but at high load an idle instance does not
@@ -71,6 +80,10 @@ POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_ro
 
 #: The cost policy's affinity when every instance has prefill queued (``affinity=None``).
 AUTO_MAX = 4.0
+
+#: Arrivals per instance over which the cost policy averages the fleet's load (``Chooser.load``:
+#: each arrival moves it ``1 / (LOAD_ARRIVALS x instances)`` of the way to the fraction busy now).
+LOAD_ARRIVALS = 8
 
 #: Dynamo's published overlap credit per medium (its KV router documentation).
 DYNAMO_CREDIT = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
@@ -289,6 +302,7 @@ class Chooser:
             Recent(ttl_s=60.0, settle_s=60.0) if policy == "cache_aware" else Recent())
         self._rr = itertools.count()
         self._tie_turn = 0
+        self.load = 0.0             # the fraction of instances with prefill queued, averaged over arrivals
         self._random = random.Random(seed)
 
     # -- what happens to a request -------------------------------------------------------------
@@ -423,12 +437,17 @@ class Chooser:
             reach[inst] = max(reach.get(inst, 0), h)
         shared = min(self.shared(names) * bs, tokens) if self.shared is not None and names else 0
         peers = sorted(((h, inst) for inst, h in reach.items()), reverse=True)
+        # what an instance is computing for this prompt right now: sent to it, not yet in the index
+        pending = {inst: min(match.blocks * bs, tokens) for inst, match in held.items()
+                   if match.blocks > (indexed[inst].blocks if inst in indexed else 0)}
         scored = []
         turn = self._tie_turn
-        affinity = self.affinity
+        affinity = now_affinity = self.affinity
         if affinity is None:        # by load: 1 on an idle fleet, AUTO_MAX when every instance has a queue
             busy = sum(1 for b in up if b.queued_tokens) / len(up)
-            affinity = 1.0 + (AUTO_MAX - 1.0) * busy
+            self.load += (busy - self.load) / (LOAD_ARRIVALS * len(up))
+            affinity = 1.0 + (AUTO_MAX - 1.0) * self.load
+            now_affinity = 1.0 + (AUTO_MAX - 1.0) * busy
         for i, b in enumerate(up):
             mine = list(offers.get(b.name, ()))
             if self.p2p:
@@ -443,7 +462,12 @@ class Chooser:
             decode_s = steps * m.decode_s(b.decoding)
             # an idle instance's work delays only what arrives there while it runs, not a queue
             weight = affinity if b.in_flight else (1.0 + affinity) / 2
-            scored.append((queue_s + decode_s + weight * own_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
+            # computing what another instance is computing for this prompt right now doubles work
+            # already under way: weighed by the load at this moment, not the average (a burst on a
+            # lightly loaded fleet follows its first request rather than compute it on every instance)
+            dup = max((h for inst, h in pending.items() if inst != b.name), default=0) - reused
+            dup_s = max(0.0, now_affinity - weight) * m.prefill(dup) if dup > 0 else 0.0
+            scored.append((queue_s + decode_s + weight * own_s + dup_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
         if len(scored) > 1 and scored[0][:3] == scored[1][:3]:      # the turn broke a tie: it moves on
             self._tie_turn += 1

@@ -190,9 +190,11 @@ def test_plain_and_streaming_requests_are_proxied_and_counted() -> None:
     async def body(client: TestClient, router: Router, urls: list[str]) -> None:
         r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
         assert r.status == 200 and (await r.json())["backend"] == "a"
+        assert r.headers["X-Radixkv-Instance"] == "0", "the answer names its instance by position"
         r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "stream": True})
         text = await r.text()
         assert r.status == 200 and text.count("data:") == 4 and '"backend": "b"' in text and text.endswith("[DONE]\n\n")
+        assert r.headers["X-Radixkv-Instance"] == "1"
         r = await client.post("/v1/chat/completions", json={"messages": [], "stream": False})
         assert (await r.json())["backend"] == "a"
         assert (await client.get("/v1/models")).status == 200

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from radixkv.fleet.index import MEDIA, Match
-from radixkv.fleet.routing import AUTO_MAX, PROFILES, Backend, Chooser, CostModel, Recent
+from radixkv.fleet.routing import AUTO_MAX, LOAD_ARRIVALS, PROFILES, Backend, Chooser, CostModel, Recent
 
 MODEL = CostModel(prefill_s_per_token=1e-4, fixed_s=0.01,
                   load_s_per_token={"GPU": 0.0, "CPU": 1e-5, "STORAGE": 5e-5, "PEER": 2e-5, "SHARED": 3e-5},
@@ -52,26 +52,45 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
         b.healthy = data.draw(st.booleans(), label="healthy")
     held = {b.name: Match(data.draw(st.integers(1, 50)), data.draw(st.sampled_from(MEDIA)))
             for b in fleet if data.draw(st.booleans(), label="holds")}
+    # what the router has just sent where (its blocks: on the GPU once computed, not yet in the index)
+    sent = {b.name: data.draw(st.integers(1, 50)) for b in fleet if data.draw(st.booleans(), label="sent")}
     names = list(range(tokens // bs))
     chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, affinity=affinity, p2p=p2p,
                       shared=(lambda ns: shared) if shared else None, budget=budget)
+    chooser.recent.lookup = lambda ns, now: {k: min(v, len(ns)) for k, v in sent.items() if min(v, len(ns))}  # type: ignore[method-assign]
+    chooser.load = load = data.draw(st.floats(0.0, 1.0), label="load so far")
     choice = chooser.choose(fleet, tokens, names, now=0.0)
     up = [b for b in fleet if b.healthy] or fleet
     assert choice.why == "cost" and sorted(b.name for b in choice.order) == sorted(b.name for b in up)
+    now_affinity = affinity
     if affinity is None:
-        affinity = 1.0 + (AUTO_MAX - 1.0) * sum(1 for b in up if b.queued_tokens) / len(up)
+        # the load: the fraction of instances with prefill queued, averaged over LOAD_ARRIVALS per instance
+        busy = sum(1 for b in up if b.queued_tokens) / len(up)
+        load += (busy - load) / (LOAD_ARRIVALS * len(up))
+        assert chooser.load == pytest.approx(load)
+        affinity = 1.0 + (AUTO_MAX - 1.0) * load
+        now_affinity = 1.0 + (AUTO_MAX - 1.0) * busy          # duplicated work: the load at this moment
     held_here = held if names else {}
+    sent_here = {k: min(v, len(names)) for k, v in sent.items() if min(v, len(names))}
+    # an instance holds what the index says or, on the GPU, what it was just sent, if that is more
+    mine = {**held_here, **{k: Match(v, "GPU") for k, v in sent_here.items()
+                            if k not in held_here or v > held_here[k].blocks}}
+    pending = {k: min(v * bs, tokens) for k, v in sent_here.items() if k not in held_here or v > held_here[k].blocks}
     shared_tokens = min(shared * bs, tokens) if shared and names else 0
 
     def cost(b: Backend) -> tuple[float, int]:
+        # a peer loads only what the index says another instance holds (what was just sent is not there yet)
         peer = max((min(m.blocks * bs, tokens) for inst, m in held_here.items() if inst != b.name), default=0) if p2p else 0
-        own, reused = expected_own(tokens, held_here.get(b.name), peer, shared_tokens, bs)
+        own, reused = expected_own(tokens, mine.get(b.name), peer, shared_tokens, bs)
         weight = affinity if b.in_flight else (1.0 + affinity) / 2   # an idle instance: halfway to the affinity
+        # computing what another instance is computing for this prompt now: weighed by the load at this moment
+        dup = max((h for inst, h in pending.items() if inst != b.name), default=0) - reused
+        extra = max(0.0, now_affinity - weight) * MODEL.prefill_s_per_token * dup if dup > 0 else 0.0
         decoding = b.in_flight - b.waiting
         # each step until its prefill ends (budget tokens a step) also decodes the running requests
         steps = max(1, math.ceil((b.queued_tokens + tokens - reused) / budget))
         decode = steps * (MODEL.decode_step_s + MODEL.decode_s_per_seq * decoding) if decoding else 0.0
-        return MODEL.prefill_s_per_token * b.queued_tokens + decode + weight * own, reused
+        return MODEL.prefill_s_per_token * b.queued_tokens + decode + weight * own + extra, reused
 
     costs = [cost(b) for b in choice.order]
     assert all(costs[i][0] <= costs[i + 1][0] + 1e-12 for i in range(len(costs) - 1)), "in the order of expected TTFT"
@@ -298,3 +317,21 @@ def test_with_p2p_what_was_only_sent_is_not_a_load_for_peers() -> None:
     chooser.lookup = lambda _: {first.order[0].name: Match(2048 // 16, "GPU")}
     third = chooser.choose(fleet, length, names, now=0.0)
     assert third.order[0] is not first.order[0] and third.promised == 2048
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 16), busy=st.lists(st.booleans(), min_size=1, max_size=16), arrivals=st.integers(1, 400))
+def test_the_load_is_the_busy_fraction_averaged_over_arrivals(n: int, busy: list[bool], arrivals: int) -> None:
+    """Under a steady busy fraction the cost policy's load moves toward it and never past it; it
+    takes about LOAD_ARRIVALS arrivals an instance (a burst alone does not make a fleet busy)."""
+    fleet = backends(n)
+    for b, queued in zip(fleet, busy * n):
+        b.queued_tokens, b.waiting, b.in_flight = (64, 1, 1) if queued else (0, 0, 0)
+    target = sum(1 for b in fleet if b.queued_tokens) / n
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
+    last = chooser.load
+    for _ in range(arrivals):
+        chooser.choose(fleet, 64, [1, 2, 3, 4], now=0.0)
+        assert last <= chooser.load <= target + 1e-12, "toward the busy fraction, never past it"
+        last = chooser.load
+    assert chooser.load == pytest.approx(target * (1 - (1 - 1 / (LOAD_ARRIVALS * n)) ** arrivals))
