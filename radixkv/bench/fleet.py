@@ -6,7 +6,9 @@ Command that produced ``benchmarks/results/fleet_cpu.txt``::
 
 ``--instances`` (2) ``vllm serve`` processes on vLLM's CPU build (a random-weight Llama, fp32,
 block 128, a pool of ``--pool-blocks`` blocks each, radixkv's connector with a CPU tier of
-``--cpu-tier-mb``, KV events on), behind ``python -m radixkv route`` (its own process, following
+``--cpu-tier-mb``, KV events on; each pinned to cores of its own, ``--pin``, and warmed up by one
+request of a token id the workload never draws, its prefix cache emptied after), behind
+``python -m radixkv route`` (its own process, following
 every instance's events).  A multi-tenant workload: ``--tenants`` system prompts of
 ``--system-tokens`` tokens, each request one of them (uniformly) and a new ``--question-tokens``
 question, ``--requests`` requests arriving as a Poisson process of ``--rate`` per second,

@@ -487,8 +487,9 @@ class Chooser:
                       min(runs.get(smallest.name, 0) * self.block_size, tokens), names)
 
     def check(self, backends: Sequence[Backend]) -> None:
-        """Assert the counters' invariants and ``Recent``'s.  O(instances + names)."""
+        """Assert the counters' invariants, the load's range and ``Recent``'s.  O(instances + names)."""
         assert len({b.name for b in backends}) == len(backends), "an instance named twice"
+        assert 0.0 <= self.load <= 1.0, f"the load {self.load} is not a fraction"
         for b in backends:
             assert b.in_flight >= 0 and b.queued_tokens >= 0 and b.active_tokens >= 0, f"a negative count on {b.name}"
             assert b.in_flight or not (b.queued_tokens or b.active_tokens), f"tokens counted on idle {b.name}"
