@@ -442,8 +442,9 @@ class Chooser:
                    if match.blocks > (indexed[inst].blocks if inst in indexed else 0)}
         scored = []
         turn = self._tie_turn
-        affinity = now_affinity = self.affinity
-        if affinity is None:        # by load: 1 on an idle fleet, AUTO_MAX when every instance has a queue
+        if self.affinity is not None:
+            affinity = now_affinity = self.affinity
+        else:                       # by load: 1 on an idle fleet, AUTO_MAX when every instance has a queue
             busy = sum(1 for b in up if b.queued_tokens) / len(up)
             self.load += (busy - self.load) / (LOAD_ARRIVALS * len(up))
             affinity = 1.0 + (AUTO_MAX - 1.0) * self.load
