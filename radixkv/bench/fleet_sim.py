@@ -1,7 +1,7 @@
 """``python -m radixkv.bench fleet_sim``: routing policies on a simulated fleet, in virtual time.
 
-Why a simulator: two ``vllm serve`` on one 2-core machine share its cores, so their TTFT tails say
-more about the machine than the router; and no committed run can show 16 instances at 95% load.
+Why a simulator: a 2-core machine runs two ``vllm serve`` of a core each (``bench fleet --pin``), at
+one load, and no more: no committed run can show 16 instances at 95% load.
 Here each instance is independent, with its own radixkv ``PrefixCache`` as the model of its KV
 pool and CPU tier (real matches, real LRU evictions, the CPU tier filled by what the pool lets
 go), and the router's own policy code (``radixkv.fleet.routing.Chooser``) chooses, fed by a real
