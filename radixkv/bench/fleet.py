@@ -30,8 +30,10 @@ Side by side with sglang-router (commands that produced ``benchmarks/results/fle
 
     python -m radixkv.bench fleet --requests 96 --burst 6 --seed 0,1,2 --routers radixkv:cost,sglang:cache_aware,\
         sglang:cache_aware_low,radixkv:round_robin --out benchmarks/results/fleet_cpu_sglang_bursty.txt
-    python -m radixkv.bench fleet --requests 96 --seed 0,1 --routers radixkv:cost,sglang:cache_aware,\
+    python -m radixkv.bench fleet --requests 96 --seed 0,1,2 --routers radixkv:cost,sglang:cache_aware,\
         radixkv:round_robin --out benchmarks/results/fleet_cpu_sglang_spaced.txt
+    python -m radixkv.bench fleet --requests 288 --seed 0,1 --routers radixkv:cost,radixkv:round_robin \
+        --out benchmarks/results/fleet_cpu_spaced_288.txt
 
 ``--routers KIND:POLICY,...`` puts either radixkv's router (``radixkv:`` and one of its policies) or
 sglang-router (``sglang:cache_aware``, ``cache_aware_low`` — its ``cache_aware`` with the balance
