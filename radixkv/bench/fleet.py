@@ -67,6 +67,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from radixkv.bench import Report
+from radixkv.fleet.router import INSTANCE_HEADER
 
 POLICIES = ("cost", "prefix", "cache_aware", "round_robin")
 BLOCK = 128
@@ -209,7 +210,7 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
                     "model": model, "prompt": words(prompt) if as_text else prompt, "max_tokens": max_tokens,
                     "stream": True,
                     "stream_options": {"include_usage": True}}) as r:
-                res["instance"] = r.headers.get("X-Radixkv-Instance")     # radixkv's router names it
+                res["instance"] = r.headers.get(INSTANCE_HEADER)     # radixkv's router names it
                 if r.status != 200:
                     res.update(outcome="error", status=r.status)
                     await r.read()

@@ -129,15 +129,20 @@ TRACE_BLOCKS = (512, 16, 32, 64, 128, 256, 1024, 2048, 4096)
 _TRACE_FIELDS = "a Mooncake-format trace: one JSON object a line with timestamp, input_length, output_length, hash_ids"
 
 
+def _read_text(flag: str, path: str) -> str:
+    """The text of ``path``, or ``ValueError`` naming ``flag`` and why it cannot be read."""
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{flag}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
 def read_trace(path: str) -> list[dict[str, Any]]:
     """The rows of a Mooncake-format trace, checked: each a JSON object with a numeric
     ``timestamp``, an int ``input_length`` >= 1, an int ``output_length`` >= 0 and a list
     ``hash_ids`` (ids of any JSON scalar type), in the order of their timestamps (the file's order
     among equal ones).  ``ValueError`` naming the line and field otherwise.  O(trace)."""
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--trace: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    text = _read_text("--trace", path)
     rows = []
     for k, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -739,13 +744,8 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.summarize:
-        lines = []
-        for table in args.summarize.split(","):
-            try:
-                lines += Path(table).read_text().splitlines()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"--summarize: cannot read {table}: {getattr(exc, 'strerror', None) or exc}") from None
-        print("\n".join(goals(lines)))
+        print("\n".join(goals([line for table in args.summarize.split(",")
+                                for line in _read_text("--summarize", table).splitlines()])))
         return 0
     if args.calibrate:
         text = calibration_text(args.calibrate, args.decode_table)
@@ -760,9 +760,9 @@ def _main(argv: list[str] | None) -> int:
     args.instances = _numbers("--instances", args.instances, int, 1)
     args.loads = _numbers("--loads", args.loads, float, 1e-6)
     args.seeds = _numbers("--seeds", args.seeds, int, 0)
-    for flag, value in (("--requests", args.requests), ("--trace-block", args.trace_block or 1),
-                        ("--budget", args.budget or 1)):
-        if value < 1:
+    for flag, value in (("--requests", args.requests), ("--trace-block", args.trace_block),
+                        ("--budget", args.budget)):
+        if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     for kind in args.workloads:             # a bad trace is refused before anything is printed
         workload(kind, 1, 0, args.trace, args.trace_block)

@@ -323,6 +323,7 @@ class Router:
         from aiohttp import web
 
         out: Any = None
+        named = {INSTANCE_HEADER: str(self.backends.index(backend))}
         try:
             async with self._session.post(f"{backend.url}{path}", json=body) as r:
                 if not stream or r.status != 200:
@@ -331,11 +332,9 @@ class Router:
                     if r.status >= 500:
                         return None if r.status in (502, 503) else web.Response(
                             status=r.status, body=data, content_type=r.content_type)
-                    return web.Response(status=r.status, body=data, content_type=r.content_type,
-                                        headers={INSTANCE_HEADER: str(self.backends.index(backend))})
+                    return web.Response(status=r.status, body=data, content_type=r.content_type, headers=named)
                 out = web.StreamResponse(status=200, headers={"Content-Type": r.headers.get(
-                    "Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
-                    INSTANCE_HEADER: str(self.backends.index(backend))})
+                    "Content-Type", "text/event-stream"), "Cache-Control": "no-cache", **named})
                 await out.prepare(request)
                 async for piece in r.content.iter_any():
                     prefilled()

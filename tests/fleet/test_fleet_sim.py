@@ -301,6 +301,7 @@ def test_a_bad_trace_or_argument_is_one_line_and_exit_2(tmp_path: Path, capsys: 
     for argv, says in ((["--trace", str(tmp_path / "none.jsonl"), "--workloads", "mooncake"], "cannot read"),
                        (["--instances", "2,x"], "--instances"), (["--loads", "0"], "--loads"),
                        (["--workloads", "zipf"], "--workloads"), (["--requests", "0"], "--requests"),
+                       (["--trace-block", "0"], "--trace-block"), (["--budget", "0"], "--budget"),
                        (["--summarize", str(tmp_path / "none.txt")], "--summarize")):
         assert fleet_sim.main(argv) == 2
         out = capsys.readouterr()
