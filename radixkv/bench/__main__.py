@@ -6,6 +6,7 @@ import importlib
 import sys
 
 from radixkv.bench import BENCHMARKS as _CORE
+from radixkv.tools._args import Refused
 
 BENCHMARKS = (*_CORE, "vllm", "fleet", "p2p")   # vllm, fleet: need vLLM (radixkv[vllm]); p2p: radixkv[p2p]
 #: Commands whose module has another name (no module is named like a standard-library one).
@@ -18,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m radixkv.bench {{{','.join(BENCHMARKS)}}} [options]  (--help on each)")
         return 2
     module = importlib.import_module(f"radixkv.bench.{_MODULES.get(argv[0], argv[0])}")
-    return int(module.main(argv[1:]) or 0)
+    try:
+        return int(module.main(argv[1:]) or 0)
+    except Refused as exc:            # a bad flag or value: one line, never a usage block
+        print(exc, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from radixkv.bench import Report
+from radixkv.tools._args import Parser
 
 RATIOS = (0.0, 0.05, 0.15, 0.30, 1.0)
 
@@ -232,7 +233,7 @@ def trained(report: Report, steps: int, questions: int, seed: int, layers: int =
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (see the module docstring); 0 on success."""
-    parser = argparse.ArgumentParser(prog="python -m radixkv.bench blend", description=__doc__,
+    parser = Parser(prog="python -m radixkv.bench blend", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts-per-k", type=int, default=4)
     parser.add_argument("--docs", type=int, default=16, help="documents in the corpus (n)")

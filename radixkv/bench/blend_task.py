@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from radixkv.tools._args import Parser
+
 PAD, BOS, DOC, Q = 0, 1, 2, 3
 SYSTEM = [BOS, 4, 5, 6, 7]                  # the system prompt
 FACTS = 4                                   # facts per document
@@ -202,7 +204,7 @@ def trained(steps: int = 2000, seed: int = 0, log: Any = print, cache_dir: str |
 
 def main(argv: list[str] | None = None) -> int:
     """Train the model and print its full-prefill accuracy on a corpus; 0."""
-    parser = argparse.ArgumentParser(prog="python -m radixkv.bench.blend_task", description=__doc__,
+    parser = Parser(prog="python -m radixkv.bench.blend_task", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)

@@ -52,6 +52,7 @@ import torch
 
 from radixkv.core import ops
 from radixkv.bench import Report
+from radixkv.tools._args import Parser
 
 TARGET_OF_LIMIT = 0.80
 TARGET_OVER_LOOP = 3.0
@@ -67,7 +68,7 @@ class Variant(NamedTuple):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m radixkv.bench copy", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m radixkv.bench copy", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--pool-gib", type=float, default=2.5, help="pool size in GiB (default 2.5)")
     p.add_argument("--layers", type=int, default=32)

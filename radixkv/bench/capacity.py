@@ -31,7 +31,6 @@ a longer run).
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import Any
 from radixkv.bench import Report
 from radixkv.bench.policy import hit_rate
 from radixkv.tools.workloads import ChatWorkload, few_shot_workload, rag_workload
+from radixkv.tools._args import Parser
 
 POOLS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 TOLERANCE = 0.01            # one point of hit rate
@@ -128,7 +128,7 @@ def draw(rng: random.Random) -> Workload:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m radixkv.bench capacity", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv.bench capacity", description=__doc__.split("\n")[0])
     ap.add_argument("--cases", type=int, default=60, help="drawn workloads (each checked in every mode)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the report to this file")

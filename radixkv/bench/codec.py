@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from radixkv.bench import Report
+from radixkv.tools._args import Parser
 
 NAMES = ("none", "zstd", "int8", "cachegen")
 
@@ -390,7 +391,7 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m radixkv.bench codec", description=__doc__,
+    parser = Parser(prog="python -m radixkv.bench codec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunk", type=int, default=256, help="tokens per chunk (default 256)")
     parser.add_argument("--repeat", type=int, default=5)

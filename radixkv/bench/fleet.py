@@ -68,9 +68,12 @@ from typing import Any, NamedTuple
 
 from radixkv.bench import Report
 from radixkv.fleet.router import INSTANCE_HEADER
+from radixkv.tools._args import Parser, Refused
 
 POLICIES = ("cost", "prefix", "cache_aware", "round_robin")
 BLOCK = 128
+#: The model every instance serves: its context, in tokens (a prompt and its answer fit in it).
+CONTEXT = 4096
 #: sglang-router's policies, each with the arguments it adds to ``launch_router``
 SGLANG_POLICIES = {"cache_aware": (), "round_robin": (), "random": (), "power_of_two": (),
                    "cache_aware_low": ("--balance-abs-threshold", "2", "--balance-rel-threshold", "1.2")}
@@ -112,7 +115,7 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m radixkv.bench fleet", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m radixkv.bench fleet", description=__doc__.splitlines()[0])
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--tenants", type=int, default=12)
     p.add_argument("--system-tokens", type=int, default=1536)
@@ -302,7 +305,7 @@ def _servers(args: argparse.Namespace, model: str, events: list[str], tokenizer:
     pinned: list[list[int] | None] = list(given) if given is not None else [None] * len(events)
     return [VllmServer(model, connector={"chunk_size": 256, "local_cpu": True,
                                          "max_local_cpu_size": args.cpu_tier_mb / 1024},
-                       kv_events=ep, block_size=BLOCK, max_model_len=4096, skip_tokenizer_init=not tokenizer,
+                       kv_events=ep, block_size=BLOCK, max_model_len=CONTEXT, skip_tokenizer_init=not tokenizer,
                        extra_args=("--num-gpu-blocks-override", str(args.pool_blocks)), cpus=cpus)
             for ep, cpus in zip(events, pinned)]
 
@@ -388,13 +391,59 @@ def _check_prompt_tokens(work: list[tuple[float, list[int]]], results: list[dict
                 raise AssertionError(f"request {i}: the instance counted {got} prompt tokens, drawn {len(prompt)}")
 
 
+def refuse(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the first flag whose value the run cannot use, before anything starts
+    (no server, no file).  O(flags)."""
+    from radixkv.fleet.routing import POLICIES as RADIXKV_POLICIES
+
+    for flag, value, least in (("--instances", args.instances, 1), ("--tenants", args.tenants, 1),
+                               ("--system-tokens", args.system_tokens, 1), ("--question-tokens", args.question_tokens, 1),
+                               ("--requests", args.requests, 1), ("--max-tokens", args.max_tokens, 1),
+                               ("--pool-blocks", args.pool_blocks, 1), ("--balance-abs", args.balance_abs, 0),
+                               ("--burst", args.burst, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if not 0.0 < args.rate < float("inf"):
+        raise ValueError(f"--rate must be a finite number above 0, got {args.rate}")
+    if not 0.0 <= args.cpu_tier_mb < float("inf"):
+        raise ValueError(f"--cpu-tier-mb must be a finite number at least 0, got {args.cpu_tier_mb}")
+    if not 1.0 <= args.balance_rel < float("inf"):
+        raise ValueError(f"--balance-rel must be a finite number >= 1, got {args.balance_rel}")
+    if args.affinity is not None and not 1.0 <= args.affinity < float("inf"):
+        raise ValueError(f"--affinity must be a finite number >= 1, got {args.affinity}")
+    if args.system_tokens + args.question_tokens + args.max_tokens > CONTEXT:
+        raise ValueError(f"--system-tokens + --question-tokens + --max-tokens must fit the model's context of "
+                         f"{CONTEXT} tokens, got {args.system_tokens + args.question_tokens + args.max_tokens}")
+    if any(seed < 0 for seed in args.seed):
+        raise ValueError(f"--seed: seeds are at least 0, got {args.seed}")
+    for policy in args.policies.split(","):
+        if policy not in RADIXKV_POLICIES:
+            raise ValueError(f"--policies: unknown policy {policy!r} (one of {', '.join(RADIXKV_POLICIES)})")
+    if args.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise ValueError(f"--out: no folder to write {args.out!r} in")
+    if args.dump is not None and os.path.exists(args.dump) and not os.path.isdir(args.dump):
+        raise ValueError(f"--dump: {args.dump!r} is not a folder")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """The command (the module docstring): a refused flag or value is one line on stderr and exit
+    status 2, before any server starts; a SIGTERM stops the servers it started."""
     try:
+        args = _parser().parse_args(argv)
+        refuse(args)
         pinned = cores(args.instances, args.pin)
+    except Refused as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"python -m radixkv.bench fleet: {exc}", file=sys.stderr)
         return 2
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        # a SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C, so every started server is stopped
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from radixkv.integrations.transformers import random_model
     from radixkv.tools.s3server import free_port
     from radixkv.testing.word_tokenizer import save_word_tokenizer
@@ -403,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="radixkv-fleet-")
     model = os.path.join(tmp, "model")
     random_model("llama", seed=0, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                 intermediate_size=512, vocab_size=1000, max_positions=4096).save_pretrained(model)
+                 intermediate_size=512, vocab_size=1000, max_positions=CONTEXT).save_pretrained(model)
     pinning = ("unpinned: the instances share the machine's cores" if pinned is None else
                "each pinned to cores of its own: " + " | ".join(",".join(map(str, c)) for c in pinned))
     front = ("python -m radixkv route (--balance-abs {a} --balance-rel {r:g})" if args.routers is None else

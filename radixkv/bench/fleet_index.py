@@ -21,7 +21,6 @@ growth, per held block; and tracemalloc's count of everything the index keeps, f
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import time
@@ -35,6 +34,7 @@ from radixkv.core import ops
 from radixkv.fleet.events import BlockStored, EventBatch
 from radixkv.fleet.hashing import vllm_block_hashes
 from radixkv.fleet.index import Index
+from radixkv.tools._args import Parser
 
 
 def stored(hashes: list[int], parent: int | None, medium: str) -> EventBatch:
@@ -83,7 +83,7 @@ def rss() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m radixkv.bench fleet_index", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv.bench fleet_index", description=__doc__.split("\n")[0])
     ap.add_argument("--instances", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=100_000, help="distinct blocks per instance (1000000: the headline)")
     ap.add_argument("--prompt-blocks", type=int, default=2048)

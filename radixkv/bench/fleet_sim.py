@@ -63,6 +63,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generator, Iterable, Sequence
 
+from radixkv.tools._args import Parser, Refused
+
 __all__ = ["Fleet", "SimRequest", "fit_vllm_cpu", "fit_vllm_cpu_decode", "ideal_hits", "ideal_work", "scale_to_load", "simulate", "workload"]
 
 WORKLOADS = ("mooncake", "tenants", "hot", "fleetwide")
@@ -705,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _main(argv)
+    except Refused as exc:                  # argparse's own complaint, already one line with the prog
+        print(exc, file=sys.stderr)
+        return 2
     except (ValueError, OSError) as exc:
         print(f"python -m radixkv.bench fleet_sim: {exc}", file=sys.stderr)
         return 2
@@ -713,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     from radixkv.fleet.routing import POLICIES, PROFILES
 
-    ap = argparse.ArgumentParser(prog="python -m radixkv.bench fleet_sim", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv.bench fleet_sim", description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="mooncake,tenants,hot,fleetwide")
     ap.add_argument("--trace", default=None, help="a Mooncake-format trace (JSON lines) for the mooncake workload")
     ap.add_argument("--trace-block", type=int, default=None,
@@ -743,12 +748,21 @@ def _main(argv: list[str] | None) -> int:
                     help="with --calibrate: also fit bench vllm --decode's table (benchmarks/results/vllm_cpu_decode.txt)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.out is not None and not Path(args.out).resolve().parent.is_dir():
+        raise ValueError(f"--out: no folder {str(Path(args.out).resolve().parent)!r} to write {args.out!r} in")
+    if args.decode_table is not None and not args.calibrate:
+        raise ValueError("--decode-table: only with --calibrate")
     if args.summarize:
         print("\n".join(goals([line for table in args.summarize.split(",")
                                 for line in _read_text("--summarize", table).splitlines()])))
         return 0
     if args.calibrate:
-        text = calibration_text(args.calibrate, args.decode_table)
+        try:
+            text = calibration_text(args.calibrate, args.decode_table)
+        except (StopIteration, IndexError, KeyError, ValueError, ZeroDivisionError) as exc:
+            files = args.calibrate + (f" with --decode-table {args.decode_table}" if args.decode_table else "")
+            raise ValueError(f"--calibrate: cannot fit {files}: "
+                             f"{str(exc) or 'not a table bench vllm wrote (no TTFT, ms header)'}") from None
         print(text)
         if args.out:
             Path(args.out).write_text(text + "\n")
@@ -760,16 +774,17 @@ def _main(argv: list[str] | None) -> int:
     args.instances = _numbers("--instances", args.instances, int, 1)
     args.loads = _numbers("--loads", args.loads, float, 1e-6)
     args.seeds = _numbers("--seeds", args.seeds, int, 0)
-    for flag, value in (("--requests", args.requests), ("--trace-block", args.trace_block),
-                        ("--budget", args.budget)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
+    for flag, value, least in (("--requests", args.requests, 1), ("--trace-block", args.trace_block, 1),
+                               ("--budget", args.budget, 1), ("--pool-tokens", args.pool_tokens, 1),
+                               ("--cpu-tokens", args.cpu_tokens, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
     for kind in args.workloads:             # a bad trace is refused before anything is printed
         workload(kind, 1, 0, args.trace, args.trace_block)
     policies = args.policies.split(",")
     for p in policies:
         if p not in POLICIES:
-            ap.error(f"--policies: unknown policy {p!r}")
+            raise ValueError(f"--policies: unknown policy {p!r} (one of {', '.join(POLICIES)})")
     model = PROFILES[args.profile]
     budget = args.budget or (8192 if args.profile == "h100-8b" else 2048)
     out: list[str] = []

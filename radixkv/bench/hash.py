@@ -9,19 +9,19 @@ same run.  Target: >= 500 M tokens/s at chunk 256 from an array.
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 import xxhash
 
 from radixkv.bench import Report, median_seconds
 from radixkv.core.hashing import Namespace, chunk_keys
+from radixkv.tools._args import Parser
 
 TARGET = 500.0  # M tokens/s, chunk 256, from an array
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m radixkv.bench hash", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv.bench hash", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=128 * 1024)
     ap.add_argument("--repeat", type=int, default=21)
     ap.add_argument("--out", help="also write the report to this file")

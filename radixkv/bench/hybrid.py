@@ -48,7 +48,6 @@ falls back to the reuse point before it.  Both hit rates are printed.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections import deque
@@ -62,6 +61,7 @@ from radixkv.bench import Report
 from radixkv.core.cache import PrefixCache
 from radixkv.core.pool import KVLayout
 from radixkv.tools.workloads import ChatWorkload
+from radixkv.tools._args import Parser
 
 PAGE = 16
 WINDOW = 1024
@@ -222,7 +222,7 @@ def kv_pages(windows: tuple[int, ...] | None, full: int, sliding: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m radixkv.bench hybrid", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv.bench hybrid", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=2000, help="chat requests")
     ap.add_argument("--pools", default="4194304,131072", help="pool sizes in tokens (the first should not evict)")
     ap.add_argument("--in-flight", type=int, default=8)

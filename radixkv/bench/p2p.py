@@ -52,6 +52,7 @@ import torch
 
 from radixkv.bench import Report, median_seconds
 from radixkv.core.pool import KVLayout
+from radixkv.tools._args import Parser
 
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_size=16)
 CHUNK = 256
@@ -60,7 +61,7 @@ SECRET = "bench p2p secret, not for production use"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m radixkv.bench p2p", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m radixkv.bench p2p", description=__doc__.splitlines()[0])
     p.add_argument("--chunks", type=int, default=16, help="chunks fetched per round (8 MiB each; default 16)")
     p.add_argument("--repeat", type=int, default=5, help="rounds per row (default 5)")
     p.add_argument("--ttft", action="store_true", help="also time to first token on vLLM-CPU (minutes)")

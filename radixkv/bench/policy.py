@@ -22,7 +22,6 @@ a rerun prints the same numbers.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import tempfile
@@ -37,6 +36,7 @@ from radixkv.core.cache import PrefixCache
 from radixkv.core.format import encoded_size
 from radixkv.core.pool import KVLayout
 from radixkv.tools.workloads import ChatWorkload, few_shot_workload, rag_workload, replay
+from radixkv.tools._args import Parser
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16, page_size=16)
 CHUNK = 64
@@ -110,7 +110,7 @@ def _sweep_job(job: tuple[str, int, tuple[int, ...], str, str]) -> dict[str, lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m radixkv.bench policy", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv.bench policy", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=400, help="requests per workload")
     ap.add_argument("--pools", default=",".join(map(str, POOLS)), help="pool sizes in tokens")
     ap.add_argument("--tiers", default="cpu,cpu+lmdb")

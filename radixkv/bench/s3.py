@@ -26,7 +26,6 @@ The server is ``radixkv.tools.s3server.MotoServer``, which the tests use too.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 from radixkv.bench import Report, median_seconds
 from radixkv.tools.s3server import CREDENTIALS, MotoServer
+from radixkv.tools._args import Parser
 
 __all__ = ["main", "run"]
 
@@ -193,7 +193,7 @@ def _multi_chunk(say: Callable[[str], None], server: MotoServer, tier_cls: Any, 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m radixkv.bench s3", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv.bench s3", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes-kib", default="256,4096,32768", help="object sizes, comma-separated KiB")
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--keys", type=int, default=32, help="keys per contains_prefix request")

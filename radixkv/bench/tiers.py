@@ -18,7 +18,6 @@ redis-py (the same pipelined ``SET``/``GET``) on a ``redis-server`` the benchmar
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -34,6 +33,7 @@ from radixkv.core.format import decode_chunk, encode_chunk, encoded_size
 from radixkv.core.hashing import Namespace
 from radixkv.core.pool import KVLayout
 from radixkv.core.stack import TierStack
+from radixkv.tools._args import Parser
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16, page_size=16)
 CHUNK = 256
@@ -49,7 +49,7 @@ def _rate(nbytes: int, fn: Callable[[], object], repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m radixkv.bench tiers", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv.bench tiers", description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, default=32, help="chunks per measurement (1 MiB of KV each)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--s3", action="store_true",

@@ -18,7 +18,6 @@ Also: the cost of evicting one node in trees of two sizes 10x apart (it must sta
 
 from __future__ import annotations
 
-import argparse
 import gc
 import resource
 import time
@@ -34,6 +33,7 @@ from radixkv.core.observe import Listener
 from radixkv.core.pool import KVLayout
 from radixkv.core.tree import RadixTree
 from radixkv.tools.workloads import ChatWorkload
+from radixkv.tools._args import Parser
 
 TARGET_RPS = 3000
 TARGET_MATCH_INSERT_US = 100
@@ -145,7 +145,7 @@ def evict_cost_ns(num_leaves: int, evict_nodes: int = 2000, page_size: int = 16,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m radixkv.bench tree", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m radixkv.bench tree", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--pool-tokens", type=int, default=4_000_000)
     ap.add_argument("--in-flight", type=int, default=8)

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from radixkv.bench import Report
+from radixkv.tools._args import Parser
 
 TARGET_REDUCTION = {2048: 0.80, 4096: 0.85, 8192: 0.95}
 TARGET_SPEEDUP_8K = 16.5
@@ -62,7 +63,7 @@ PHASES = ("ttft", "match", "gather", "forward", "store")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m radixkv.bench ttft", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m radixkv.bench ttft", description=__doc__.splitlines()[0])
     p.add_argument("--prefixes", default="2048,4096,8192", help="prefix lengths in tokens (default 2048,4096,8192)")
     p.add_argument("--question", type=int, default=256, help="question length in tokens (default 256)")
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per prefix (default 5, after one warm-up)")

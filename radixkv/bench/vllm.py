@@ -58,13 +58,14 @@ import time
 from typing import Any
 
 from radixkv.bench import Report
+from radixkv.tools._args import Parser
 
 TARGETS = {"radixkv cpu tier": 0.90, "radixkv lmdb (restart)": 0.75}
 BLOCK = 128
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m radixkv.bench vllm", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m radixkv.bench vllm", description=__doc__.splitlines()[0])
     p.add_argument("--prefixes", default="2048,4096,8192", help="prefix lengths in tokens (default 2048,4096,8192)")
     p.add_argument("--question", type=int, default=256, help="question length in tokens (default 256)")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds per prefix and row (default 3)")

@@ -55,7 +55,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from radixkv.fleet.hashing import request_extra_keys, vllm_block_hashes
+from radixkv.fleet.hashing import ALGOS, request_extra_keys, vllm_block_hashes
 from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser
 
 __all__ = ["INSTANCE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits"]
@@ -90,8 +90,15 @@ class Router:
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not backends:
             raise ValueError("backends: give at least one instance URL")
+        for url in backends:
+            scheme, sep, rest = str(url).partition("://")
+            if not sep or scheme not in ("http", "https") or not rest.split("/")[0]:
+                raise ValueError(f"backends: {url!r} is not an http:// or https:// URL of an instance")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if hash_algo not in ALGOS:
+            raise ValueError(f"hash_algo must be one of {', '.join(ALGOS)} (vLLM's --prefix-caching-hash-algo), "
+                             f"got {hash_algo!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         for name, value in (("vocab_size", vocab_size), ("max_model_len", max_model_len)):
@@ -483,19 +490,15 @@ def build(args: argparse.Namespace) -> Router:
         raise ValueError(f"--events: give one per --backend ({len(args.backend)}), got {len(args.events)}")
     if args.replay and len(args.replay) != len(args.backend):
         raise ValueError(f"--replay: give one per --backend ({len(args.backend)}), got {len(args.replay)}")
-    follower = None
-    if args.events:
-        follower = Follower()
-        for i, (url, endpoint) in enumerate(zip(args.backend, args.events)):
-            bind = not endpoint.startswith("connect:")
-            follower.add(url.rstrip("/"), endpoint.removeprefix("connect:"), bind=bind,
-                         replay_endpoint=args.replay[i] if args.replay else None)
-        follower.start()
     tokenize = None
     if args.tokenizer:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        try:
+            tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--tokenizer: cannot load a tokenizer from {args.tokenizer!r} "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 
         def tokenize(body: dict[str, Any], chat: bool) -> list[int]:
             if chat:       # as vLLM does: the template rendered to text, then no special tokens added
@@ -510,11 +513,25 @@ def build(args: argparse.Namespace) -> Router:
         if not sep or not name or not path:
             raise ValueError(f"--lora-modules: give NAME=PATH, got {item!r}")
         lora[name] = path
-    return Router(args.backend, follower=follower, policy=args.policy, block_size=args.block_size,
-                  hash_algo=args.hash_algo, tokenize=tokenize, balance_abs=args.balance_abs,
-                  balance_rel=args.balance_rel, vocab_size=args.vocab_size or vocab,
-                  max_model_len=args.max_model_len or context, profile=args.cost_profile,
-                  affinity=args.affinity, p2p=args.p2p, lora_modules=lora)
+    follower = None
+    try:        # a refused argument leaves nothing running: the follower's sockets are closed
+        if args.events:
+            follower = Follower()
+            for i, (url, endpoint) in enumerate(zip(args.backend, args.events)):
+                bind = not endpoint.startswith("connect:")
+                follower.add(url.rstrip("/"), endpoint.removeprefix("connect:"), bind=bind,
+                             replay_endpoint=args.replay[i] if args.replay else None)
+            follower.start()
+        return Router(args.backend, follower=follower, policy=args.policy, block_size=args.block_size,
+                      hash_algo=args.hash_algo, tokenize=tokenize, balance_abs=args.balance_abs,
+                      balance_rel=args.balance_rel,
+                      vocab_size=args.vocab_size if args.vocab_size is not None else vocab,
+                      max_model_len=args.max_model_len if args.max_model_len is not None else context,
+                      profile=args.cost_profile, affinity=args.affinity, p2p=args.p2p, lora_modules=lora)
+    except (TypeError, ValueError, OSError):
+        if follower is not None:
+            follower.close()
+        raise
 
 
 def model_limits(path: str | None, required: bool = False) -> tuple[int | None, int | None]:

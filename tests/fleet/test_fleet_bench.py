@@ -104,3 +104,29 @@ def test_ttft_is_timed_to_the_first_data_event_not_the_first_bytes() -> None:
 
     [res] = asyncio.run(main())
     assert res["outcome"] == "served" and res["ttft"] >= 0.3, res
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--burst", "0"], "--burst"), (["--requests", "0"], "--requests"), (["--instances", "0"], "--instances"),
+    (["--policies", "cost,fastest"], "--policies"), (["--rate", "0"], "--rate"), (["--rate", "nan"], "--rate"),
+    (["--cpu-tier-mb", "-1"], "--cpu-tier-mb"), (["--balance-abs", "-1"], "--balance-abs"),
+    (["--balance-rel", "0.5"], "--balance-rel"), (["--affinity", "0.9"], "--affinity"),
+    (["--system-tokens", "4000", "--question-tokens", "96"], "context"), (["--seed", "-1"], "--seed"),
+    (["--out", "/no/such/folder/t.txt"], "--out"), (["--requests", "x"], "--requests"),
+    (["--routers", "vllm:cost"], "--routers"), (["--no-such-flag"], "--no-such-flag"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2_before_any_server_starts(
+        argv: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_server(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a server was started for a refused run")
+
+    monkeypatch.setattr(fleet, "_servers", no_server)
+    monkeypatch.setattr(fleet, "_start_all", no_server)
+    assert fleet.main(argv) == 2
+    out = capsys.readouterr()
+    assert says in out.err and out.err.count("\n") == 1 and not out.out, (argv, out)
+
+
+def test_the_defaults_pass_the_check() -> None:
+    fleet.refuse(fleet._parser().parse_args([]))
+    fleet.refuse(fleet._parser().parse_args(["--burst", "6", "--requests", "288", "--seed", "0,1"]))

@@ -302,7 +302,13 @@ def test_a_bad_trace_or_argument_is_one_line_and_exit_2(tmp_path: Path, capsys: 
                        (["--instances", "2,x"], "--instances"), (["--loads", "0"], "--loads"),
                        (["--workloads", "zipf"], "--workloads"), (["--requests", "0"], "--requests"),
                        (["--trace-block", "0"], "--trace-block"), (["--budget", "0"], "--budget"),
-                       (["--summarize", str(tmp_path / "none.txt")], "--summarize")):
+                       (["--summarize", str(tmp_path / "none.txt")], "--summarize"),
+                       (["--pool-tokens", "0"], "--pool-tokens"), (["--cpu-tokens", "-1"], "--cpu-tokens"),
+                       (["--workloads", "tenants", "--policies", "cost,fastest"], "--policies"),
+                       (["--calibrate", str(tmp_path / "t0.jsonl")], "--calibrate"),
+                       (["--decode-table", str(tmp_path / "t0.jsonl")], "--decode-table"),
+                       (["--out", str(tmp_path / "no" / "such" / "t.txt")], "--out"),
+                       (["--requests", "x"], "--requests"), (["--no-such-flag"], "--no-such-flag")):
         assert fleet_sim.main(argv) == 2
         out = capsys.readouterr()
         assert says in out.err and out.err.count("\n") == 1 and not out.out, (argv, out)

@@ -5,6 +5,7 @@ it from real event streams (a radixkv cache's) and resets an instance whose gap 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -119,6 +120,50 @@ def test_bad_arguments_are_refused() -> None:
         Router(URLS, block_size=0)
     with pytest.raises(ValueError, match="twice"):
         Router(["http://a", "http://a/"])
+    for url in ("a:8000", "ftp://a", "http://", "127.0.0.1"):
+        with pytest.raises(ValueError, match="backends"):
+            Router([url])
+    with pytest.raises(ValueError, match="hash_algo"):
+        Router(URLS, hash_algo="md5")
+    for abs_, rel in ((-1, 1.5), (2, 0.5), (2, float("nan")), (2, float("inf")), (True, 1.5)):
+        with pytest.raises(ValueError, match="balance_"):
+            Router(URLS, balance_abs=abs_, balance_rel=rel)  # type: ignore[arg-type]
+
+
+def test_a_refused_command_line_leaves_no_follower_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``radixkv route`` with KV events and a bad value: the follower it had started is closed, and
+    a 0 given for the vocabulary or the context is refused, not read as "not given"."""
+    import radixkv.fleet.follow as follow
+    from radixkv.fleet.router import add_arguments, build
+
+    made: list[Any] = []
+
+    class Follower:
+        def __init__(self) -> None:
+            self.closed = False
+            made.append(self)
+
+        def add(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def lookup(self, names: Any) -> dict[str, Any]:
+            return {}
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(follow, "Follower", Follower)
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    for bad, says in ((["--hash-algo", "md5"], "hash_algo"), (["--vocab-size", "0"], "vocab_size"),
+                      (["--max-model-len", "0"], "max_model_len"), (["--balance-rel", "0"], "balance_rel")):
+        args = ap.parse_args(["--backend", URLS[0], "--events", "tcp://127.0.0.1:5999", *bad])
+        with pytest.raises(ValueError, match=says):
+            build(args)
+        assert made[-1].closed, bad
 
 
 def dead_url() -> str:
