@@ -292,8 +292,8 @@ class Chooser:
             raise ValueError(f"balance_abs must be an int >= 0 (requests in flight), got {balance_abs!r}")
         if isinstance(balance_rel, bool) or not isinstance(balance_rel, (int, float)) or not 1.0 <= balance_rel < float("inf"):
             raise ValueError(f"balance_rel must be a finite number >= 1 (a ratio of requests in flight), got {balance_rel!r}")
-        if affinity is not None and not affinity >= 1.0:
-            raise ValueError(f"affinity must be >= 1 or None (by load), got {affinity!r}")
+        if affinity is not None and not 1.0 <= affinity < float("inf"):
+            raise ValueError(f"affinity must be a finite number >= 1 or None (by load), got {affinity!r}")
         self.policy, self.block_size, self.lookup, self.spread = policy, block_size, lookup, spread
         self.budget = budget
         self.model = model or PROFILES["h100-8b"]

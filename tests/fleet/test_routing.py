@@ -265,10 +265,14 @@ def test_dynamo_credits_each_medium_as_published() -> None:
 def test_bad_arguments_name_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="policy"):
         Chooser("fastest")
-    with pytest.raises(ValueError, match="affinity"):
-        Chooser("cost", affinity=0.5)
+    for affinity in (0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="affinity"):
+            Chooser("cost", affinity=affinity)
     with pytest.raises(ValueError, match="block_size"):
         Chooser("cost", block_size=0)
+    for abs_, rel in ((-1, 1.5), (2, 0.99), (2, float("inf")), (2, float("nan")), (2.5, 1.5)):
+        with pytest.raises(ValueError, match="balance_"):
+            Chooser("prefix", balance_abs=abs_, balance_rel=rel)  # type: ignore[arg-type]
 
 
 def test_a_prefix_split_across_media_is_credited_whole_at_each_mediums_cost() -> None:
