@@ -271,15 +271,19 @@ def _start_router(args: argparse.Namespace, urls: list[str], events: list[str], 
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            answer = _get(ready, 1.0)
-            if spec.kind == "sglang" or "healthy" in answer:
-                return proc
-        except OSError:
-            time.sleep(0.2)
-        if proc.poll() is not None:
-            break
+    try:
+        while time.monotonic() < deadline:
+            try:
+                answer = _get(ready, 1.0)
+                if spec.kind == "sglang" or "healthy" in answer:
+                    return proc
+            except OSError:
+                time.sleep(0.2)
+            if proc.poll() is not None:
+                break
+    except BaseException:                   # a SIGTERM or Ctrl-C while it starts: it is not left running
+        stop_process(proc)
+        raise
     stop_process(proc)
     raise RuntimeError(f"the router did not start; see {log_path}")
 
@@ -321,10 +325,15 @@ def _start_all(servers: list[Any], text: bool = False) -> float:
             for f in [pool.submit(_warm, s, text) for s in servers]:
                 f.result()
         except BaseException:
-            for s in servers:
-                s.stop()
+            _stop_all(servers)
             raise
     return time.perf_counter() - t0
+
+
+def _stop_all(servers: list[Any]) -> None:
+    """Stop ``servers`` at once (each gets 5 s to end before a SIGKILL): at most about 5 s."""
+    with ThreadPoolExecutor(max(1, len(servers))) as pool:
+        list(pool.map(lambda s: s.stop(), servers))
 
 
 #: The warm-up prompt: a token id the workload never draws (its ids are 1-998), as long as a request.
@@ -480,8 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = _measure(args, model, servers, events, spec, work, log, text=True, seed=seed)
                     rows.append({**row, "up": up})
                 finally:
-                    for s in servers:
-                        s.stop()
+                    _stop_all(servers)
             report()
             ups = ", ".join(f"{r['up']:.0f}" for r in rows)
             report(f"## seed {seed}: servers up in {ups} s")
@@ -503,8 +511,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(_measure(args, model, servers, events, RouterSpec("radixkv", policy), work, log, kill=kill,
                                      seed=seed))
             finally:
-                for s in servers:
-                    s.stop()
+                _stop_all(servers)
         report()
         report(f"## seed {seed}: servers up in {', '.join(f'{u:.0f}' for u in times)} s")
         _table(report, rows, reuse_bound(work))
