@@ -443,6 +443,17 @@ class _Metrics:
 
 # -- the command -------------------------------------------------------------------------------
 
+def _port(text: str) -> int:
+    """``--port``: an int from 0 to 65535 (``argparse.ArgumentTypeError`` names it otherwise)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"give a port from 0 to 65535, got {text!r}")
+    return port
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of ``python -m radixkv route``."""
     ap.add_argument("--backend", action="append", required=True, metavar="URL",
@@ -455,7 +466,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replay", action="append", default=[], metavar="ENDPOINT",
                     help="the replay endpoint of each --backend, in order (vLLM's replay_endpoint)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--port", type=_port, default=8080, help="0 for any free port")
     ap.add_argument("--policy", choices=POLICIES, default="cost",
                     help="how to choose an instance (default cost: the least expected time to first token)")
     ap.add_argument("--cost-profile", choices=sorted(PROFILES), default="h100-8b",
@@ -519,8 +530,12 @@ def build(args: argparse.Namespace) -> Router:
             follower = Follower()
             for i, (url, endpoint) in enumerate(zip(args.backend, args.events)):
                 bind = not endpoint.startswith("connect:")
-                follower.add(url.rstrip("/"), endpoint.removeprefix("connect:"), bind=bind,
-                             replay_endpoint=args.replay[i] if args.replay else None)
+                try:
+                    follower.add(url.rstrip("/"), endpoint.removeprefix("connect:"), bind=bind,
+                                 replay_endpoint=args.replay[i] if args.replay else None)
+                except Exception as exc:    # zmq's errors are their own type: named here as the flag's
+                    raise ValueError(f"--events: cannot {'bind' if bind else 'connect to'} {endpoint!r} "
+                                     f"({' '.join(str(exc).split()) or type(exc).__name__})") from None
             follower.start()
         return Router(args.backend, follower=follower, policy=args.policy, block_size=args.block_size,
                       hash_algo=args.hash_algo, tokenize=tokenize, balance_abs=args.balance_abs,

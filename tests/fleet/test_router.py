@@ -476,3 +476,16 @@ def test_the_model_limits_come_from_its_config(tmp_path: Any) -> None:
         model_limits(str(tmp_path / "nothing"), required=True)
     with pytest.raises(ValueError, match="vocab_size"):
         Router(URLS, vocab_size=0)
+
+
+@pytest.mark.parametrize("bad, says", [(["--port", "99999"], "--port"), (["--port", "x"], "--port"),
+                                       (["--events", "foo"], "--events"), (["--events", "connect:bogus"], "--events"),
+                                       (["--hash-algo", "md5"], "hash_algo"), (["--balance-abs", "-1"], "balance_abs")])
+def test_radixkv_route_refuses_a_bad_value_in_one_line(bad: list[str], says: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A port out of range and an event endpoint zmq cannot use were tracebacks."""
+    from radixkv.tools.cli import main
+
+    assert main(["route", "--backend", URLS[0], *bad]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
