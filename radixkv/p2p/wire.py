@@ -257,8 +257,8 @@ def check_endpoint(endpoint: Any, name: str) -> str:
     host, _, port = rest.rpartition(":")
     if scheme == "ipc" and rest:
         return endpoint
-    if scheme != "tcp" or not host or not port.isdigit():
-        raise ValueError(f"{name} must be tcp://HOST:PORT (or ipc://PATH), got {endpoint!r}")
+    if scheme != "tcp" or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{name} must be tcp://HOST:PORT with a port up to 65535 (or ipc://PATH), got {endpoint!r}")
     return endpoint
 
 

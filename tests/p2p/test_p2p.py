@@ -748,3 +748,15 @@ def test_peer_codec_is_checked_and_needs_p2p() -> None:
     ok = CacheConfig.from_mapping({**base, "p2p_enabled": True, "p2p_controller": "tcp://127.0.0.1:5600",
                                    "peer_codec": "cachegen:4"})
     assert ok.peer_codec == "cachegen:4"
+
+
+@pytest.mark.parametrize("endpoint", ["foo", "tcp://127.0.0.1", "tcp://:5601", "tcp://127.0.0.1:99999",
+                                      "tcp://127.0.0.1:x", "udp://127.0.0.1:5601", "ipc://"])
+def test_an_endpoint_zmq_would_misread_is_refused_by_name(endpoint: str) -> None:
+    """A port past 65535 had been taken, and zmq bound some other port."""
+    from radixkv.p2p.wire import check_endpoint
+
+    with pytest.raises(ValueError, match="controller"):
+        check_endpoint(endpoint, "controller")
+    assert check_endpoint("tcp://127.0.0.1:5601", "controller") == "tcp://127.0.0.1:5601"
+    assert check_endpoint("ipc:///tmp/radixkv.sock", "controller") == "ipc:///tmp/radixkv.sock"
