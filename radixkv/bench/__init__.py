@@ -7,11 +7,22 @@ run; medians, not means, because the machines they run on are shared and noisy.
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 from typing import Callable
 
 BENCHMARKS = ("blend", "capacity", "codec", "copy", "fleet_index", "fleet_sim", "hash", "hybrid", "policy", "s3", "tiers", "tree", "ttft")
+
+
+def out_file(path: str) -> str:
+    """``--out`` of every benchmark (an argparse ``type``): ``path`` when its folder exists, so a run
+    is refused before it starts rather than failing to write its report at the end.  One stat."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"no folder {folder!r} to write {path!r} in")
+    return path
 
 
 def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 1) -> float:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.tools._args import Parser
 
 RATIOS = (0.0, 0.05, 0.15, 0.30, 1.0)
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="of the trained model")
     parser.add_argument("--skip-random", action="store_true", help="only part 2")
     parser.add_argument("--skip-trained", action="store_true", help="only part 1")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=out_file, default=None)
     args = parser.parse_args(argv)
     report = Report("blend", argv)
     if not args.skip_random:

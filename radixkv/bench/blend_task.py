@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from typing import Any, NamedTuple
 
 import torch
 
-from radixkv.tools._args import Parser
+from radixkv.tools._args import Parser, Refused
 
 PAD, BOS, DOC, Q = 0, 1, 2, 3
 SYSTEM = [BOS, 4, 5, 6, 7]                  # the system prompt
@@ -222,4 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except Refused as exc:          # a bad flag: one line, as every benchmark command
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from radixkv.core import ops
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.tools._args import Parser
 
 TARGET_OF_LIMIT = 0.80
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=4, help="calls in a row per timing (default 4)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="tiny pool, few rounds: a smoke test, not a measurement")
-    p.add_argument("--out", help="also write the report to this file")
+    p.add_argument("--out", type=out_file, help="also write the report to this file")
     args = p.parse_args(argv)
     if args.quick:
         args.pool_gib, args.layers, args.repeat, args.burst = 1 / 64, 2, 2, 1

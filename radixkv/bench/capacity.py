@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.bench.policy import hit_rate
 from radixkv.tools.workloads import ChatWorkload, few_shot_workload, rag_workload
 from radixkv.tools._args import Parser
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="python -m radixkv.bench capacity", description=__doc__.split("\n")[0])
     ap.add_argument("--cases", type=int, default=60, help="drawn workloads (each checked in every mode)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--out", type=out_file, help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("capacity", argv)
     rng = random.Random(args.seed)

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.tools._args import Parser
 
 NAMES = ("none", "zstd", "int8", "cachegen")
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2000, help="the trained model's training steps")
     parser.add_argument("--prefix", type=int, default=2048, help="tokens of part 4's prefix")
     parser.add_argument("--skip", default="", help="parts to leave out, e.g. 3,4")
-    parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--out", type=out_file, help="also write the report to this file")
     args = parser.parse_args(argv)
     skip = {int(p) for p in args.skip.split(",") if p}
     report = Report("codec", argv)

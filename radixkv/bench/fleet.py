@@ -66,7 +66,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.fleet.router import INSTANCE_HEADER
 from radixkv.tools._args import Parser, Refused
 
@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="give each instance cores of its own (auto: when the machine has one per instance)")
     p.add_argument("--dump", default=None, metavar="DIR",
                    help="write each run's requests (arrival, TTFT, outcome, instance) to DIR as JSON lines")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", type=out_file, default=None)
     return p
 
 
@@ -403,33 +403,32 @@ def _check_prompt_tokens(work: list[tuple[float, list[int]]], results: list[dict
 def refuse(args: argparse.Namespace) -> None:
     """``ValueError`` naming the first flag whose value the run cannot use, before anything starts
     (no server, no file).  O(flags)."""
-    from radixkv.fleet.routing import POLICIES as RADIXKV_POLICIES
+    from radixkv.fleet.routing import Chooser
 
     for flag, value, least in (("--instances", args.instances, 1), ("--tenants", args.tenants, 1),
                                ("--system-tokens", args.system_tokens, 1), ("--question-tokens", args.question_tokens, 1),
                                ("--requests", args.requests, 1), ("--max-tokens", args.max_tokens, 1),
-                               ("--pool-blocks", args.pool_blocks, 1), ("--balance-abs", args.balance_abs, 0),
-                               ("--burst", args.burst, 1)):
+                               ("--pool-blocks", args.pool_blocks, 1), ("--burst", args.burst, 1)):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if not 0.0 < args.rate < float("inf"):
         raise ValueError(f"--rate must be a finite number above 0, got {args.rate}")
     if not 0.0 <= args.cpu_tier_mb < float("inf"):
         raise ValueError(f"--cpu-tier-mb must be a finite number at least 0, got {args.cpu_tier_mb}")
-    if not 1.0 <= args.balance_rel < float("inf"):
-        raise ValueError(f"--balance-rel must be a finite number >= 1, got {args.balance_rel}")
-    if args.affinity is not None and not 1.0 <= args.affinity < float("inf"):
-        raise ValueError(f"--affinity must be a finite number >= 1, got {args.affinity}")
     if args.system_tokens + args.question_tokens + args.max_tokens > CONTEXT:
         raise ValueError(f"--system-tokens + --question-tokens + --max-tokens must fit the model's context of "
                          f"{CONTEXT} tokens, got {args.system_tokens + args.question_tokens + args.max_tokens}")
     if any(seed < 0 for seed in args.seed):
         raise ValueError(f"--seed: seeds are at least 0, got {args.seed}")
+    # the router's own checks (the one it will run), named by this command's flags
+    flags = {"policy": "--policies", "balance_abs": "--balance-abs", "balance_rel": "--balance-rel",
+             "affinity": "--affinity"}
     for policy in args.policies.split(","):
-        if policy not in RADIXKV_POLICIES:
-            raise ValueError(f"--policies: unknown policy {policy!r} (one of {', '.join(RADIXKV_POLICIES)})")
-    if args.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        raise ValueError(f"--out: no folder to write {args.out!r} in")
+        try:
+            Chooser(policy, balance_abs=args.balance_abs, balance_rel=args.balance_rel, affinity=args.affinity)
+        except ValueError as exc:
+            name = str(exc).split()[0]
+            raise ValueError(f"{flags.get(name, name)}: {exc}") from None
     if args.dump is not None and os.path.exists(args.dump) and not os.path.isdir(args.dump):
         raise ValueError(f"--dump: {args.dump!r} is not a folder")
 

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from radixkv.bench import Report, median_seconds
+from radixkv.bench import Report, median_seconds, out_file
 from radixkv.core import ops
 from radixkv.fleet.events import BlockStored, EventBatch
 from radixkv.fleet.hashing import vllm_block_hashes
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="blocks a BlockStored batch")
     ap.add_argument("--memory-blocks", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=201)
-    ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--out", type=out_file, help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("fleet_index", argv)
     rng = random.Random(0)

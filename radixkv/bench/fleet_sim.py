@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generator, Iterable, Sequence
 
+from radixkv.bench import out_file
 from radixkv.tools._args import Parser, Refused
 
 __all__ = ["Fleet", "SimRequest", "fit_vllm_cpu", "fit_vllm_cpu_decode", "ideal_hits", "ideal_work", "scale_to_load", "simulate", "workload"]
@@ -746,10 +747,8 @@ def _main(argv: list[str] | None) -> int:
                     help="print the fit of bench vllm's table (benchmarks/results/vllm_cpu.txt) and exit")
     ap.add_argument("--decode-table", default=None, metavar="DECODE_TABLE",
                     help="with --calibrate: also fit bench vllm --decode's table (benchmarks/results/vllm_cpu_decode.txt)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=out_file, default=None)
     args = ap.parse_args(argv)
-    if args.out is not None and not Path(args.out).resolve().parent.is_dir():
-        raise ValueError(f"--out: no folder {str(Path(args.out).resolve().parent)!r} to write {args.out!r} in")
     if args.decode_table is not None and not args.calibrate:
         raise ValueError("--decode-table: only with --calibrate")
     if args.summarize:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from radixkv.bench import Report, median_seconds
+from radixkv.bench import Report, median_seconds, out_file
 from radixkv.core.hashing import Namespace, chunk_keys
 from radixkv.tools._args import Parser
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="python -m radixkv.bench hash", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=128 * 1024)
     ap.add_argument("--repeat", type=int, default=21)
-    ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--out", type=out_file, help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("hash", argv)
     ns = Namespace(model="bench")

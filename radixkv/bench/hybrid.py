@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from radixkv.backends import MemoryTier
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.core.cache import PrefixCache
 from radixkv.core.pool import KVLayout
 from radixkv.tools.workloads import ChatWorkload
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000, help="chat requests")
     ap.add_argument("--pools", default="4194304,131072", help="pool sizes in tokens (the first should not evict)")
     ap.add_argument("--in-flight", type=int, default=8)
-    ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--out", type=out_file, help="also write the report to this file")
     args = ap.parse_args(argv)
 
     say = Report("hybrid", argv)

@@ -50,7 +50,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from radixkv.bench import Report, median_seconds
+from radixkv.bench import Report, median_seconds, out_file
 from radixkv.core.pool import KVLayout
 from radixkv.tools._args import Parser
 
@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-repeat", type=int, default=5, help="TTFT rounds per prefix and row (default 5)")
     p.add_argument("--layers", type=int, default=2, help="TTFT model layers (default 2)")
     p.add_argument("--kv-heads", type=int, default=2, help="TTFT model KV heads of 64 (default 2: 2 KiB of KV a token)")
-    p.add_argument("--out", help="also write the report to this file")
+    p.add_argument("--out", type=out_file, help="also write the report to this file")
     return p
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.core.cache import PrefixCache
 from radixkv.core.format import encoded_size
 from radixkv.core.pool import KVLayout
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiers", default="cpu,cpu+lmdb")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="sweeps replayed side by side, one process each (hit rates do not depend on timing)")
-    ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--out", type=out_file, help="also write the report to this file")
     args = ap.parse_args(argv)
     pools = tuple(int(p) for p in args.pools.split(","))
     say = Report("policy", argv)

@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from radixkv.bench import Report, median_seconds
+from radixkv.bench import Report, median_seconds, out_file
 from radixkv.tools.s3server import CREDENTIALS, MotoServer
 from radixkv.tools._args import Parser
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--namespace-objects", type=int, default=2000, help="objects of the large namespace")
     ap.add_argument("--chunks", type=int, default=8, help="chunks per multi-chunk load")
     ap.add_argument("--rtt-ms", type=float, default=20.0, help="delay the proxy adds to every answer")
-    ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--out", type=out_file, help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("s3", argv)
     say(f"# load average at the start (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -28,7 +28,7 @@ import torch
 
 from radixkv.backends import Tier
 from radixkv.backends.cpu import CpuTier
-from radixkv.bench import Report, median_seconds
+from radixkv.bench import Report, median_seconds, out_file
 from radixkv.core.format import decode_chunk, encode_chunk, encoded_size
 from radixkv.core.hashing import Namespace
 from radixkv.core.pool import KVLayout
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also S3Tier against raw boto3 on a local S3 server (as python -m radixkv.bench s3)")
     ap.add_argument("--redis", action="store_true",
                     help="also RedisTier against raw redis-py on a local redis-server")
-    ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--out", type=out_file, help="also write the report to this file")
     args = ap.parse_args(argv)
     say = Report("tiers", argv)
     say(f"# load average at the start (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

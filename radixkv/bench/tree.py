@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.core.cache import PrefixCache
 from radixkv.core.observe import Listener
 from radixkv.core.pool import KVLayout
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--evict-sizes", default="10000,100000", help="two tree sizes (leaves) for the evict cost")
     ap.add_argument("--listener", action="store_true",
                     help="also run the per-request path with a no-op listener attached (the observer seam's cost)")
-    ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--out", type=out_file, help="also write the report to this file")
     args = ap.parse_args(argv)
 
     say = Report("tree", argv)

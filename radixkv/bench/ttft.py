@@ -51,7 +51,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.tools._args import Parser
 
 TARGET_REDUCTION = {2048: 0.80, 4096: 0.85, 8192: 0.95}
@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="also write the report to this file")
+    p.add_argument("--out", type=out_file, help="also write the report to this file")
     return p
 
 

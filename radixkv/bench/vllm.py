@@ -57,7 +57,7 @@ import tempfile
 import time
 from typing import Any
 
-from radixkv.bench import Report
+from radixkv.bench import Report, out_file
 from radixkv.tools._args import Parser
 
 TARGETS = {"radixkv cpu tier": 0.90, "radixkv lmdb (restart)": 0.75}
@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="time decode steps at batch 1/2/4/8 (--batches) instead of TTFTs (see the docstring)")
     p.add_argument("--batches", default="1,2,4,8", help="--decode: batch sizes (default 1,2,4,8)")
     p.add_argument("--decode-tokens", default="16,144", help="--decode: the short and the long generation (default 16,144)")
-    p.add_argument("--out", help="also write the report to this file")
+    p.add_argument("--out", type=out_file, help="also write the report to this file")
     return p
 
 

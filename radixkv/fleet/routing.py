@@ -72,6 +72,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Sequence
 
+from radixkv.core._checks import check_int
 from radixkv.fleet.index import Match, medium_rank
 
 __all__ = ["Backend", "Chooser", "CostModel", "POLICIES", "PROFILES", "Recent"]
@@ -288,8 +289,7 @@ class Chooser:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget must be a positive int, got {budget!r}")
-        if isinstance(balance_abs, bool) or not isinstance(balance_abs, int) or balance_abs < 0:
-            raise ValueError(f"balance_abs must be an int >= 0 (requests in flight), got {balance_abs!r}")
+        balance_abs = check_int(balance_abs, "balance_abs", 0)      # requests in flight
         if isinstance(balance_rel, bool) or not isinstance(balance_rel, (int, float)) or not 1.0 <= balance_rel < float("inf"):
             raise ValueError(f"balance_rel must be a finite number >= 1 (a ratio of requests in flight), got {balance_rel!r}")
         if affinity is not None and not 1.0 <= affinity < float("inf"):

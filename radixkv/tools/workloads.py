@@ -47,8 +47,7 @@ class ChatWorkload:
         for name in ("num_requests", "num_system_prompts", "turns_per_prompt", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        check_int(self.seed, "seed", 0)
         for name in ("turn_tokens", "turns_per_request", "query_tokens"):
             lo, hi = getattr(self, name)
             if not 0 <= lo <= hi:
