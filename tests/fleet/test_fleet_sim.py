@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 pytest.importorskip("simpy")
 pytest.importorskip("msgspec")
 
-from radixkv.bench.fleet_sim import (SimRequest, calibration_text, fit_vllm_cpu, fit_vllm_cpu_decode, ideal_hits,
+from radixkv.bench.fleet_sim import (Fleet, SimRequest, calibration_text, fit_vllm_cpu, fit_vllm_cpu_decode, ideal_hits,
                                      scale_to_load, simulate, workload)
 from radixkv.fleet.routing import POLICIES, PROFILES, CostModel
 
@@ -243,6 +243,36 @@ def test_a_prefix_another_instance_computed_is_loaded_not_recomputed(where: str)
     want = MODEL.fixed_s + MODEL.load(medium, 31 * bt) + MODEL.prefill(bt)
     assert other["ttft"][1] == pytest.approx(want) and other["hit"] == 31 / 64
 
+
+
+@settings(max_examples=30, deadline=None)
+@given(instances=st.integers(2, 6), same=st.integers(2, 8), prefix_blocks=st.integers(1, 40),
+       policy=st.sampled_from(POLICIES), gap=st.sampled_from([0.0, 1e-4]))
+def test_a_peer_loads_only_blocks_whose_step_has_ended(instances: int, same: int, prefix_blocks: int,
+                                                       policy: str, gap: float) -> None:
+    """A burst of one prefix into an idle fleet with p2p: every instance's first step starts before
+    any step has ended, so no request of it loads from a peer, whatever the policy; an instance
+    that is sent it computes the prefix itself.  (The blocks a step schedules are in its own pool
+    for its later requests at once, but a peer cannot read KV that is still being computed.)"""
+    bt = 16
+    blocks = list(range(1, prefix_blocks + 1))
+    reqs = [SimRequest(i, i * gap, blocks + [10_000 + i], (prefix_blocks + 1) * bt, 1) for i in range(same)]
+    fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=1 << 20, cpu_tokens=0, budget=1 << 20, p2p=True)
+    fleet.run(reqs)
+    fleet.check()
+    first = {}
+    for r in sorted(reqs, key=lambda r: r.arrival):
+        first.setdefault(r.instance, r)
+    for r in reqs:
+        assert r.below_tokens == 0, f"request {r.rid} loaded {r.below_tokens} tokens a peer had not computed yet"
+        want = 0 if first[r.instance] is r else prefix_blocks * bt
+        assert r.hit_tokens == want
+    # once a step has ended, a peer's blocks are a load: the same prompt again, later, elsewhere
+    early = SimRequest(0, 0.0, blocks + [10_000], (prefix_blocks + 1) * bt, 1)
+    late = SimRequest(1, 10.0, blocks + [20_000], (prefix_blocks + 1) * bt, 1)
+    fleet2 = Fleet(2, "round_robin", MODEL, bt, pool_tokens=1 << 20, cpu_tokens=0, budget=1 << 20, p2p=True)
+    fleet2.run([early, late])
+    assert late.instance != early.instance and late.below_tokens == prefix_blocks * bt
 
 @settings(max_examples=30, deadline=None)
 @given(same=st.integers(2, 6), prefix_blocks=st.integers(1, 40), question=st.integers(1, 300),
