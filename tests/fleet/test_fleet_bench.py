@@ -1,9 +1,15 @@
-"""``python -m radixkv.bench fleet``'s arguments and its workload's reuse bound (the runs themselves
-start vLLM: they are the committed benchmark, not a test)."""
+"""``python -m radixkv.bench fleet``'s arguments, its workload's reuse bound, and a SIGTERM's cleanup
+(with stand-in servers: the runs themselves start vLLM, they are the committed benchmark, not a test)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -130,3 +136,71 @@ def test_a_bad_flag_is_one_line_and_exit_2_before_any_server_starts(
 def test_the_defaults_pass_the_check() -> None:
     fleet.refuse(fleet._parser().parse_args([]))
     fleet.refuse(fleet._parser().parse_args(["--burst", "6", "--requests", "288", "--seed", "0,1"]))
+
+
+#: A stand-in for ``vllm serve``: answers ``GET /health``, records its pid when the bench's warm-up
+#: request comes, and then holds that request as a slow first prefill would.
+STANDIN = """
+import http.server, os, sys, time
+port, marks = int(sys.argv[1]), sys.argv[2]
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        with open(marks, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(600)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+#: ``python -m radixkv.bench fleet`` with ``VllmServer``'s command replaced by the stand-in.
+DRIVER = """
+import sys
+from radixkv.testing.vllm_server import VllmServer
+VllmServer.command = lambda self: [sys.executable, sys.argv[1], str(self.port), sys.argv[2]]
+from radixkv.bench import fleet
+sys.exit(fleet.main(["--instances", "2", "--requests", "4", "--no-kill", "--pin", "off", "--policies", "cost"]))
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_sigterm_stops_every_server_the_bench_started(tmp_path: Path) -> None:
+    """A SIGTERM (a timeout, a CI cancel) while the servers warm up: the bench exits 143 within a
+    bound, and no server it started is left running."""
+    standin, marks = tmp_path / "standin.py", tmp_path / "marks"
+    standin.write_text(STANDIN)
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(standin), str(marks)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if marks.exists() and len(marks.read_text().split()) == 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0].decode()[-2000:]
+        pids = [int(p) for p in marks.read_text().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0].decode()
+        assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "a server outlived the bench"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in [int(p) for p in marks.read_text().split()] if marks.exists() else []:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
