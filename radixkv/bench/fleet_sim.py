@@ -6,7 +6,7 @@ Here each instance is independent, with its own radixkv ``PrefixCache`` as the m
 pool and CPU tier (real matches, real LRU evictions, the CPU tier filled by what the pool lets
 go), and the router's own policy code (``radixkv.fleet.routing.Chooser``) chooses, fed by a real
 fleet ``Index`` that the instances' KV events (``radixkv.fleet.publish.KVEvents``, through the
-observer seam) keep up to date as each prefill ends.
+observer seam) keep up to date as each engine step ends.
 
 The engine model (per instance, continuous batching as vLLM does it): a step takes the requests
 waiting for their prefill in arrival order, up to ``budget`` prompt tokens (chunked prefill: a long
@@ -15,10 +15,11 @@ prompt takes several steps), and one decode token of every running request.  A s
 a request's match found below the pool (``load_s_per_token`` of the CPU tier, a peer, a shared
 tier) + ``decode_step_s + decode_s_per_seq x running`` (when anything decodes).  Between prefills,
 decodes advance fluidly at one token a decode step.  A request's prefix is matched when its prefill
-starts; its full blocks enter the pool (and the index, by their KV events) as a step schedules their
-tokens, as vLLM's V1 scheduler caches them (``KVCacheManager.allocate_slots``), so a request
-scheduled after it in the same step reuses them; a peer (``--p2p``) can load them only once that
-step has ended, when their KV exists; it holds its pages until its last token.  TTFT is
+starts; its full blocks enter the pool as a step schedules their tokens, as vLLM's V1 scheduler
+caches them (``KVCacheManager.allocate_slots``), so a request scheduled after it in the same step
+reuses them; their KV events reach the index when that step ends (vLLM publishes a step's events
+in ``Scheduler.update_from_output``, after the model ran), and a peer (``--p2p``) can load them
+only then, when their KV exists; it holds its pages until its last token.  TTFT is
 the end of the request's last prefill step less its arrival.  Costs come from a ``CostModel``
 profile (``radixkv.fleet.routing.PROFILES``: ``vllm-cpu`` fitted to this project's vLLM-CPU
 measurements, ``h100-8b`` from published numbers).
@@ -286,10 +287,13 @@ class _Instance:
         self.cache = PrefixCache(layout, num_pages=fleet.pool_blocks, chunk_size=1, namespace=fleet.namespace,
                                  tiers=tiers)
         self.seq = 0
+        # the events of the cache's changes, published when the step that made them ends (vLLM
+        # takes a step's events in ``Scheduler.update_from_output``, after the model ran)
+        self.events: list[Any] = []
+        self._batch = EventBatch
 
         def sink(events: list[Any]) -> None:
-            fleet.index.apply(name, self.seq, EventBatch(ts=fleet.env.now, events=events))
-            self.seq += 1
+            self.events.extend(events)
 
         # the namespace the cache makes its chunk keys in (as ``radixkv.fleet.publish`` takes it)
         self.namespace = self.cache.stack.namespace if self.cache.stack is not None else self.cache.namespace
@@ -302,6 +306,13 @@ class _Instance:
         # names of the blocks the step in flight computes or loads: in the pool (a request of this
         # instance scheduled after them reuses them) but not yet anything a peer can load
         self.computing: set[Any] = set()
+
+    def publish(self) -> None:
+        """Apply the events gathered since the last call to the fleet index, as one batch."""
+        if self.events:
+            self.fleet.index.apply(self.name, self.seq, self._batch(ts=self.fleet.env.now, events=self.events))
+            self.seq += 1
+            self.events = []
 
     def resident(self, r: SimRequest) -> int:
         """Leading full blocks of ``r`` in this instance's pool, without touching anything."""
@@ -471,6 +482,7 @@ class _Instance:
             for r in [r for r in self.running if r.left <= 1e-9]:
                 self.running.remove(r)
                 self.end(r)
+            self.publish()
 
 
 class Fleet:

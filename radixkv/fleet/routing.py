@@ -27,16 +27,21 @@ Contract:
     queue it waits in (1 is plain expected TTFT); by default it follows the load
     (``Chooser.load``: the fraction of instances with prefill queued, averaged over the last
     ``LOAD_ARRIVALS`` arrivals an instance; sampled at arrivals, so on Poisson arrivals the time
-    average), from 1 on an idle fleet to ``AUTO_MAX`` on one where every instance always has a
-    queue: on a lightly loaded fleet a request goes where it starts soonest, on a busy one the work
-    it adds (which every later request waits behind) counts more, so a prefix is computed once
-    rather than on every instance.  The average, not the fraction at this moment: on two instances
+    average), ``auto_affinity``: from 1 on an idle fleet to ``AUTO_MAX`` on one where every
+    instance always has a queue, and past two thirds of the load the queue's own growth,
+    ``1 / (1 - load)``, at most ``AUTO_CAP`` (a linear rule alone kept diverting a production
+    chat trace's long follow-up turns from their holders at 95% load, losing hits the saturated
+    fleet then queued behind): on a lightly loaded fleet a request goes where it starts soonest,
+    on a busy one the work it adds (which every later request waits behind) counts more, so a
+    prefix is computed once rather than on every instance.  The average, not the fraction at this moment: on two instances
     that fraction is 1/2 whenever one of them works, so at 10% load a request waited behind
     another tenant's cold prefill on its prefix's holder rather than compute the prefix on the idle
     instance.  What another instance is computing for this prompt right now (the router sent it
-    there, the index does not show it yet) is weighed by the load at this moment, ``1 + (AUTO_MAX -
-    1) x`` the fraction busy now, if that is more: computing it again doubles work already under
-    way, so a burst follows its first request on a lightly loaded fleet too.
+    there, the index does not show it yet: its KV events come after the engine step that computes
+    it) is weighed by the load at this moment, ``auto_affinity`` of the fraction busy now, if that
+    is more, divided by 1 + the instances idle beside the candidate: computing it again doubles
+    work already under way, so a burst follows its first request on a lightly loaded fleet too,
+    unless idle instances are there to absorb the copy.
     An instance with nothing in flight weighs its work at ``(1 + affinity) / 2``: work on an idle
     instance delays only what arrives there while it runs, not a queue, so a hot prefix spreads to
     idle instances instead of queueing on its holder; but at high load an idle instance does not
@@ -79,8 +84,11 @@ __all__ = ["Backend", "Chooser", "CostModel", "POLICIES", "PROFILES", "Recent"]
 
 POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin", "random")
 
-#: The cost policy's affinity when every instance has prefill queued (``affinity=None``).
+#: The cost policy's affinity by load (``affinity=None``, ``auto_affinity``): linear from 1 on an
+#: idle fleet to ``AUTO_MAX`` on one where every instance always has prefill queued, raised past two
+#: thirds of the load to the queue's own growth, ``1 / (1 - load)``, at most ``AUTO_CAP``.
 AUTO_MAX = 4.0
+AUTO_CAP = 20.0
 
 #: Arrivals per instance over which the cost policy averages the fleet's load (``Chooser.load``:
 #: each arrival moves it ``1 / (LOAD_ARRIVALS x instances)`` of the way to the fraction busy now).
@@ -88,6 +96,17 @@ LOAD_ARRIVALS = 8
 
 #: Dynamo's published overlap credit per medium (its KV router documentation).
 DYNAMO_CREDIT = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
+
+
+def auto_affinity(load: float) -> float:
+    """The cost policy's affinity at ``load`` (a fraction of instances busy, 0 to 1): ``1 +
+    (AUTO_MAX - 1) x load``, or, where it is more, ``1 / (1 - load)``, at most ``AUTO_CAP``.
+    The second is how much work an instance holds, in units of the work it is given, when it is
+    busy ``load`` of the time (an M/M/1 queue's mean number in the system, plus 1): past two
+    thirds, work added to a busy fleet is waited behind by more and more of the requests after it,
+    so what a choice adds to the fleet weighs more than the queue it joins.  O(1)."""
+    linear = 1.0 + (AUTO_MAX - 1.0) * load
+    return min(AUTO_CAP, max(linear, 1.0 / (1.0 - load) if load < 1.0 else AUTO_CAP))
 
 
 @dataclass
@@ -442,17 +461,19 @@ class Chooser:
         shared = min(self.shared(names) * bs, tokens) if self.shared is not None and names else 0
         peers = sorted(((h, inst) for inst, h in reach.items()), reverse=True)
         # what an instance is computing for this prompt right now: sent to it, not yet in the index
-        pending = {inst: min(match.blocks * bs, tokens) for inst, match in held.items()
-                   if match.blocks > (indexed[inst].blocks if inst in indexed else 0)}
+        # (tokens from, to: what the index shows it holds is done, not under way)
+        pending = {inst: (min(indexed[inst].blocks * bs, tokens) if inst in indexed else 0, min(match.blocks * bs, tokens))
+                   for inst, match in held.items() if match.blocks > (indexed[inst].blocks if inst in indexed else 0)}
         scored = []
         turn = self._tie_turn
+        idle = sum(1 for b in up if not b.queued_tokens)
         if self.affinity is not None:
             affinity = now_affinity = self.affinity
         else:                       # by load: 1 on an idle fleet, AUTO_MAX when every instance has a queue
-            busy = sum(1 for b in up if b.queued_tokens) / len(up)
+            busy = 1.0 - idle / len(up)
             self.load += (busy - self.load) / (LOAD_ARRIVALS * len(up))
-            affinity = 1.0 + (AUTO_MAX - 1.0) * self.load
-            now_affinity = 1.0 + (AUTO_MAX - 1.0) * busy
+            affinity = auto_affinity(self.load)
+            now_affinity = auto_affinity(busy)
         for i, b in enumerate(up):
             mine = list(offers.get(b.name, ()))
             if self.p2p:
@@ -469,9 +490,13 @@ class Chooser:
             weight = affinity if b.in_flight else (1.0 + affinity) / 2
             # computing what another instance is computing for this prompt right now doubles work
             # already under way: weighed by the load at this moment, not the average (a burst on a
-            # lightly loaded fleet follows its first request rather than compute it on every instance)
-            dup = max((h for inst, h in pending.items() if inst != b.name), default=0) - reused
-            dup_s = max(0.0, now_affinity - weight) * m.prefill(dup) if dup > 0 else 0.0
+            # lightly loaded fleet follows its first request rather than compute it on every
+            # instance), and divided by 1 + the instances idle beside this one: the fleet's spare
+            # capacity absorbs a copy (without it, on 16 instances a fleet-wide prompt still being
+            # computed on the first few held every request there and left others never used)
+            dup = max((to - max(done, reused) for inst, (done, to) in pending.items() if inst != b.name), default=0)
+            spare = idle - (0 if b.queued_tokens else 1)
+            dup_s = max(0.0, now_affinity - weight) * m.prefill(dup) / (1 + spare) if dup > 0 else 0.0
             scored.append((queue_s + decode_s + weight * own_s + dup_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
         if len(scored) > 1 and scored[0][:3] == scored[1][:3]:      # the turn broke a tie: it moves on
