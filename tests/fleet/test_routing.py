@@ -9,10 +9,11 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from radixkv.fleet.index import MEDIA, Match
-from radixkv.fleet.routing import AUTO_MAX, LOAD_ARRIVALS, PROFILES, Backend, Chooser, CostModel, Recent
+from radixkv.fleet.routing import (AUTO_CAP, AUTO_MAX, LOAD_ARRIVALS, PROFILES, Backend, Chooser, CostModel, Recent,
+                                    auto_affinity)
 
 MODEL = CostModel(prefill_s_per_token=1e-4, fixed_s=0.01,
                   load_s_per_token={"GPU": 0.0, "CPU": 1e-5, "STORAGE": 5e-5, "PEER": 2e-5, "SHARED": 3e-5},
@@ -34,6 +35,25 @@ def expected_own(tokens: int, mine: Match | None, peer: int, shared: int, bs: in
         if h:
             options.append((MODEL.fixed_s + MODEL.load_s_per_token[medium] * h + MODEL.prefill_s_per_token * (tokens - h), h))
     return min(options, key=lambda o: (o[0], -o[1]))
+
+
+def by_load(load: float) -> float:
+    """The affinity at ``load``: linear to AUTO_MAX, past that the queue's growth 1 / (1 - load), at
+    most AUTO_CAP."""
+    return min(AUTO_CAP, max(1.0 + (AUTO_MAX - 1.0) * load, 1.0 / (1.0 - load) if load < 1 else AUTO_CAP))
+
+
+@given(load=st.floats(0.0, 1.0), more=st.floats(0.0, 1.0))
+def test_the_affinity_by_load_grows_from_1_to_its_cap(load: float, more: float) -> None:
+    """1 on an idle fleet, never less than the linear rule, never more than AUTO_CAP, never less at a
+    higher load; below two thirds the linear rule itself."""
+    a = auto_affinity(load)
+    assert auto_affinity(0.0) == 1.0 and auto_affinity(1.0) == AUTO_CAP
+    assert 1.0 + (AUTO_MAX - 1.0) * load <= a <= AUTO_CAP
+    assert auto_affinity(max(load, more)) >= a
+    if load <= 2 / 3:
+        assert a == pytest.approx(1.0 + (AUTO_MAX - 1.0) * load)
+    assert a == pytest.approx(by_load(load))
 
 
 @settings(max_examples=300, deadline=None)
@@ -68,14 +88,16 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
         busy = sum(1 for b in up if b.queued_tokens) / len(up)
         load += (busy - load) / (LOAD_ARRIVALS * len(up))
         assert chooser.load == pytest.approx(load)
-        affinity = 1.0 + (AUTO_MAX - 1.0) * load
-        now_affinity = 1.0 + (AUTO_MAX - 1.0) * busy          # duplicated work: the load at this moment
+        affinity = by_load(load)
+        now_affinity = by_load(busy)          # duplicated work: the load at this moment
     held_here = held if names else {}
     sent_here = {k: min(v, len(names)) for k, v in sent.items() if min(v, len(names))}
     # an instance holds what the index says or, on the GPU, what it was just sent, if that is more
     mine = {**held_here, **{k: Match(v, "GPU") for k, v in sent_here.items()
                             if k not in held_here or v > held_here[k].blocks}}
-    pending = {k: min(v * bs, tokens) for k, v in sent_here.items() if k not in held_here or v > held_here[k].blocks}
+    # sent and not yet in the index: under way from what the index shows to what was sent
+    pending = {k: (min(held_here[k].blocks * bs, tokens) if k in held_here else 0, min(v * bs, tokens))
+               for k, v in sent_here.items() if k not in held_here or v > held_here[k].blocks}
     shared_tokens = min(shared * bs, tokens) if shared and names else 0
 
     def cost(b: Backend) -> tuple[float, int]:
@@ -83,9 +105,11 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
         peer = max((min(m.blocks * bs, tokens) for inst, m in held_here.items() if inst != b.name), default=0) if p2p else 0
         own, reused = expected_own(tokens, mine.get(b.name), peer, shared_tokens, bs)
         weight = affinity if b.in_flight else (1.0 + affinity) / 2   # an idle instance: halfway to the affinity
-        # computing what another instance is computing for this prompt now: weighed by the load at this moment
-        dup = max((h for inst, h in pending.items() if inst != b.name), default=0) - reused
-        extra = max(0.0, now_affinity - weight) * MODEL.prefill_s_per_token * dup if dup > 0 else 0.0
+        # computing what another instance is computing for this prompt now: weighed by the load at this
+        # moment, divided by 1 + the other instances with nothing queued (spare capacity absorbs a copy)
+        dup = max((to - max(done, reused) for inst, (done, to) in pending.items() if inst != b.name), default=0)
+        spare = sum(1 for o in up if o is not b and not o.queued_tokens)
+        extra = max(0.0, now_affinity - weight) * MODEL.prefill_s_per_token * dup / (1 + spare) if dup > 0 else 0.0
         decoding = b.in_flight - b.waiting
         # each step until its prefill ends (budget tokens a step) also decodes the running requests
         steps = max(1, math.ceil((b.queued_tokens + tokens - reused) / budget))
@@ -339,3 +363,55 @@ def test_the_load_is_the_busy_fraction_averaged_over_arrivals(n: int, busy: list
         assert last <= chooser.load <= target + 1e-12, "toward the busy fraction, never past it"
         last = chooser.load
     assert chooser.load == pytest.approx(target * (1 - (1 - 1 / (LOAD_ARRIVALS * n)) ** arrivals))
+
+
+@settings(max_examples=200, deadline=None)
+@given(load=st.floats(0.0, 1.0), held=st.integers(1, 40), qa=st.integers(1, 40_000), qb=st.integers(1, 40_000),
+       extra=st.integers(1, 3000))
+def test_the_holder_wins_while_its_queue_is_less_than_the_affinity_times_the_work_it_saves(
+        load: float, held: int, qa: int, qb: int, extra: int) -> None:
+    """Two busy instances, one holding the prompt's head: the cost policy weighs the work each would
+    compute by the affinity of the load (``by_load``: past two thirds, 1 / (1 - load)), so the
+    holder wins exactly while its extra queue is less than that affinity times the prefill it saves."""
+    bs = 64
+    tokens = held * bs + extra
+    fleet = backends(2)
+    for b, q in zip(fleet, (qa, qb)):
+        b.in_flight = b.waiting = 1
+        b.queued_tokens = b.active_tokens = q
+    chooser = Chooser("cost", block_size=bs, lookup=lambda _: {"i0": Match(held, "GPU")}, model=MODEL, budget=1 << 30)
+    chooser.load = load
+    choice = chooser.choose(fleet, tokens, list(range(tokens // bs)), now=0.0)
+    affinity = by_load(load + (1.0 - load) / (LOAD_ARRIVALS * 2))     # both busy: the average moves towards 1
+    cost_a = MODEL.prefill(qa) + affinity * (MODEL.fixed_s + MODEL.prefill(tokens - held * bs))
+    cost_b = MODEL.prefill(qb) + affinity * (MODEL.fixed_s + MODEL.prefill(tokens))
+    assume(abs(cost_a - cost_b) > 1e-9 * max(cost_a, cost_b))
+    assert choice.order[0].name == ("i0" if cost_a < cost_b else "i1")
+
+
+@settings(max_examples=200, deadline=None)
+@given(idle=st.integers(1, 8), load=st.floats(0.0, 1.0), blocks=st.integers(1, 40), queued=st.integers(0, 20_000))
+def test_a_copy_of_work_under_way_is_charged_less_the_more_instances_are_idle(
+        idle: int, load: float, blocks: int, queued: int) -> None:
+    """The router has just sent a prompt to one instance (under way, not yet in the index): sending
+    the same prompt to an idle one charges the copy at the load of the moment, divided by 1 + the
+    other idle instances (the fleet's spare capacity absorbs it)."""
+    bs = 64
+    tokens = blocks * bs + 10
+    fleet = backends(1 + idle)
+    a = fleet[0]
+    a.in_flight = a.waiting = 1
+    a.queued_tokens = a.active_tokens = tokens + queued
+    names = list(range(blocks))
+    chooser = Chooser("cost", block_size=bs, lookup=lambda _: {}, model=MODEL, budget=1 << 30)
+    chooser.recent.add(a.name, names, now=0.0)
+    chooser.load = load
+    choice = chooser.choose(fleet, tokens, names, now=0.0)
+    busy = 1 / len(fleet)
+    affinity = by_load(load + (busy - load) / (LOAD_ARRIVALS * len(fleet)))
+    weight = (1 + affinity) / 2                    # an idle instance's
+    copy = max(0.0, by_load(busy) - weight) * MODEL.prefill(blocks * bs) / idle    # 1 + (idle - 1) others
+    cost_a = MODEL.prefill(a.queued_tokens) + affinity * (MODEL.fixed_s + MODEL.prefill(tokens - blocks * bs))
+    cost_idle = weight * (MODEL.fixed_s + MODEL.prefill(tokens)) + copy
+    assume(abs(cost_a - cost_idle) > 1e-9 * max(cost_a, cost_idle))
+    assert (choice.order[0] is a) == (cost_a < cost_idle)
