@@ -33,10 +33,10 @@ Contract:
     chat trace's long follow-up turns from their holders at 95% load, losing hits the saturated
     fleet then queued behind): on a lightly loaded fleet a request goes where it starts soonest,
     on a busy one the work it adds (which every later request waits behind) counts more, so a
-    prefix is computed once rather than on every instance.  The average, not the fraction at this moment: on two instances
-    that fraction is 1/2 whenever one of them works, so at 10% load a request waited behind
-    another tenant's cold prefill on its prefix's holder rather than compute the prefix on the idle
-    instance.  What another instance is computing for this prompt right now (the router sent it
+    prefix is computed once rather than on every instance.  The average, not the fraction at this
+    moment: on two instances that fraction is 1/2 whenever one of them works, so at 10% load a
+    request waited behind another tenant's cold prefill on its prefix's holder rather than compute
+    the prefix on the idle instance.  What another instance is computing for this prompt right now (the router sent it
     there, the index does not show it yet: its KV events come after the engine step that computes
     it) is weighed by the load at this moment, ``auto_affinity`` of the fraction busy now, if that
     is more, divided by 1 + the instances idle beside the candidate: computing it again doubles
@@ -80,7 +80,7 @@ from typing import Any, Hashable, Mapping, Sequence
 from radixkv.core._checks import check_int
 from radixkv.fleet.index import Match, medium_rank
 
-__all__ = ["Backend", "Chooser", "CostModel", "POLICIES", "PROFILES", "Recent"]
+__all__ = ["AUTO_CAP", "AUTO_MAX", "Backend", "Chooser", "CostModel", "POLICIES", "PROFILES", "Recent", "auto_affinity"]
 
 POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin", "random")
 
@@ -492,8 +492,8 @@ class Chooser:
             # already under way: weighed by the load at this moment, not the average (a burst on a
             # lightly loaded fleet follows its first request rather than compute it on every
             # instance), and divided by 1 + the instances idle beside this one: the fleet's spare
-            # capacity absorbs a copy (without it, on 16 instances a fleet-wide prompt still being
-            # computed on the first few held every request there and left others never used)
+            # capacity absorbs a copy (without it, on 16 instances every request of a fleet-wide
+            # prompt's first steps was held on the few instances computing it)
             dup = max((to - max(done, reused) for inst, (done, to) in pending.items() if inst != b.name), default=0)
             spare = idle - (0 if b.queued_tokens else 1)
             dup_s = max(0.0, now_affinity - weight) * m.prefill(dup) / (1 + spare) if dup > 0 else 0.0
