@@ -342,3 +342,27 @@ def test_a_bad_trace_or_argument_is_one_line_and_exit_2(tmp_path: Path, capsys: 
         assert fleet_sim.main(argv) == 2
         out = capsys.readouterr()
         assert says in out.err and out.err.count("\n") == 1 and not out.out, (argv, out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(blocks=st.integers(1, 40), tail=st.integers(1, 15))
+def test_a_steps_kv_events_reach_the_index_when_the_step_ends(blocks: int, tail: int) -> None:
+    """As vLLM publishes a step's KV events after the model ran: halfway through the step that
+    computes a prompt, its blocks are in the instance's pool (for its own later requests) but not
+    in the fleet index the router reads; when the step has ended, they are."""
+    bt = 16
+    r = SimRequest(0, 0.0, list(range(1, blocks + 1)) + [10_000], blocks * bt + tail, 1)
+    fleet = Fleet(1, "cost", MODEL, bt, pool_tokens=1 << 16, cpu_tokens=0, budget=1 << 20)
+    step = MODEL.fixed_s + MODEL.prefill(r.tokens)
+    seen: list[tuple[int, dict]] = []
+
+    def probe() -> Any:
+        for at in (step / 2, step * 1.5):
+            yield fleet.env.timeout(at - fleet.env.now)
+            seen.append((fleet.instances[0].resident(r), dict(fleet.index.lookup(r.names))))
+
+    fleet.env.process(probe())
+    fleet.run([r])
+    (pool_mid, index_mid), (pool_after, index_after) = seen
+    assert pool_mid == blocks and index_mid == {}
+    assert pool_after == blocks and index_after["i0"].blocks == blocks
