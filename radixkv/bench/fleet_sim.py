@@ -278,7 +278,6 @@ class _Instance:
         from radixkv.backends.cpu import CpuTier
         from radixkv.core.cache import PrefixCache
         from radixkv.core.pool import KVLayout
-        from radixkv.fleet.events import EventBatch
         from radixkv.fleet.publish import KVEvents
 
         self.fleet, self.name = fleet, name
@@ -290,7 +289,6 @@ class _Instance:
         # the events of the cache's changes, published when the step that made them ends (vLLM
         # takes a step's events in ``Scheduler.update_from_output``, after the model ran)
         self.events: list[Any] = []
-        self._batch = EventBatch
 
         def sink(events: list[Any]) -> None:
             self.events.extend(events)
@@ -309,8 +307,10 @@ class _Instance:
 
     def publish(self) -> None:
         """Apply the events gathered since the last call to the fleet index, as one batch."""
+        from radixkv.fleet.events import EventBatch
+
         if self.events:
-            self.fleet.index.apply(self.name, self.seq, self._batch(ts=self.fleet.env.now, events=self.events))
+            self.fleet.index.apply(self.name, self.seq, EventBatch(ts=self.fleet.env.now, events=self.events))
             self.seq += 1
             self.events = []
 

@@ -536,9 +536,7 @@ def serve(port: int, cache: PrefixCache | TierStack, host: str = "127.0.0.1", *,
     scrape as ``Exporter.render``."""
     from radixkv.core._checks import check_int
 
-    check_int(port, "port", 0)
-    if port > 65535:
-        raise ValueError(f"port must be at most 65535, got {port}")
+    check_int(port, "port", 0, 65535)
     if not isinstance(host, str) or not host:
         raise TypeError(f"host must be a non-empty str, got {host!r}")
     exporter = Exporter(registry)

@@ -55,6 +55,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
+from radixkv.core._checks import check_int
 from radixkv.fleet.hashing import ALGOS, request_extra_keys, vllm_block_hashes
 from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser
 
@@ -446,12 +447,9 @@ class _Metrics:
 def _port(text: str) -> int:
     """``--port``: an int from 0 to 65535 (``argparse.ArgumentTypeError`` names it otherwise)."""
     try:
-        port = int(text)
+        return check_int(int(text), "a port", 0, 65535)
     except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"give a port from 0 to 65535, got {text!r}")
-    return port
+        raise argparse.ArgumentTypeError(f"give a port from 0 to 65535, got {text!r}") from None
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -462,8 +462,9 @@ class Chooser:
         peers = sorted(((h, inst) for inst, h in reach.items()), reverse=True)
         # what an instance is computing for this prompt right now: sent to it, not yet in the index
         # (tokens from, to: what the index shows it holds is done, not under way)
-        pending = {inst: (min(indexed[inst].blocks * bs, tokens) if inst in indexed else 0, min(match.blocks * bs, tokens))
-                   for inst, match in held.items() if match.blocks > (indexed[inst].blocks if inst in indexed else 0)}
+        shown = {inst: match.blocks for inst, match in indexed.items()}
+        pending = {inst: (min(shown.get(inst, 0) * bs, tokens), min(match.blocks * bs, tokens))
+                   for inst, match in held.items() if match.blocks > shown.get(inst, 0)}
         scored = []
         turn = self._tie_turn
         idle = sum(1 for b in up if not b.queued_tokens)
