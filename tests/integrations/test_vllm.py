@@ -287,7 +287,11 @@ def _prompts() -> dict[str, list[int]]:
 def _launch(tmp: Path, name: str, spec: dict[str, Any]) -> tuple[subprocess.Popen[bytes], Path, Path]:
     spec_path, out, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
+    # One OpenMP thread an engine: three or four engines run at once on the 2 cores, and with torch's
+    # default of a thread a core their threads spun against each other (this file alone: 267
+    # CPU-seconds, 94 of them system time, and 140 s; with one thread 178 CPU-seconds and 94 s).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "OMP_NUM_THREADS": "1",
            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "radixkv-moto-secret",
            "AWS_DEFAULT_REGION": "us-east-1", "TOKENIZERS_PARALLELISM": "false"}
     if "ATEN_CPU_CAPABILITY" in env:
