@@ -47,6 +47,20 @@ served request's ``usage.prompt_tokens`` is checked to equal the drawn prompt's 
 requests each instance served are its own ``vllm:request_success`` counter.  A seed's table ends
 with the hit rate no policy can pass on its prompts (every tenant's prefix computed once, on an
 unbounded cache: the fleet-wide reuse the workload holds).
+
+A production trace instead of the tenants (``--trace``, the Mooncake FAST'25 format that ``bench
+fleet_sim`` reads: timestamps, ``input_length``, chained ``hash_ids``)::
+
+    python -m radixkv.bench fleet --trace conversation_trace.jsonl --requests 96 --rate 2 --seed 0,1 \
+        --routers radixkv:cost,sglang:cache_aware,radixkv:round_robin
+
+Each seed takes another window of ``--requests`` consecutive rows (as ``fleet_sim`` does), each
+hash id becomes one fixed block of ``--trace-tokens`` tokens (one vLLM block by default) drawn
+from the id alone, so rows that share ids share those tokens as the trace's prefixes do; a prompt
+is its ``input_length`` scaled by ``--trace-tokens`` over the trace's block (``--trace-block``, or
+as its rows say), cut to the model's context less ``--max-tokens`` (the table's header counts the
+prompts cut), and the trace's timestamps are scaled so that arrivals average ``--rate`` a second,
+its bursts and lulls kept.  ``--tenants``, ``--system-tokens``, ``--question-tokens`` do not apply.
 """
 
 from __future__ import annotations
@@ -135,6 +149,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="KIND:POLICY,... (kind radixkv or sglang): each on fresh instances, the same text "
                         "prompts for all (instead of --policies; no run with an instance killed)")
     p.add_argument("--burst", type=int, default=1, help="requests of one tenant sent at once, per arrival")
+    p.add_argument("--trace", default=None, help="a Mooncake-format trace (JSON lines) instead of the tenants")
+    p.add_argument("--trace-block", type=int, default=None,
+                   help="tokens a trace's hash id stands for in the trace (default: as its rows' lengths say)")
+    p.add_argument("--trace-tokens", type=int, default=BLOCK,
+                   help=f"tokens a trace's hash id becomes here (default {BLOCK}, one vLLM block)")
     p.add_argument("--no-kill", action="store_true", help="skip the run with an instance killed")
     p.add_argument("--pin", choices=("auto", "on", "off"), default="auto",
                    help="give each instance cores of its own (auto: when the machine has one per instance)")
@@ -174,6 +193,50 @@ def _workload(args: argparse.Namespace, seed: int, run: int) -> list[tuple[float
             question = [rng.randrange(1, 999) for _ in range(args.question_tokens)]
             out.append((t, systems[tenant] + question))
     return out
+
+
+def trace_workload(path: str, requests: int, seed: int, rate: float, block_tokens: int,
+                   trace_block: int | None = None, limit: int = CONTEXT) -> tuple[list[tuple[float, list[int]]], int]:
+    """``(work, cut)`` of a Mooncake-format trace (the module docstring): (arrival time, prompt) for
+    ``requests`` consecutive rows, the window ``seed`` picks, and how many prompts were cut to
+    ``limit`` tokens.  Each hash id is one block of ``block_tokens`` tokens drawn from the id alone
+    (ids 1-998: the warm-up's id is never drawn); a row's prompt is its ids' blocks, as long as its
+    ``input_length`` scaled by ``block_tokens / trace block`` (tokens past its ids' blocks, where a
+    row's length says more than its ids, are drawn for that row alone); its arrival is the trace's
+    timestamp scaled so that the rows average ``rate`` arrivals a second.  ``ValueError`` naming
+    ``--trace`` for a file it cannot use.  O(prompt tokens)."""
+    from radixkv.bench.fleet_sim import workload
+
+    rows, trace_bt = workload("mooncake", requests, seed, path, trace_block)
+    span = max(r.arrival for r in rows) - min(r.arrival for r in rows)
+    scale = (len(rows) - 1) / (span * rate) if span > 0 else 0.0
+    t0 = min(r.arrival for r in rows)
+    blocks: dict[Any, list[int]] = {}
+    work, cut = [], 0
+    for i, r in enumerate(rows):
+        length = max(1, round(r.tokens * block_tokens / trace_bt))
+        if length > limit:
+            length, cut = limit, cut + 1
+        prompt: list[int] = []
+        for h in r.blocks:
+            if len(prompt) >= length:
+                break
+            if h not in blocks:
+                rng = random.Random(f"radixkv-trace-block:{h!r}")
+                blocks[h] = [rng.randrange(1, 999) for _ in range(block_tokens)]
+            prompt += blocks[h]
+        own = random.Random(f"radixkv-trace-row:{seed}:{i}")
+        prompt += [own.randrange(1, 999) for _ in range(length - len(prompt))]
+        work.append(((r.arrival - t0) * scale, prompt[:length]))
+    return work, cut
+
+
+def _work(args: argparse.Namespace, seed: int) -> tuple[list[tuple[float, list[int]]], int]:
+    """``(work, prompts cut)`` of a seed: the trace's (``trace_workload``) or the tenants'."""
+    if args.trace is not None:
+        return trace_workload(args.trace, args.requests, seed, args.rate, args.trace_tokens, args.trace_block,
+                              limit=CONTEXT - args.max_tokens)
+    return _workload(args, seed, 0), 0
 
 
 def reuse_bound(work: list[tuple[float, list[int]]], block: int = BLOCK) -> float:
@@ -415,7 +478,19 @@ def refuse(args: argparse.Namespace) -> None:
         raise ValueError(f"--rate must be a finite number above 0, got {args.rate}")
     if not 0.0 <= args.cpu_tier_mb < float("inf"):
         raise ValueError(f"--cpu-tier-mb must be a finite number at least 0, got {args.cpu_tier_mb}")
-    if args.system_tokens + args.question_tokens + args.max_tokens > CONTEXT:
+    if args.trace is not None:
+        if args.burst != 1:
+            raise ValueError(f"--burst: a trace brings its own arrivals, got --burst {args.burst} with --trace")
+        for flag, value in (("--trace-tokens", args.trace_tokens), ("--trace-block", args.trace_block)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if args.trace_tokens + args.max_tokens > CONTEXT:
+            raise ValueError(f"--trace-tokens + --max-tokens must fit the model's context of {CONTEXT} tokens, "
+                             f"got {args.trace_tokens + args.max_tokens}")
+        from radixkv.bench.fleet_sim import read_trace
+
+        read_trace(args.trace)                  # a file it cannot use is refused before any server starts
+    elif args.system_tokens + args.question_tokens + args.max_tokens > CONTEXT:
         raise ValueError(f"--system-tokens + --question-tokens + --max-tokens must fit the model's context of "
                          f"{CONTEXT} tokens, got {args.system_tokens + args.question_tokens + args.max_tokens}")
     if any(seed < 0 for seed in args.seed):
@@ -470,15 +545,28 @@ def main(argv: list[str] | None = None) -> int:
            f"{args.pool_blocks} blocks = {args.pool_blocks * BLOCK} tokens each, radixkv CPU tier "
            f"{args.cpu_tier_mb:g} MB each, KV events on; {pinning}) behind "
            + front.format(a=args.balance_abs, r=args.balance_rel))
-    report(f"# workload: {args.tenants} tenants x {args.system_tokens}-token system prompt + "
-           f"{args.question_tokens}-token question, {args.requests} requests, Poisson {args.rate:g}/s"
-           f"{f' in bursts of {args.burst}' if args.burst > 1 else ''}, "
-           f"max_tokens {args.max_tokens}, streamed")
+    works = {seed: _work(args, seed) for seed in args.seed}
+    if args.trace is None:
+        report(f"# workload: {args.tenants} tenants x {args.system_tokens}-token system prompt + "
+               f"{args.question_tokens}-token question, {args.requests} requests, Poisson {args.rate:g}/s"
+               f"{f' in bursts of {args.burst}' if args.burst > 1 else ''}, "
+               f"max_tokens {args.max_tokens}, streamed")
+    else:
+        import hashlib
+
+        with open(args.trace, "rb") as f:
+            md5 = hashlib.md5(f.read()).hexdigest()
+        lengths = sorted(len(p) for w, _ in works.values() for _, p in w)
+        report(f"# workload: trace {os.path.basename(args.trace)} (md5 {md5}), {args.requests} consecutive rows "
+               f"a seed, each hash id {args.trace_tokens} tokens, arrivals scaled to {args.rate:g}/s; prompts of "
+               f"{lengths[0]}-{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "
+               + ", ".join(f"{cut} cut to the context on seed {seed}" for seed, (_, cut) in works.items())
+               + f"; max_tokens {args.max_tokens}, streamed")
     log = os.path.join(tmp, "router.log")
     if args.routers is not None:
         save_word_tokenizer(model, 1000)
         for seed in args.seed:
-            work = _workload(args, seed, 0)
+            work = works[seed][0]
             rows: list[dict[str, Any]] = []
             for spec in args.routers:
                 events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
@@ -497,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for seed in args.seed:
         # every policy on the same prompts, each on fresh instances (the same cold state)
-        work = _workload(args, seed, 0)
+        work = works[seed][0]
         rows = []
         times: list[float] = []
         policies = args.policies.split(",")

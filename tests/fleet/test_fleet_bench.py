@@ -120,6 +120,7 @@ def test_ttft_is_timed_to_the_first_data_event_not_the_first_bytes() -> None:
     (["--system-tokens", "4000", "--question-tokens", "96"], "context"), (["--seed", "-1"], "--seed"),
     (["--out", "/no/such/folder/t.txt"], "--out"), (["--requests", "x"], "--requests"),
     (["--routers", "vllm:cost"], "--routers"), (["--no-such-flag"], "--no-such-flag"),
+    (["--trace", "/no/such/trace.jsonl"], "--trace"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2_before_any_server_starts(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,6 +132,67 @@ def test_a_bad_flag_is_one_line_and_exit_2_before_any_server_starts(
     assert fleet.main(argv) == 2
     out = capsys.readouterr()
     assert says in out.err and out.err.count("\n") == 1 and not out.out, (argv, out)
+
+
+def _trace(path: Path, rows: list[dict]) -> str:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--burst", "6"], "--burst"), (["--trace-tokens", "0"], "--trace-tokens"), (["--trace-block", "0"], "--trace-block"),
+    (["--trace-tokens", "4096"], "context"),
+])
+def test_a_trace_run_refuses_flags_it_cannot_use_in_one_line(
+        tmp_path: Path, extra: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    good = _trace(tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 600}\n')
+    for argv, word in ((["--trace", good, *extra], says), (["--trace", str(bad)], "hash_ids")):
+        assert fleet.main(argv) == 2
+        out = capsys.readouterr()
+        assert word in out.err and out.err.count("\n") == 1 and not out.out, (argv, out)
+
+
+_rows = st.lists(st.fixed_dictionaries({
+    "timestamp": st.integers(0, 10_000), "input_length": st.integers(1, 3_000), "output_length": st.integers(0, 50),
+    "hash_ids": st.lists(st.integers(0, 6), min_size=1, max_size=8)}), min_size=1, max_size=25)
+
+
+@given(rows=_rows, tokens=st.sampled_from([16, 64, 128]), trace_block=st.sampled_from([None, 512, 100]),
+       rate=st.floats(0.1, 50), limit=st.integers(64, 4096), seed=st.integers(0, 3))
+def test_a_traces_rows_become_prompts_that_share_what_their_ids_share_at_its_rate(
+        tmp_path_factory: pytest.TempPathFactory, rows: list[dict], tokens: int, trace_block: int | None,
+        rate: float, limit: int, seed: int) -> None:
+    from radixkv.bench.fleet_sim import trace_block as read_block, workload
+
+    path = _trace(tmp_path_factory.mktemp("trace") / "t.jsonl", rows)
+    work, cut = fleet.trace_workload(path, 10, seed, rate, tokens, trace_block, limit=limit)
+    assert (work, cut) == fleet.trace_workload(path, 10, seed, rate, tokens, trace_block, limit=limit)   # deterministic
+    window, bt = workload("mooncake", 10, seed, path, trace_block)        # the simulator's window of rows
+    assert bt == (trace_block or read_block(rows)) and len(work) == len(window)
+    want = [max(1, round(r.tokens * tokens / bt)) for r in window]
+    assert [len(p) for _, p in work] == [min(n, limit) for n in want] and cut == sum(n > limit for n in want)
+    assert all(0 < t < fleet.WARM_ID for _, p in work for t in p)          # never the warm-up's id
+    for (_, p), r in zip(work, window):
+        for (_, q), o in zip(work, window):
+            k = next((j for j, (a, b) in enumerate(zip(r.blocks, o.blocks)) if a != b), min(len(r.blocks), len(o.blocks)))
+            end = min(k * tokens, len(p), len(q))      # the ids they share, as far as both prompts reach
+            assert p[:end] == q[:end]
+    arrivals = [t for t, _ in work]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    if arrivals[-1] > 0:                                # the rows average `rate` arrivals a second
+        assert (len(work) - 1) / arrivals[-1] == pytest.approx(rate)
+
+
+def test_a_trace_block_is_drawn_from_its_id_alone(tmp_path: Path) -> None:
+    path = _trace(tmp_path / "t.jsonl", [{"timestamp": i, "input_length": 1024, "output_length": 1, "hash_ids": [i, 7]}
+                                         for i in range(20)])
+    work, _ = fleet.trace_workload(path, 20, 0, 1.0, 128, 512)
+    assert [len(p) for _, p in work] == [256] * 20
+    assert len({tuple(p[:128]) for _, p in work}) == 20 and len({tuple(p[128:]) for _, p in work}) == 1
 
 
 def test_the_defaults_pass_the_check() -> None:
