@@ -49,10 +49,15 @@ with the hit rate no policy can pass on its prompts (every tenant's prefix compu
 unbounded cache: the fleet-wide reuse the workload holds).
 
 A production trace instead of the tenants (``--trace``, the Mooncake FAST'25 format that ``bench
-fleet_sim`` reads: timestamps, ``input_length``, chained ``hash_ids``)::
+fleet_sim`` reads: timestamps, ``input_length``, chained ``hash_ids``); the commands that produced
+``benchmarks/results/fleet_cpu_conversation.txt`` and ``fleet_cpu_conversation_1gb.txt``, from a
+folder holding Mooncake's conversation trace::
 
-    python -m radixkv.bench fleet --trace conversation_trace.jsonl --requests 96 --rate 2 --seed 0,1 \
-        --routers radixkv:cost,sglang:cache_aware,radixkv:round_robin
+    python -m radixkv.bench fleet --trace conversation_trace.jsonl --requests 300 --rate 4 --seed 0,1 \
+        --routers radixkv:cost,sglang:cache_aware,radixkv:round_robin --out .../fleet_cpu_conversation.txt
+    python -m radixkv.bench fleet --trace conversation_trace.jsonl --requests 300 --rate 4 --seed 0,1 \
+        --cpu-tier-mb 1024 --routers radixkv:cost,sglang:cache_aware,radixkv:round_robin \
+        --out .../fleet_cpu_conversation_1gb.txt
 
 Each seed takes another window of ``--requests`` consecutive rows (as ``fleet_sim`` does), each
 hash id becomes one fixed block of ``--trace-tokens`` tokens (one vLLM block by default) drawn
