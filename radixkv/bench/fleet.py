@@ -213,9 +213,9 @@ def trace_workload(path: str, requests: int, seed: int, rate: float, block_token
     from radixkv.bench.fleet_sim import workload
 
     rows, trace_bt = workload("mooncake", requests, seed, path, trace_block)
-    span = max(r.arrival for r in rows) - min(r.arrival for r in rows)
-    scale = (len(rows) - 1) / (span * rate) if span > 0 else 0.0
     t0 = min(r.arrival for r in rows)
+    span = max(r.arrival for r in rows) - t0
+    scale = (len(rows) - 1) / (span * rate) if span > 0 else 0.0
     blocks: dict[Any, list[int]] = {}
     work, cut = [], 0
     for i, r in enumerate(rows):
