@@ -49,7 +49,11 @@ fleet benchmark's shape: 1,536-token system prompts and a 64-token question, Poi
 ``hot`` (768-2,048-token prompts, one tenant with half the requests, arriving in bursts of 6 at
 once), ``fleetwide`` (every request shares a 2,048-token fleet-wide system prompt, then one of the
 tenants' 1,024-token documents, then a question: a longest-match rule can send all of it to the
-first instance that holds the shared block).
+first instance that holds the shared block); and ``shapeK``, for any number K, a workload of a
+shape drawn from K (``SHAPE_CHOICES``: tenants and their popularity, system prompts and their
+spread, a fleet-wide prefix or none, question and output lengths, multi-turn sessions, bursts,
+arrivals switched on and off, the pool against the distinct prefix tokens), to test the policies on
+shapes no one chose.
 """
 
 from __future__ import annotations
@@ -238,6 +242,103 @@ def _synthetic(kind: str, n: int, seed: int) -> tuple[list[SimRequest], int]:
     return reqs, bt
 
 
+# -- shapes: workloads drawn from a number ------------------------------------------------------
+
+
+#: What a shape draws (``shape_params``), each from these choices: tenants; their popularity's Zipf
+#: exponent (0: uniform); a tenant's system prompt, median tokens and the spread (log-normal sigma)
+#: of its length across tenants; a fleet-wide prefix before them (0: none); the question's tokens;
+#: the output's; the mean turns of a session (each turn extends the last by its answer and a new
+#: question); sessions that start at once (a burst); arrivals switched on and off (five times the
+#: mean rate half the time, a fifth of it the other half); the pool, as a fraction of the distinct
+#: prefix tokens (never below two of the longest prompts).
+SHAPE_CHOICES: dict[str, tuple[Any, ...]] = {
+    "tenants": (1, 2, 4, 8, 16, 32, 64, 128),
+    "zipf": (0.0, 0.6, 1.0, 1.4),
+    "system": (256, 512, 1024, 2048, 4096, 8192),
+    "spread": (0.0, 0.5, 1.0),
+    "fleetwide": (0, 0, 0, 512, 2048, 4096),
+    "question": (32, 128, 512, 2048),
+    "output": (1, 16, 64, 256),
+    "turns": (1, 1, 2, 4, 8),
+    "burst": (1, 1, 2, 4, 8, 16),
+    "onoff": (False, False, True),
+    "pool": (0.125, 0.33, 1.0),
+}
+#: The longest prompt a shape makes: a session ends before its next turn would pass it.
+SHAPE_MAX_TOKENS = 32_768
+
+
+def shape_params(k: int) -> dict[str, Any]:
+    """Shape ``k``'s parameters (``SHAPE_CHOICES``), drawn from ``k`` alone.  O(1)."""
+    rng = random.Random(f"radixkv-shape:{k}")
+    return {name: rng.choice(choices) for name, choices in SHAPE_CHOICES.items()}
+
+
+def _shape(k: int, n: int, seed: int) -> tuple[list[SimRequest], int]:
+    """The first ``n`` requests (by arrival) of shape ``k`` (``shape_params``); the seed draws the
+    tenants' prompt lengths, the arrivals, the tenants and the sessions.  64-token blocks; a shape's
+    time unit is the mean gap between session starts (bursts) at the base rate.  O(n x prompt blocks)."""
+    p = shape_params(k)
+    rng = random.Random(f"radixkv-shape:{k}:{seed}")
+    bt = 64
+    ids = iter(range(1, 1 << 40))
+
+    def run(tokens: int) -> tuple[list[int], int]:
+        tokens = max(1, tokens)
+        return [next(ids) for _ in range(-(-tokens // bt))], tokens
+
+    def length(median: int, sigma: float, most: int) -> int:
+        """A log-normal length about ``median``, in whole blocks, from one block to ``most``."""
+        return min(most, max(bt, round(median * math.exp(rng.gauss(0.0, sigma)) / bt) * bt))
+
+    fleetwide = run(p["fleetwide"]) if p["fleetwide"] else ([], 0)
+    # a first turn always fits: fleet-wide prefix, system prompt and question at most 4K + 16K + 4K
+    systems = [run(length(p["system"], p["spread"], SHAPE_MAX_TOKENS // 2)) for _ in range(p["tenants"])]
+    weights = [1.0 / (t + 1) ** p["zipf"] for t in range(p["tenants"])]
+    # sessions: (start, head blocks, head tokens, turns), bursts of ``burst`` of one tenant at once
+    sessions: list[tuple[float, list[int], int, int]] = []
+    t = 0.0
+    while len(sessions) < n:
+        rate = (5.0 if int(t / 20.0) % 2 == 0 else 0.2) if p["onoff"] else 1.0
+        t += rng.expovariate(rate / p["burst"])
+        tenant = rng.choices(range(p["tenants"]), weights)[0]
+        for _ in range(p["burst"]):
+            turns = 1 + (int(rng.expovariate(1.0 / (p["turns"] - 1))) if p["turns"] > 1 else 0)
+            sessions.append((t, fleetwide[0] + systems[tenant][0], fleetwide[1] + systems[tenant][1], turns))
+    # each session's turns, one after another: a question; after the answer and a pause (10 time
+    # units on average) the next turn is the last one, its answer and a new question; every block
+    # is whole but a turn's last (its answer's tokens are padded to a block before the next question)
+    reqs: list[SimRequest] = []
+    for start, head, tokens, turns in sessions:
+        blocks, now = list(head), start
+        for _ in range(turns):
+            q, q_tokens = run(length(p["question"], 0.5, SHAPE_MAX_TOKENS // 8))
+            padded = -(-tokens // bt) * bt
+            if padded + q_tokens > SHAPE_MAX_TOKENS:
+                break
+            reqs.append(SimRequest(0, now, blocks + q, padded + q_tokens, p["output"]))
+            answer, a_tokens = run(p["output"])
+            blocks = blocks + q + answer
+            tokens = padded + -(-q_tokens // bt) * bt + a_tokens
+            now += rng.expovariate(1.0 / 10.0)
+    reqs.sort(key=lambda r: r.arrival)             # stable: a burst's sessions in the order drawn
+    reqs = reqs[:n]
+    for i, r in enumerate(reqs):
+        r.rid = i
+    return reqs, bt
+
+
+def shape_pool(k: int, requests: Sequence[SimRequest], block_tokens: int) -> int:
+    """Shape ``k``'s pool per instance, in tokens: its ``pool`` fraction of the distinct tokens of
+    the requests' full blocks, and at least two of the longest prompt.  O(blocks)."""
+    # a shape's block ids each follow one prefix (a run is only ever reused whole), so distinct
+    # ids are distinct blocks
+    distinct = {b for r in requests for b in r.blocks[:full_blocks(r, block_tokens)]}
+    longest = max((r.tokens for r in requests), default=block_tokens)
+    return max(2 * longest, round(shape_params(k)["pool"] * len(distinct)) * block_tokens)
+
+
 def workload(kind: str, n: int, seed: int, trace: str | None = None,
              trace_block_tokens: int | None = None) -> tuple[list[SimRequest], int]:
     """``(requests, block_tokens)`` of workload ``kind`` (see the module docstring); arrival times
@@ -247,7 +348,26 @@ def workload(kind: str, n: int, seed: int, trace: str | None = None,
         if trace is None:
             raise ValueError("--trace: the mooncake workload needs the trace's path")
         return _mooncake(trace, n, seed, trace_block_tokens)
+    k = shape_number(kind)
+    if k is not None:
+        return _shape(k, n, seed)
     return _synthetic(kind, n, seed)
+
+
+def shape_number(kind: str) -> int | None:
+    """``K`` of a workload named ``shapeK`` (K a non-negative int), else ``None``.  O(1)."""
+    digits = kind[5:]
+    ok = kind.startswith("shape") and digits.isascii() and digits.isdigit() and str(int(digits)) == digits
+    return int(digits) if ok else None
+
+
+def default_pool(kind: str, requests: Sequence[SimRequest], block_tokens: int) -> int:
+    """The pool per instance a workload runs with unless ``--pool-tokens`` says: 470,000 tokens
+    for a trace, ``shape_pool`` for a shape, ``SYNTHETIC_POOL`` for the others."""
+    k = shape_number(kind)
+    if k is not None:
+        return shape_pool(k, requests, block_tokens)
+    return 470_000 if kind == "mooncake" else SYNTHETIC_POOL
 
 
 def ideal_work(requests: Sequence[SimRequest], block_tokens: int, model: Any) -> float:
@@ -743,7 +863,8 @@ def _main(argv: list[str] | None) -> int:
     from radixkv.fleet.routing import POLICIES, PROFILES
 
     ap = Parser(prog="python -m radixkv.bench fleet_sim", description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", default="mooncake,tenants,hot,fleetwide")
+    ap.add_argument("--workloads", default="mooncake,tenants,hot,fleetwide",
+                    help="mooncake, tenants, hot, fleetwide, or shapeK (K a number: a shape drawn from it)")
     ap.add_argument("--trace", default=None, help="a Mooncake-format trace (JSON lines) for the mooncake workload")
     ap.add_argument("--trace-block", type=int, default=None,
                     help="tokens a trace's hash id stands for (default: as its rows' lengths say; 512 in Mooncake's)")
@@ -754,7 +875,8 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="h100-8b")
     ap.add_argument("--pool-tokens", type=int, default=None,
-                    help="KV pool per instance (default: SYNTHETIC_POOL for the synthetic workloads; for mooncake "
+                    help="KV pool per instance (default: SYNTHETIC_POOL for tenants, hot and fleetwide; a shape's "
+                         "fraction of its distinct prefix tokens, at least two of its longest prompt; for mooncake "
                          "470,000, an 8B model's KV in an H100 beside its weights, and above the trace's longest "
                          "prompt, 134K tokens)")
     ap.add_argument("--cpu-tokens", type=int, default=None, help="CPU tier per instance (default: as the pool)")
@@ -791,8 +913,8 @@ def _main(argv: list[str] | None) -> int:
         return 0
     args.workloads = args.workloads.split(",")
     for kind in args.workloads:
-        if kind not in WORKLOADS:
-            raise ValueError(f"--workloads: unknown workload {kind!r} (one of {', '.join(WORKLOADS)})")
+        if kind not in WORKLOADS and shape_number(kind) is None:
+            raise ValueError(f"--workloads: unknown workload {kind!r} (one of {', '.join(WORKLOADS)}, or shapeK)")
     args.instances = _numbers("--instances", args.instances, int, 1)
     args.loads = _numbers("--loads", args.loads, float, 1e-6)
     args.seeds = _numbers("--seeds", args.seeds, int, 0)
@@ -828,9 +950,9 @@ def _main(argv: list[str] | None) -> int:
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
         f"{'p99 s':>8}  served min/max")
     for kind, n, load, seed in _grid(args):
-        pool = args.pool_tokens or (SYNTHETIC_POOL if kind != "mooncake" else 470_000)
-        cpu = args.cpu_tokens if args.cpu_tokens is not None else pool
         reqs, bt = workload(kind, args.requests, seed, args.trace, args.trace_block)
+        pool = args.pool_tokens or default_pool(kind, reqs, bt)
+        cpu = args.cpu_tokens if args.cpu_tokens is not None else pool
         scale_to_load(reqs, bt, model, n, load)
         for policy in policies:
             s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,

@@ -366,3 +366,55 @@ def test_a_steps_kv_events_reach_the_index_when_the_step_ends(blocks: int, tail:
     (pool_mid, index_mid), (pool_after, index_after) = seen
     assert pool_mid == blocks and index_mid == {}
     assert pool_after == blocks and index_after["i0"].blocks == blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(0, 10**6), seed=st.integers(0, 1000), n=st.integers(1, 250))
+def test_a_shape_is_drawn_from_its_number_and_its_turns_extend_what_came_before(k: int, seed: int, n: int) -> None:
+    """``shapeK``: its parameters come from K alone, its requests from K and the seed; every prompt
+    is in whole blocks but its last, within the longest a shape makes; a prompt's blocks are some
+    already seen (a tenant's head, or a session's earlier turn) and then new ones, never the other way."""
+    from radixkv.bench.fleet_sim import SHAPE_CHOICES, SHAPE_MAX_TOKENS, default_pool, shape_params
+
+    p = shape_params(k)
+    assert p == shape_params(k) and all(p[name] in choices for name, choices in SHAPE_CHOICES.items())
+    reqs, bt = workload(f"shape{k}", n, seed)
+    again, _ = workload(f"shape{k}", n, seed)
+    assert [(r.arrival, r.blocks, r.tokens, r.output) for r in reqs] == [(r.arrival, r.blocks, r.tokens, r.output)
+                                                                         for r in again]
+    assert len(reqs) == n and [r.rid for r in reqs] == list(range(n))
+    assert all(a.arrival <= b.arrival for a, b in zip(reqs, reqs[1:]))
+    seen: set[int] = set()
+    heads = p["fleetwide"] // bt
+    for r in reqs:
+        assert len(r.blocks) == -(-r.tokens // bt) and r.tokens <= SHAPE_MAX_TOKENS and r.output == p["output"]
+        old = next((j for j, b in enumerate(r.blocks) if b not in seen), len(r.blocks))
+        assert not seen.intersection(r.blocks[old:]), "a block seen before after a new one"
+        if p["turns"] == 1:
+            assert old <= (p["fleetwide"] + SHAPE_MAX_TOKENS // 2) // bt, "without turns only a head is reused"
+        if heads:
+            assert r.blocks[:heads] == reqs[0].blocks[:heads], "the fleet-wide prefix heads every prompt"
+        seen.update(r.blocks)
+    pool = default_pool(f"shape{k}", reqs, bt)
+    assert pool >= 2 * max(r.tokens for r in reqs) and pool % bt == 0
+
+
+@settings(max_examples=8, deadline=None)
+@given(k=st.integers(0, 10**6), policy=st.sampled_from(["cost", "prefix", "round_robin"]))
+def test_a_shape_runs_on_its_own_pool(k: int, policy: str) -> None:
+    from radixkv.bench.fleet_sim import default_pool
+
+    reqs, bt = workload(f"shape{k}", 40, 0)
+    scale_to_load(reqs, bt, MODEL, 2, 0.8)
+    pool = default_pool(f"shape{k}", reqs, bt)
+    out = run(reqs, bt, instances=2, policy=policy, pool_tokens=pool, cpu_tokens=pool)
+    assert sum(out["served"]) == len(reqs) and all(t > 0 for t in out["ttft"])
+
+
+def test_a_shape_is_named_by_a_plain_number() -> None:
+    from radixkv.bench import fleet_sim
+
+    for kind in ("shape", "shapex", "shape-1", "shape01", "shape\u0661"):
+        with pytest.raises(ValueError, match="workload"):
+            workload(kind, 10, 0)
+        assert fleet_sim.main(["--workloads", kind]) == 2

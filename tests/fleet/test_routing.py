@@ -65,11 +65,13 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
     bs = 64
     fleet = backends(n)
     for b in fleet:
+        b.healthy = data.draw(st.booleans(), label="healthy")
+        if data.draw(st.booleans(), label="idle"):         # nothing in flight
+            continue
         b.queued_tokens = data.draw(st.integers(0, 5000), label="queued")
         b.waiting = data.draw(st.integers(0, 3), label="waiting") + (b.queued_tokens > 0)
         b.in_flight = b.waiting + data.draw(st.integers(0, 12), label="decoding")
         b.active_tokens = b.queued_tokens
-        b.healthy = data.draw(st.booleans(), label="healthy")
     held = {b.name: Match(data.draw(st.integers(1, 50)), data.draw(st.sampled_from(MEDIA)))
             for b in fleet if data.draw(st.booleans(), label="holds")}
     # what the router has just sent where (its blocks: on the GPU once computed, not yet in the index)
@@ -114,16 +116,43 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
         # each step until its prefill ends (budget tokens a step) also decodes the running requests
         steps = max(1, math.ceil((b.queued_tokens + tokens - reused) / budget))
         decode = steps * (MODEL.decode_step_s + MODEL.decode_s_per_seq * decoding) if decoding else 0.0
-        return MODEL.prefill_s_per_token * b.queued_tokens + decode + weight * own + extra, reused
+        queue = MODEL.prefill_s_per_token * b.queued_tokens
+        # the TTFT it would give, unweighted (an idle instance's with the copy's charge)
+        ttft = queue + decode + own + (0.0 if b.in_flight else extra)
+        return queue + decode + weight * own + extra, reused, ttft
 
-    costs = [cost(b) for b in choice.order]
-    assert all(costs[i][0] <= costs[i + 1][0] + 1e-12 for i in range(len(costs) - 1)), "in the order of expected TTFT"
-    best = costs[0][0]
-    ties = [c for c in costs if abs(c[0] - best) <= 1e-12]
-    assert costs[0][1] == max(t[1] for t in ties), "ties go to the longer prefix"
-    tied = [b for b, c in zip(choice.order, costs) if abs(c[0] - best) <= 1e-12 and c[1] == costs[0][1]]
-    assert choice.order[0].in_flight == min(b.in_flight for b in tied), "then to fewer in flight"
-    assert choice.promised == costs[0][1]
+    costs = {b.name: cost(b) for b in up}
+    order = list(choice.order)
+
+    def by_cost(seq: list[Backend]) -> bool:
+        return all(costs[a.name][0] <= costs[b.name][0] + 1e-12 for a, b in zip(seq, seq[1:]))
+
+    # an idle instance sooner than every busy one goes first, unless it gives up a prefix fewer than
+    # two instances hold; the rest are in the order of the weighted cost
+    best_reuse = max(c[1] for c in costs.values())
+    holders = sum(1 for m in mine.values() if min(m.blocks * bs, tokens) >= best_reuse)
+    idle = [b for b in up if not b.in_flight]
+    busy_ttft = min((costs[b.name][2] for b in up if b.in_flight), default=math.inf)
+    soonest = min((costs[b.name][2] for b in idle), default=math.inf)
+
+    def may_jump(b: Backend) -> bool:
+        return (not b.in_flight and costs[b.name][2] <= soonest + 1e-12 and costs[b.name][2] < busy_ttft
+                and (costs[b.name][1] >= best_reuse or holders >= 2))
+
+    first = order[0]
+    jumped = may_jump(first) and by_cost(order[1:])
+    assert jumped or by_cost(order), "in the order of the cost, or the soonest idle instance first"
+    if first.in_flight and idle and soonest < busy_ttft - 1e-12:
+        tied = [b for b in idle if costs[b.name][2] <= soonest + 1e-12]
+        assert not all(may_jump(b) for b in tied), "a busy instance first while an idle one was sooner"
+    if not jumped:
+        ranked = [costs[b.name] for b in order]
+        best = ranked[0][0]
+        ties = [c for c in ranked if abs(c[0] - best) <= 1e-12]
+        assert ranked[0][1] == max(t[1] for t in ties), "ties go to the longer prefix"
+        tied = [b for b, c in zip(order, ranked) if abs(c[0] - best) <= 1e-12 and c[1] == ranked[0][1]]
+        assert first.in_flight == min(b.in_flight for b in tied), "then to fewer in flight"
+    assert choice.promised == costs[choice.order[0].name][1]
     chooser.check(fleet)
 
 
@@ -415,3 +444,65 @@ def test_a_copy_of_work_under_way_is_charged_less_the_more_instances_are_idle(
     cost_idle = weight * (MODEL.fixed_s + MODEL.prefill(tokens)) + copy
     assume(abs(cost_a - cost_idle) > 1e-9 * max(cost_a, cost_idle))
     assert (choice.order[0] is a) == (cost_a < cost_idle)
+
+
+@settings(max_examples=200, deadline=None)
+@given(queues=st.lists(st.integers(1, 20_000), min_size=1, max_size=4), idle=st.integers(1, 3),
+       prefix=st.integers(1, 60), tail=st.integers(1, 500), load=st.floats(0.0, 1.0))
+def test_an_idle_instance_goes_first_exactly_when_sooner_and_the_prefix_is_held_twice(
+        queues: list[int], idle: int, prefix: int, tail: int, load: float) -> None:
+    """Busy instances holding a prompt's prefix (each with a queue), idle ones holding nothing: the
+    soonest idle instance goes first exactly when its TTFT (computing everything) is below every
+    holder's (its queue and the tail) and the weighted cost prefers a holder and two or more
+    instances hold the prefix; otherwise the least weighted cost wins."""
+    bs = 64
+    tokens = prefix * bs + tail
+    fleet = backends(len(queues) + idle)
+    for b, q in zip(fleet, queues):
+        b.in_flight = b.waiting = 1
+        b.queued_tokens = b.active_tokens = q
+    held = {b.name: Match(prefix, "GPU") for b in fleet[:len(queues)]}
+    chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30)
+    chooser.load = load
+    choice = chooser.choose(fleet, tokens, list(range(tokens // bs)), now=0.0)
+    affinity = by_load(load + (len(queues) / len(fleet) - load) / (LOAD_ARRIVALS * len(fleet)))
+    own_busy = MODEL.fixed_s + MODEL.prefill(tokens - prefix * bs)
+    own_idle = MODEL.fixed_s + MODEL.prefill(tokens)
+    busy_cost = min(MODEL.prefill(q) + affinity * own_busy for q in queues)
+    idle_cost = (1 + affinity) / 2 * own_idle
+    busy_ttft = min(MODEL.prefill(q) for q in queues) + own_busy
+    assume(abs(busy_cost - idle_cost) > 1e-9 and abs(busy_ttft - own_idle) > 1e-9)
+    if idle_cost < busy_cost or (own_idle < busy_ttft and len(queues) >= 2):
+        assert choice.order[0] not in fleet[:len(queues)] and choice.promised == 0
+    else:
+        assert choice.order[0] in fleet[:len(queues)] and choice.promised == prefix * bs
+    chooser.check(fleet)
+
+
+@pytest.mark.parametrize("holders", [1, 2])
+def test_an_idle_instance_sooner_than_the_busy_ones_takes_a_prefix_two_instances_hold(holders: int) -> None:
+    """At high load the affinity weighs an idle instance's work above the holders' short queues, but
+    an idle instance that gives the prompt its first token sooner than every busy one takes it, when
+    the prefix it would compute again is held by two instances at least (replicated, so popular); a
+    prefix one instance holds (a session's earlier turn) stays with its holder."""
+    bs, prefix = 64, 40
+    tokens = prefix * bs + 64
+    fleet = backends(3)
+    for b in fleet[:2]:
+        b.in_flight = b.waiting = 1
+        b.queued_tokens = b.active_tokens = 4000           # 0.4 s of prefill ahead
+    held = {b.name: Match(prefix, "GPU") for b in fleet[:holders]}
+    chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30)
+    chooser.load = 0.9
+    choice = chooser.choose(fleet, tokens, list(range(prefix + 1)), now=0.0)
+    affinity = by_load(0.9 + (2 / 3 - 0.9) / (LOAD_ARRIVALS * 3))
+    idle_ttft = MODEL.fixed_s + MODEL.prefill(tokens)
+    holder_ttft = MODEL.prefill(4000) + MODEL.fixed_s + MODEL.prefill(64)
+    # the weighted cost prefers the holder; its TTFT is later than the idle instance's
+    assert MODEL.prefill(4000) + affinity * (holder_ttft - MODEL.prefill(4000)) < (1 + affinity) / 2 * idle_ttft
+    assert idle_ttft < holder_ttft
+    if holders == 2:
+        assert (choice.order[0].name, choice.promised) == ("i2", 0)
+    else:
+        assert (choice.order[0].name, choice.promised) == ("i0", prefix * bs)
+    chooser.check(fleet)
