@@ -72,7 +72,8 @@ from typing import Any, Generator, Iterable, Sequence
 from radixkv.bench import out_file
 from radixkv.tools._args import Parser, Refused
 
-__all__ = ["Fleet", "SimRequest", "fit_vllm_cpu", "fit_vllm_cpu_decode", "ideal_hits", "ideal_work", "scale_to_load", "simulate", "workload"]
+__all__ = ["Fleet", "SimRequest", "default_pool", "fit_vllm_cpu", "fit_vllm_cpu_decode", "ideal_hits", "ideal_work",
+           "scale_to_load", "shape_number", "shape_params", "shape_pool", "simulate", "workload"]
 
 WORKLOADS = ("mooncake", "tenants", "hot", "fleetwide")
 #: Tenants (or documents) of the synthetic workloads: about 48K tokens of prefixes, three times
@@ -363,7 +364,8 @@ def shape_number(kind: str) -> int | None:
 
 def default_pool(kind: str, requests: Sequence[SimRequest], block_tokens: int) -> int:
     """The pool per instance a workload runs with unless ``--pool-tokens`` says: 470,000 tokens
-    for a trace, ``shape_pool`` for a shape, ``SYNTHETIC_POOL`` for the others."""
+    for a trace, ``shape_pool`` for a shape, ``SYNTHETIC_POOL`` for the others.  O(blocks) for a
+    shape, O(1) otherwise."""
     k = shape_number(kind)
     if k is not None:
         return shape_pool(k, requests, block_tokens)
