@@ -50,7 +50,7 @@ Contract:
     than ``cache_aware``).  Yet an idle instance that gives the request its first token sooner
     than every instance with requests in flight (the expected TTFT unweighted, with the charge for
     copying work under way) goes first when a busy one has the least cost, unless that gives up a
-    prefix fewer than two instances hold: the weight is for work later requests wait behind, and
+    prefix fewer than two healthy instances hold: the weight is for work later requests wait behind, and
     while busy instances queue an idle one's work delays no one.  Without it, on workload shapes
     drawn at random (``fleet_sim`` ``shapeK``), a prompt every request shares stayed on the
     instances that first held it (half of 16 instances idle at 50% load, p50 7x round-robin's:
@@ -519,19 +519,19 @@ class Chooser:
     def _sooner_when_idle(self, scored: list[Any], ttft: dict[str, float], held: dict[str, Match], tokens: int) -> None:
         """Put first (in place) the idle instance that gives the prompt its first token soonest, when
         that is sooner than every instance with requests in flight and the best cost is a busy one's,
-        unless it gives up a prefix that fewer than two instances hold.  ``scored``: the cost
+        unless it gives up a prefix that fewer than two healthy instances hold.  ``scored``: the cost
         policy's rows, sorted; ``ttft``: each instance's expected TTFT, unweighted, an idle one's
         with the charge for copying work under way.  O(instances)."""
-        if not scored[0][4].in_flight:
-            return
         idle = [s for s in scored if not s[4].in_flight]
-        busy = [ttft[s[4].name] for s in scored if s[4].in_flight]
-        if not idle:
+        if not idle or not scored[0][4].in_flight:
             return
         fastest = min(idle, key=lambda s: ttft[s[4].name])
         best_reuse = max(s[5] for s in scored)
-        holders = sum(1 for match in held.values() if min(match.blocks * self.block_size, tokens) >= best_reuse)
-        if (fastest[5] >= best_reuse or holders >= 2) and ttft[fastest[4].name] < min(busy):
+        # the candidates that hold that prefix (an instance that is down does not count)
+        holders = sum(1 for s in scored if s[4].name in held
+                      and min(held[s[4].name].blocks * self.block_size, tokens) >= best_reuse)
+        if (fastest[5] >= best_reuse or holders >= 2) and ttft[fastest[4].name] < min(
+                ttft[s[4].name] for s in scored if s[4].in_flight):
             scored.remove(fastest)
             scored.insert(0, fastest)
 

@@ -128,9 +128,9 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
         return all(costs[a.name][0] <= costs[b.name][0] + 1e-12 for a, b in zip(seq, seq[1:]))
 
     # an idle instance sooner than every busy one goes first, unless it gives up a prefix fewer than
-    # two instances hold; the rest are in the order of the weighted cost
+    # two healthy instances hold; the rest are in the order of the weighted cost
     best_reuse = max(c[1] for c in costs.values())
-    holders = sum(1 for m in mine.values() if min(m.blocks * bs, tokens) >= best_reuse)
+    holders = sum(1 for b in up if b.name in mine and min(mine[b.name].blocks * bs, tokens) >= best_reuse)
     idle = [b for b in up if not b.in_flight]
     busy_ttft = min((costs[b.name][2] for b in up if b.in_flight), default=math.inf)
     soonest = min((costs[b.name][2] for b in idle), default=math.inf)
