@@ -147,7 +147,7 @@ class Router:
     def choose(self, tokens: list[int] | None, salt: str | None = None,
                model: str | None = None) -> tuple[list[Backend], str, int]:
         """The healthy instances in the order to try them, why the first was chosen (``"cost"``,
-        ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``, ``"least_loaded"``,
+        ``"copy"``, ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``, ``"least_loaded"``,
         ``"round_robin"``, ``"random"``) and the prefix tokens the first holds, as the router
         believes.  O(instances) plus the lookup."""
         choice = self._choice(tokens, salt, model)

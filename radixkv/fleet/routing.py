@@ -56,7 +56,20 @@ Contract:
     instances that first held it (half of 16 instances idle at 50% load, p50 7x round-robin's:
     their pools full and their decodes long, which the queue of prefill tokens does not show);
     the exception keeps a session's follow-up turn, held by one instance, there (without it a
-    production-style trace at 30% load lost hits).  Ties go to the longer prefix, then fewer
+    production-style trace at 30% load lost hits).  And a prefix is *copied* (``why`` is
+    ``"copy"``): when the first choice holds the prompt's prefix, the index shows it computed, and
+    fewer instances hold it than its share of the arrivals calls for (``Demand``: the share of the
+    last ``LOAD_ARRIVALS`` arrivals an instance, decayed, whose prompt held it; one more holder at
+    most that share times the instances), the instance that does not hold it and gives the first
+    token soonest among those that wait less than the first goes first.  The cost of computing a
+    prefix again is paid once and repaid by every later request that the new holder takes off the
+    others: a prompt nearly every request shares belongs on every instance, one tenant's among
+    sixteen on one.  Without it, on workload shapes drawn at random, one system prompt that nearly
+    every request shared stayed on the instances that first held it while others served nothing
+    (their pools filled with requests in flight, which no queue of prefill tokens shows).  What the
+    router has only sent is not copied (a burst still follows its first request), and a fresh
+    router's first arrivals each have a share of 1, so it copies freely until ``LOAD_ARRIVALS``
+    arrivals an instance have come.  Ties go to the longer prefix, then fewer
     requests in flight, then round-robin: a turn that moves on only when it broke a tie (one that
     moved with every request gave every tie to the same instance when bursts were a multiple of
     the instances: on two instances with bursts of 6, every new tenant).
@@ -74,8 +87,9 @@ Contract:
     the least cost wins.
   - ``least_loaded``, ``round_robin``, ``random``: the references.
 
-* **Cost.**  ``choose`` is O(instances + matched blocks) plus one index lookup; ``Recent`` holds
-  at most ``max_names`` block names (oldest dropped first), each with one expiry per instance.
+* **Cost.**  ``choose`` is O(instances + matched blocks) plus one index lookup, and O(blocks)
+  for the cost policy's ``Demand``; ``Recent`` and ``Demand`` each hold at most ``max_names`` block
+  names (the least recently seen dropped first), ``Recent`` with one expiry per instance.
 """
 
 from __future__ import annotations
@@ -89,7 +103,8 @@ from typing import Any, Hashable, Mapping, Sequence
 from radixkv.core._checks import check_int
 from radixkv.fleet.index import Match, medium_rank
 
-__all__ = ["AUTO_CAP", "AUTO_MAX", "Backend", "Chooser", "CostModel", "POLICIES", "PROFILES", "Recent", "auto_affinity"]
+__all__ = ["AUTO_CAP", "AUTO_MAX", "Backend", "Chooser", "CostModel", "Demand", "POLICIES", "PROFILES", "Recent",
+           "auto_affinity"]
 
 POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin", "random")
 
@@ -286,6 +301,49 @@ class Recent:
         assert {k: v for k, v in self._sizes.items() if v} == counted, "instance sizes miscounted"
 
 
+class Demand:
+    """How many of the last arrivals (``window`` of them, decayed: each arrival weighs
+    ``1 - 1/window`` of the one after it) each block name was part of, and so the share of the
+    arrivals a prefix has (the name of its last block: names are chained).  ``max_names`` bounds the
+    names kept (least recently seen dropped first).  Not thread-safe."""
+
+    def __init__(self, max_names: int = 1 << 20) -> None:
+        self.max_names = int(max_names)
+        self._seen: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()     # name -> (count, at arrival)
+        self.arrivals = 0
+        self._total = (0.0, 0)
+
+    def add(self, names: Sequence[Hashable], window: float) -> None:
+        """One arrival of a prompt of ``names``.  O(names)."""
+        decay = 1.0 - 1.0 / max(1.0, window)
+        self.arrivals += 1
+        now = self.arrivals
+        count, at = self._total
+        self._total = (count * decay ** (now - at) + 1.0, now)
+        for name in names:
+            count, at = self._seen.pop(name, (0.0, now))
+            self._seen[name] = (count * decay ** (now - at) + 1.0, now)
+        while len(self._seen) > self.max_names:
+            self._seen.popitem(last=False)
+
+    def share(self, name: Hashable, window: float) -> float:
+        """The share of the last arrivals (``window`` of them, decayed) whose prompt held ``name``,
+        0 to 1 (0 before any arrival).  O(1)."""
+        decay = 1.0 - 1.0 / max(1.0, window)
+        total, at_total = self._total
+        count, at = self._seen.get(name, (0.0, at_total))
+        weight = total * decay ** (self.arrivals - at_total)
+        return min(1.0, count * decay ** (self.arrivals - at) / weight) if weight > 0 else 0.0
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def check(self) -> None:
+        """Assert: at most ``max_names`` names, every count positive and none from the future."""
+        assert len(self._seen) <= self.max_names, "more names than max_names"
+        assert all(c > 0 and 0 < at <= self.arrivals for c, at in self._seen.values()), "a count out of range"
+
+
 @dataclass
 class Choice:
     """``Chooser.choose``'s answer: instances in the order to try, why the first, the prefix
@@ -335,6 +393,7 @@ class Chooser:
         self._rr = itertools.count()
         self._tie_turn = 0
         self.load = 0.0             # the fraction of instances with prefill queued, averaged over arrivals
+        self.demand = Demand()
         self._random = random.Random(seed)
 
     # -- what happens to a request -------------------------------------------------------------
@@ -476,6 +535,8 @@ class Chooser:
                    for inst, match in held.items() if match.blocks > shown.get(inst, 0)}
         scored = []
         ttft: dict[str, float] = {}     # expected TTFT unweighted (an idle instance's with the copy's charge)
+        wait: dict[str, float] = {}     # what the prompt waits for before its own prefill starts
+        self.demand.add(names, LOAD_ARRIVALS * len(up))
         turn = self._tie_turn
         idle = sum(1 for b in up if not b.queued_tokens)
         if self.affinity is not None:
@@ -509,12 +570,38 @@ class Chooser:
             spare = idle - (0 if b.queued_tokens else 1)
             dup_s = max(0.0, now_affinity - weight) * m.prefill(dup) / (1 + spare) if dup > 0 else 0.0
             ttft[b.name] = queue_s + decode_s + own_s + (0.0 if b.in_flight else dup_s)
+            wait[b.name] = queue_s + decode_s
             scored.append((queue_s + decode_s + weight * own_s + dup_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
         self._sooner_when_idle(scored, ttft, held, tokens)
+        copied = self._replicate(scored, ttft, wait, held, indexed, names, len(up))
         if len(scored) > 1 and scored[0][:3] == scored[1][:3]:      # the turn broke a tie: it moves on
             self._tie_turn += 1
-        return Choice([s[4] for s in scored], "cost", scored[0][5], names)
+        return Choice([s[4] for s in scored], "copy" if copied else "cost", scored[0][5], names)
+
+    def _replicate(self, scored: list[Any], ttft: dict[str, float], wait: dict[str, float], held: dict[str, Match],
+                   indexed: dict[str, Match], names: list[Hashable], instances: int) -> bool:
+        """Put first (in place) the instance that does not hold the first's prefix and gives the
+        prompt its first token soonest among those that wait less than the first (``wait``: queue
+        and decode steps before its own prefill), when the first holds that prefix, the index shows
+        it computed somewhere, and one more holder is still at most its share of the arrivals
+        (``Demand``) times the instances; whether it did.  O(instances)."""
+        first = scored[0]
+        h = min(first[5] // self.block_size, len(names))
+        if h < 1 or first[4].name not in held or held[first[4].name].blocks < h:
+            return False
+        if not any(m.blocks >= h for m in indexed.values()):
+            return False            # not computed anywhere yet: a copy now would compute it again
+        holding = {s[4].name for s in scored if s[4].name in held and held[s[4].name].blocks >= h}
+        if len(holding) + 1 > self.demand.share(names[h - 1], LOAD_ARRIVALS * instances) * instances + 1e-9:
+            return False
+        others = [s for s in scored if s[4].name not in holding and wait[s[4].name] < wait[first[4].name]]
+        if not others:
+            return False
+        best = min(others, key=lambda s: ttft[s[4].name])
+        scored.remove(best)
+        scored.insert(0, best)
+        return True
 
     def _sooner_when_idle(self, scored: list[Any], ttft: dict[str, float], held: dict[str, Match], tokens: int) -> None:
         """Put first (in place) the idle instance that gives the prompt its first token soonest, when
@@ -549,7 +636,8 @@ class Chooser:
                       min(runs.get(smallest.name, 0) * self.block_size, tokens), names)
 
     def check(self, backends: Sequence[Backend]) -> None:
-        """Assert the counters' invariants, the load's range and ``Recent``'s.  O(instances + names)."""
+        """Assert the counters' invariants, the load's range, ``Recent``'s and ``Demand``'s.  O(instances +
+        names)."""
         assert len({b.name for b in backends}) == len(backends), "an instance named twice"
         assert 0.0 <= self.load <= 1.0, f"the load {self.load} is not a fraction"
         for b in backends:
@@ -558,3 +646,4 @@ class Chooser:
             assert 0 <= b.waiting <= b.in_flight, f"{b.waiting} waiting of {b.in_flight} in flight on {b.name}"
             assert b.waiting or not b.queued_tokens, f"queued tokens with no request waiting on {b.name}"
         self.recent.check()
+        self.demand.check()

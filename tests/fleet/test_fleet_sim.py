@@ -418,3 +418,20 @@ def test_a_shape_is_named_by_a_plain_number() -> None:
         with pytest.raises(ValueError, match="workload"):
             workload(kind, 10, 0)
         assert fleet_sim.main(["--workloads", kind]) == 2
+
+
+@pytest.mark.parametrize("shape,instances,load,n", [("shape5", 4, 0.8, 150), ("shape5", 8, 0.5, 150),
+                                                    ("shape23", 8, 0.5, 200)])
+def test_a_prompt_nearly_every_request_shares_is_served_by_every_instance(shape: str, instances: int, load: float,
+                                                                         n: int) -> None:
+    """One system prompt heads nearly every request (shapes 5 and 23: one tenant, a small pool): the
+    cost policy copies it to instances that wait less as its share of the arrivals calls for, so
+    every instance serves at least a quarter of its even share (without the copies, the instances
+    that first held it served everything and 1 to 4 of them nothing)."""
+    from radixkv.bench.fleet_sim import default_pool
+
+    reqs, bt = workload(shape, n, 0)
+    scale_to_load(reqs, bt, MODEL, instances, load)
+    pool = default_pool(shape, reqs, bt)
+    out = run(reqs, bt, instances=instances, policy="cost", pool_tokens=pool, cpu_tokens=pool)
+    assert min(out["served"]) >= len(reqs) / instances / 4, out["served"]

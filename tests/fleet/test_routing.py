@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, event, given, settings, strategies as st
 
 from radixkv.fleet.index import MEDIA, Match
 from radixkv.fleet.routing import (AUTO_CAP, AUTO_MAX, LOAD_ARRIVALS, PROFILES, Backend, Chooser, CostModel, Recent,
@@ -22,6 +22,26 @@ MODEL = CostModel(prefill_s_per_token=1e-4, fixed_s=0.01,
 
 def backends(n: int) -> list[Backend]:
     return [Backend(f"http://{i}", f"i{i}") for i in range(n)]
+
+
+def touch(order: list[Any], names: list[Any], cap: int) -> list[Any]:
+    """A model of a bounded LRU: ``names`` move to the end of ``order`` (least recent first); the
+    least recent beyond ``cap`` are dropped from it and returned."""
+    for name in names:
+        if name in order:
+            order.remove(name)
+        order.append(name)
+    dropped = order[:max(0, len(order) - cap)]
+    del order[:len(dropped)]
+    return dropped
+
+
+def rare(chooser: Chooser, instances: int) -> Chooser:
+    """``chooser`` after many arrivals of other prompts: the next prompt's prefix has a small share of
+    the arrivals (about 1 / (LOAD_ARRIVALS x instances)), so no rule replicates it."""
+    for i in range(LOAD_ARRIVALS * instances * 4):
+        chooser.demand.add([("other", i)], LOAD_ARRIVALS * instances)
+    return chooser
 
 
 def expected_own(tokens: int, mine: Match | None, peer: int, shared: int, bs: int) -> tuple[float, int]:
@@ -81,9 +101,13 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
                       shared=(lambda ns: shared) if shared else None, budget=budget)
     chooser.recent.lookup = lambda ns, now: {k: min(v, len(ns)) for k, v in sent.items() if min(v, len(ns))}  # type: ignore[method-assign]
     chooser.load = load = data.draw(st.floats(0.0, 1.0), label="load so far")
-    choice = chooser.choose(fleet, tokens, names, now=0.0)
     up = [b for b in fleet if b.healthy] or fleet
-    assert choice.why == "cost" and sorted(b.name for b in choice.order) == sorted(b.name for b in up)
+    window = LOAD_ARRIVALS * len(up)
+    prior = data.draw(st.integers(0, 3 * window), label="arrivals of other prompts before")
+    for i in range(prior):
+        chooser.demand.add([("other", i)], window)
+    choice = chooser.choose(fleet, tokens, names, now=0.0)
+    assert choice.why in ("cost", "copy") and sorted(b.name for b in choice.order) == sorted(b.name for b in up)
     now_affinity = affinity
     if affinity is None:
         # the load: the fraction of instances with prefill queued, averaged over LOAD_ARRIVALS per instance
@@ -102,7 +126,7 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
                for k, v in sent_here.items() if k not in held_here or v > held_here[k].blocks}
     shared_tokens = min(shared * bs, tokens) if shared and names else 0
 
-    def cost(b: Backend) -> tuple[float, int]:
+    def cost(b: Backend) -> tuple[float, int, float, float]:
         # a peer loads only what the index says another instance holds (what was just sent is not there yet)
         peer = max((min(m.blocks * bs, tokens) for inst, m in held_here.items() if inst != b.name), default=0) if p2p else 0
         own, reused = expected_own(tokens, mine.get(b.name), peer, shared_tokens, bs)
@@ -119,7 +143,7 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
         queue = MODEL.prefill_s_per_token * b.queued_tokens
         # the TTFT it would give, unweighted (an idle instance's with the copy's charge)
         ttft = queue + decode + own + (0.0 if b.in_flight else extra)
-        return queue + decode + weight * own + extra, reused, ttft
+        return queue + decode + weight * own + extra, reused, ttft, queue + decode
 
     costs = {b.name: cost(b) for b in up}
     order = list(choice.order)
@@ -139,19 +163,54 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
         return (not b.in_flight and costs[b.name][2] <= soonest + 1e-12 and costs[b.name][2] < busy_ttft
                 and (costs[b.name][1] >= best_reuse or holders >= 2))
 
-    first = order[0]
-    jumped = may_jump(first) and by_cost(order[1:])
-    assert jumped or by_cost(order), "in the order of the cost, or the soonest idle instance first"
-    if first.in_flight and idle and soonest < busy_ttft - 1e-12:
-        tied = [b for b in idle if costs[b.name][2] <= soonest + 1e-12]
-        assert not all(may_jump(b) for b in tied), "a busy instance first while an idle one was sooner"
-    if not jumped:
-        ranked = [costs[b.name] for b in order]
-        best = ranked[0][0]
-        ties = [c for c in ranked if abs(c[0] - best) <= 1e-12]
-        assert ranked[0][1] == max(t[1] for t in ties), "ties go to the longer prefix"
-        tied = [b for b, c in zip(order, ranked) if abs(c[0] - best) <= 1e-12 and c[1] == ranked[0][1]]
-        assert first.in_flight == min(b.in_flight for b in tied), "then to fewer in flight"
+    def wait(b: Backend) -> float:              # before its own prefill: the queue and the decode steps
+        return costs[b.name][3]
+
+    def replicas(first: Backend) -> list[Backend]:
+        """The instances the rule may put before ``first``: it holds its prefix (h blocks), which the
+        index shows somewhere, fewer than the prefix's share of the instances hold it, and they do
+        not hold it and wait less than ``first``."""
+        h = min(costs[first.name][1] // bs, len(names))
+        if h < 1 or first.name not in mine or mine[first.name].blocks < h:
+            return []
+        if not any(m.blocks >= h for m in held_here.values()):
+            return []
+        holding = {b.name for b in up if b.name in mine and mine[b.name].blocks >= h}
+        # this prompt's share of the arrivals, each weighing 1 - 1/window of the one after it
+        share = 1.0 / sum((1.0 - 1.0 / window) ** i for i in range(prior + 1))
+        if len(holding) + 1 > share * len(up) + 1e-9:
+            return []
+        return [b for b in up if b.name not in holding and wait(b) < wait(first)]
+
+    def before_replication(seq: list[Backend]) -> None:
+        first = seq[0]
+        jumped = may_jump(first) and by_cost(seq[1:])
+        assert jumped or by_cost(seq), "in the order of the cost, or the soonest idle instance first"
+        if first.in_flight and idle and soonest < busy_ttft - 1e-12:
+            tied = [b for b in idle if costs[b.name][2] <= soonest + 1e-12]
+            assert not all(may_jump(b) for b in tied), "a busy instance first while an idle one was sooner"
+        if not jumped:
+            ranked = [costs[b.name] for b in seq]
+            best = ranked[0][0]
+            ties = [c for c in ranked if abs(c[0] - best) <= 1e-12]
+            assert ranked[0][1] == max(t[1] for t in ties), "ties go to the longer prefix"
+            tied = [b for b, c in zip(seq, ranked) if abs(c[0] - best) <= 1e-12 and c[1] == ranked[0][1]]
+            assert first.in_flight == min(b.in_flight for b in tied), "then to fewer in flight"
+
+    # a prefix held by fewer instances than its share of the arrivals: the instance that does not
+    # hold it, waits less than the first and gives the first token soonest goes before it
+    try:
+        before_replication(order)
+        plain = not replicas(order[0])
+    except AssertionError:
+        plain = False
+    event(f"replicated: {not plain}, prior arrivals: {bool(prior)}")
+    assert choice.why == ("cost" if plain else "copy")
+    if not plain:
+        others = replicas(order[1]) if len(order) > 1 else []
+        assert order[0] in others, "neither the rules' first nor a replica of its prefix"
+        assert costs[order[0].name][2] <= min(costs[b.name][2] for b in others) + 1e-12, "not the soonest replica"
+        before_replication(order[1:])
     assert choice.promised == costs[choice.order[0].name][1]
     chooser.check(fleet)
 
@@ -193,11 +252,8 @@ def test_recent_matches_a_model_of_expiries(ops: list[Any], cap: int) -> None:
             recent.add(inst, names, now)
             for nm in names:
                 model.setdefault(nm, {})[inst] = now + 5.0
-                if nm in order:
-                    order.remove(nm)
-                order.append(nm)
-            while len(order) > cap:
-                del model[order.pop(0)]
+            for nm in touch(order, names, cap):
+                del model[nm]
         recent.check()
         query = list(range(7))
         want: dict[str, int] = {}
@@ -408,7 +464,8 @@ def test_the_holder_wins_while_its_queue_is_less_than_the_affinity_times_the_wor
     for b, q in zip(fleet, (qa, qb)):
         b.in_flight = b.waiting = 1
         b.queued_tokens = b.active_tokens = q
-    chooser = Chooser("cost", block_size=bs, lookup=lambda _: {"i0": Match(held, "GPU")}, model=MODEL, budget=1 << 30)
+    chooser = rare(Chooser("cost", block_size=bs, lookup=lambda _: {"i0": Match(held, "GPU")}, model=MODEL,
+                           budget=1 << 30), 2)
     chooser.load = load
     choice = chooser.choose(fleet, tokens, list(range(tokens // bs)), now=0.0)
     affinity = by_load(load + (1.0 - load) / (LOAD_ARRIVALS * 2))     # both busy: the average moves towards 1
@@ -462,7 +519,7 @@ def test_an_idle_instance_goes_first_exactly_when_sooner_and_the_prefix_is_held_
         b.in_flight = b.waiting = 1
         b.queued_tokens = b.active_tokens = q
     held = {b.name: Match(prefix, "GPU") for b in fleet[:len(queues)]}
-    chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30)
+    chooser = rare(Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30), len(fleet))
     chooser.load = load
     choice = chooser.choose(fleet, tokens, list(range(tokens // bs)), now=0.0)
     affinity = by_load(load + (len(queues) / len(fleet) - load) / (LOAD_ARRIVALS * len(fleet)))
@@ -492,7 +549,7 @@ def test_an_idle_instance_sooner_than_the_busy_ones_takes_a_prefix_two_instances
         b.in_flight = b.waiting = 1
         b.queued_tokens = b.active_tokens = 4000           # 0.4 s of prefill ahead
     held = {b.name: Match(prefix, "GPU") for b in fleet[:holders]}
-    chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30)
+    chooser = rare(Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30), 3)
     chooser.load = 0.9
     choice = chooser.choose(fleet, tokens, list(range(prefix + 1)), now=0.0)
     affinity = by_load(0.9 + (2 / 3 - 0.9) / (LOAD_ARRIVALS * 3))
@@ -506,3 +563,97 @@ def test_an_idle_instance_sooner_than_the_busy_ones_takes_a_prefix_two_instances
     else:
         assert (choice.order[0].name, choice.promised) == ("i0", prefix * bs)
     chooser.check(fleet)
+
+
+@settings(max_examples=300, deadline=None)
+@given(queues=st.lists(st.integers(1, 20_000), min_size=2, max_size=8, unique=True), data=st.data(),
+       prefix=st.integers(1, 60), tail=st.integers(1, 500), affinity=st.floats(1.0, 20.0))
+def test_a_prefix_held_by_fewer_instances_than_its_share_of_the_arrivals_is_copied_to_a_less_busy_one(
+        queues: list[int], data: st.DataObject, prefix: int, tail: int, affinity: float) -> None:
+    """Busy instances, ``k`` of them holding the prompt's prefix in the index: the least weighted
+    cost wins unless it is a holder and ``k + 1`` is at most the prefix's share of the arrivals
+    (decayed over ``LOAD_ARRIVALS`` per instance) times the instances; then the instance that does
+    not hold it, waits less than that holder and gives the first token soonest goes first."""
+    bs, n = 64, len(queues)
+    k = data.draw(st.integers(1, n - 1), label="holders")
+    tokens = prefix * bs + tail
+    names = list(range(tokens // bs))
+    fleet = backends(n)
+    for b, q in zip(fleet, queues):
+        b.in_flight = b.waiting = 1
+        b.queued_tokens = b.active_tokens = q
+    held = {b.name: Match(prefix, "GPU") for b in fleet[:k]}
+    chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30,
+                      affinity=affinity)
+    window = LOAD_ARRIVALS * n
+    # the arrivals before this one: this prompt's (True) or another's
+    before = data.draw(st.lists(st.booleans(), max_size=3 * window), label="arrivals before")
+    for i, mine in enumerate(before):
+        chooser.demand.add(names if mine else [("other", i)], window)
+    choice = chooser.choose(fleet, tokens, names, now=0.0)
+    decay = 1.0 - 1.0 / window
+    arrivals = before + [True]
+    weights = [decay ** (len(arrivals) - 1 - i) for i in range(len(arrivals))]
+    share = sum(w for w, mine in zip(weights, arrivals) if mine) / sum(weights)
+    assert chooser.demand.share(names[prefix - 1], window) == pytest.approx(share)
+    own_hit = MODEL.fixed_s + MODEL.prefill(tokens - prefix * bs)
+    own_all = MODEL.fixed_s + MODEL.prefill(tokens)
+    cost = {b.name: MODEL.prefill(b.queued_tokens) + affinity * (own_hit if b.name in held else own_all) for b in fleet}
+    first = min(fleet, key=lambda b: cost[b.name])
+    assume(all(abs(cost[b.name] - cost[first.name]) > 1e-9 for b in fleet if b is not first))
+    assume(abs(k + 1 - share * n) > 1e-6)
+    less_busy = [b for b in fleet[k:] if b.queued_tokens < first.queued_tokens]
+    event(f"copied: {first.name in held and k + 1 <= share * n and bool(less_busy)}")
+    if first.name in held and k + 1 <= share * n and less_busy:
+        expected = min(less_busy, key=lambda b: b.queued_tokens)
+        assert (choice.order[0], choice.promised, choice.why) == (expected, 0, "copy")
+        assert choice.order[1] is first
+    else:
+        assert (choice.order[0], choice.why) == (first, "cost")
+    chooser.check(fleet)
+
+
+def test_a_prefix_not_yet_computed_anywhere_is_not_copied() -> None:
+    """What the router has only sent (a burst's first request, its prefill not done, the index
+    empty) is never copied: a copy would compute the prefix again beside the first."""
+    bs, prefix = 64, 20
+    tokens = prefix * bs + 64
+    names = list(range(prefix + 1))
+    fleet = backends(4)
+    chooser = Chooser("cost", block_size=bs, lookup=lambda _: {}, model=MODEL, budget=1 << 30, affinity=8.0)
+    first = chooser.choose(fleet, tokens, names, now=0.0).order[0]
+    chooser.sent(first, tokens, 0, names, now=0.0)
+    for _ in range(6):                          # the rest of the burst: every request's share is 1
+        choice = chooser.choose(fleet, tokens, names, now=0.0)
+        assert choice.order[0] is first
+        chooser.sent(first, tokens, choice.promised, names, now=0.0)
+    chooser.check(fleet)
+
+
+@settings(max_examples=50, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(0, 4)), max_size=80),
+       window=st.integers(1, 40), cap=st.integers(1, 8))
+def test_demand_matches_a_model_of_decayed_counts(ops: list[tuple[str, int]], window: int, cap: int) -> None:
+    """Each arrival adds 1 to each of its names and to the total, everything before it decayed by
+    1 - 1/window an arrival; a name's share is its count over the total; at most ``cap`` names are
+    kept, the one seen least recently dropped first (its share then 0)."""
+    from radixkv.fleet.routing import Demand
+
+    demand = Demand(max_names=cap)
+    decay = 1.0 - 1.0 / window
+    counts: dict[str, float] = {}
+    seen: list[str] = []                        # least recently seen first
+    total = 0.0
+    for head, depth in ops:
+        names = [head * (i + 1) for i in range(depth)]       # chained: "a", "aa", "aaa", ...
+        demand.add(names, window)
+        total = total * decay + 1.0
+        counts = {name: c * decay for name, c in counts.items()}
+        for name in names:
+            counts[name] = counts.get(name, 0.0) + 1.0
+        for name in touch(seen, names, cap):
+            del counts[name]
+        demand.check()
+        assert len(demand) == len(seen)
+        for name in {n for h in "abcdef" for n in (h, h * 2, h * 3)}:
+            assert demand.share(name, window) == pytest.approx(counts.get(name, 0.0) / total, abs=1e-9)
