@@ -149,7 +149,7 @@ class Router:
         """The healthy instances in the order to try them, why the first was chosen (``"cost"``,
         ``"copy"``, ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``, ``"least_loaded"``,
         ``"round_robin"``, ``"random"``) and the prefix tokens the first holds, as the router
-        believes.  O(instances) plus the lookup."""
+        believes.  O(instances + prompt blocks) plus the lookup."""
         choice = self._choice(tokens, salt, model)
         return choice.order, choice.why, choice.promised
 
