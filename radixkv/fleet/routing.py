@@ -70,7 +70,10 @@ Contract:
     router has only sent is not copied (a burst still follows its first request), and a fresh
     router's first arrivals each have a share of 1, so it copies freely until ``LOAD_ARRIVALS``
     arrivals an instance have come.  Ties go to the longer prefix, then fewer
-    requests in flight, then round-robin: a turn that moves on only when it broke a tie (one that
+    requests in flight, then the instance whose oldest request still waiting for its first token
+    was sent earliest (the queue counts tokens, not how far along they are: on the real fleet two
+    instances each with one cold prompt queued tied, and the tie went to the one that had just
+    been sent its prompt, 100 ms behind the other), then round-robin: a turn that moves on only when it broke a tie (one that
     moved with every request gave every tie to the same instance when bursts were a multiple of
     the instances: on two instances with bursts of 6, every new tenant).
   - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
@@ -96,7 +99,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Sequence
 
@@ -394,6 +397,7 @@ class Chooser:
         self._tie_turn = 0
         self.load = 0.0             # the fraction of instances with prefill queued, averaged over arrivals
         self.demand = Demand()
+        self._sent_at: dict[str, deque[float]] = {}     # instance -> when its requests waiting were sent
         self._random = random.Random(seed)
 
     # -- what happens to a request -------------------------------------------------------------
@@ -402,6 +406,7 @@ class Chooser:
         """``backend`` got a request of ``tokens`` prompt tokens of which it holds ``promised``
         (as estimated); returns its charge, to give back to ``prefilled``.  O(names)."""
         charge = max(0, tokens - promised)
+        self._sent_at.setdefault(backend.name, deque()).append(now)
         backend.in_flight += 1
         backend.waiting += 1
         backend.queued_tokens += charge
@@ -413,6 +418,9 @@ class Chooser:
         """The request's first token came back: its prefill no longer queues.  O(names)."""
         backend.queued_tokens -= charge
         backend.waiting -= 1
+        sent_at = self._sent_at.get(backend.name)
+        if sent_at:                 # the oldest goes: an engine prefills in the order it got them
+            sent_at.popleft()
         self.recent.settle(backend.name, names, now)
 
     def ended(self, backend: Backend, tokens: int) -> None:
@@ -571,7 +579,12 @@ class Chooser:
             dup_s = max(0.0, now_affinity - weight) * m.prefill(dup) / (1 + spare) if dup > 0 else 0.0
             ttft[b.name] = queue_s + decode_s + own_s + (0.0 if b.in_flight else dup_s)
             wait[b.name] = queue_s + decode_s
-            scored.append((queue_s + decode_s + weight * own_s + dup_s, -reused, b.in_flight, (i - turn) % len(up), b, reused))
+            # among equals, fewer in flight, then the queue sent earliest (furthest along: the cost
+            # counts a queue's tokens, not how long they have run)
+            sent_at = self._sent_at.get(b.name)
+            oldest = sent_at[0] if sent_at else float("-inf")
+            scored.append((queue_s + decode_s + weight * own_s + dup_s, -reused, (b.in_flight, oldest),
+                           (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
         self._sooner_when_idle(scored, ttft, held, tokens)
         copied = self._replicate(scored, ttft, wait, held, indexed, names, len(up))
@@ -645,5 +658,8 @@ class Chooser:
             assert b.in_flight or not (b.queued_tokens or b.active_tokens), f"tokens counted on idle {b.name}"
             assert 0 <= b.waiting <= b.in_flight, f"{b.waiting} waiting of {b.in_flight} in flight on {b.name}"
             assert b.waiting or not b.queued_tokens, f"queued tokens with no request waiting on {b.name}"
+            sent_at = self._sent_at.get(b.name, ())
+            # (at most: a caller may set a backend's counts without sending, as tests do)
+            assert len(sent_at) <= b.waiting, f"{len(sent_at)} send times for {b.waiting} waiting on {b.name}"
         self.recent.check()
         self.demand.check()

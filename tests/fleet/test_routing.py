@@ -657,3 +657,30 @@ def test_demand_matches_a_model_of_decayed_counts(ops: list[tuple[str, int]], wi
         assert len(demand) == len(seen)
         for name in {n for h in "abcdef" for n in (h, h * 2, h * 3)}:
             assert demand.share(name, window) == pytest.approx(counts.get(name, 0.0) / total, abs=1e-9)
+
+
+@given(n=st.integers(2, 8), data=st.data())
+def test_among_equal_queues_the_one_sent_earliest_takes_the_next(n: int, data: st.DataObject) -> None:
+    """Every instance has one cold prompt of the same length queued, sent at different times (in
+    any order over the instances): they cost the same, and the next cold prompt goes where the
+    queued one was sent earliest, the queue furthest along.  (On the real fleet such a tie went to
+    the instance that had just been sent its prompt and waited 231 ms where the other was free
+    40 ms later.)  The next after it, with two queued there, goes to the next earliest."""
+    fleet = backends(n)
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=PROFILES["vllm-cpu"])
+    times = data.draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n, unique=True), label="sent at")
+    length = 1536 + 64
+    for b, t in sorted(zip(fleet, times), key=lambda bt: bt[1]):
+        chooser.sent(b, length, 0, [("tenant", b.name, k) for k in range(96)], now=t)
+    chooser.check(fleet)
+    by_time = [b for b, _ in sorted(zip(fleet, times), key=lambda bt: bt[1])]
+    for k in range(2):
+        names = [("new", k, j) for j in range(96)]
+        choice = chooser.choose(fleet, length, names, now=1.5)
+        assert choice.order[0] is by_time[k], f"prompt {k} went to {choice.order[0].name}, not {by_time[k].name}"
+        chooser.sent(choice.order[0], length, choice.promised, names, now=1.5)
+        chooser.check(fleet)
+    for b in fleet:                         # every queued prompt's first token: the send times go
+        while b.waiting:
+            chooser.prefilled(b, length, [], now=2.0)
+    chooser.check(fleet)
