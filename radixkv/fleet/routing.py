@@ -69,13 +69,13 @@ Contract:
     (their pools filled with requests in flight, which no queue of prefill tokens shows).  What the
     router has only sent is not copied (a burst still follows its first request), and a fresh
     router's first arrivals each have a share of 1, so it copies freely until ``LOAD_ARRIVALS``
-    arrivals an instance have come.  Ties go to the longer prefix, then fewer
-    requests in flight, then the instance whose oldest request still waiting for its first token
-    was sent earliest (the queue counts tokens, not how far along they are: on the real fleet two
-    instances each with one cold prompt queued tied, and the tie went to the one that had just
-    been sent its prompt, 100 ms behind the other), then round-robin: a turn that moves on only when it broke a tie (one that
-    moved with every request gave every tie to the same instance when bursts were a multiple of
-    the instances: on two instances with bursts of 6, every new tenant).
+    arrivals an instance have come.  Ties go to the longer prefix, then fewer requests in flight,
+    then the instance whose oldest request still waiting for its first token was sent earliest
+    (the queue counts tokens, not how far along they are: on the real fleet two instances each
+    with one cold prompt queued tied, and the tie went to the one that had just been sent its
+    prompt, 100 ms behind the other), then round-robin: a turn that moves on only when it broke a
+    tie (one that moved with every request gave every tie to the same instance when bursts were a
+    multiple of the instances: on two instances with bursts of 6, every new tenant).
   - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
     imbalance first (``balance_abs``/``balance_rel``, on requests in flight); no match goes to
     the least loaded.
