@@ -8,6 +8,7 @@ benchmarks and demo talk to over HTTP (no mocks of boto3).  Needs ``moto[server]
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,8 +52,6 @@ def listen_port(tries: int = 200) -> int:
     the unbound port (a TCP self-connect), can take it first: the bind then fails.  Random within
     1,024 up to the range's start (or above its end when that is empty); ``RuntimeError`` after
     ``tries`` ports taken.  O(tries)."""
-    import random
-
     low, high = _ephemeral_range()
     lo, hi = (1024, low - 1) if low - 1 >= 1024 + 1000 else (high + 1, 65535)
     rng = random.Random()
