@@ -547,7 +547,7 @@ class _Instance:
         with self._held_writer():
             self.cache.release(r.hold)
         r.hold = None
-        self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens)
+        self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens, r.names)
         self.served += 1
 
     def run(self) -> Generator[Any, Any, None]:
@@ -634,7 +634,7 @@ class Fleet:
                                spread=self.index.lookup_spread, model=model,
                                affinity=affinity, p2p=p2p, shared=self._shared_run if shared else None, seed=seed)
         self.instances = [_Instance(self, f"i{k}") for k in range(instances)]
-        self.backends = [Backend(inst.name, inst.name) for inst in self.instances]
+        self.backends = [Backend(inst.name, inst.name, pool_blocks=self.pool_blocks) for inst in self.instances]
         self.backend = {b.name: b for b in self.backends}
         self.by_name = {inst.name: inst for inst in self.instances}
 

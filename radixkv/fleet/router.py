@@ -18,7 +18,10 @@ Contract:
   the queue of prefill the router sent it and the request's own prefill there (what it holds,
   on which medium, or a peer holds with ``--p2p``, loaded at the ``--cost-profile``'s cost; the
   rest computed); a prompt the router just sent somewhere counts as held there until the
-  instance's events can confirm it, so a burst follows its first request.  ``prefix``: the
+  instance's events can confirm it, so a burst follows its first request; a prompt that does not
+  fit in an instance's KV pool beside its requests in flight goes to one where it does (each pool
+  read from the instance's ``GET /metrics``, vLLM's ``vllm:cache_config_info``, when it first
+  passes a health check).  ``prefix``: the
   longest prefix, imbalance first (``balance_abs``/``balance_rel`` requests in flight), no match
   to the idlest.  ``cache_aware``: sglang-router's rule; ``dynamo``: Dynamo's KV-router cost;
   ``least_loaded``, ``round_robin`` and ``random`` for comparison.  The prompt's block names are
@@ -59,7 +62,7 @@ from radixkv.core._checks import check_int
 from radixkv.fleet.hashing import ALGOS, request_extra_keys, vllm_block_hashes
 from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser
 
-__all__ = ["INSTANCE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits"]
+__all__ = ["INSTANCE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits", "pool_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +150,7 @@ class Router:
     def choose(self, tokens: list[int] | None, salt: str | None = None,
                model: str | None = None) -> tuple[list[Backend], str, int]:
         """The healthy instances in the order to try them, why the first was chosen (``"cost"``,
-        ``"copy"``, ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``, ``"least_loaded"``,
+        ``"copy"``, ``"fit"``, ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``, ``"least_loaded"``,
         ``"round_robin"``, ``"random"``) and the prefix tokens the first holds, as the router
         believes.  O(instances + prompt blocks) plus the lookup."""
         choice = self._choice(tokens, salt, model)
@@ -214,8 +217,28 @@ class Router:
                 log.warning("radixkv router: %s is %s", b.url, "up" if ok else "down")
             b.healthy = ok
             self._metrics.healthy(b.name, ok)
+            if not ok:
+                b.pool_blocks = None            # it may come back with another pool
+            elif b.pool_blocks is None:
+                b.pool_blocks = await self._pool_of(b)
 
         await asyncio.gather(*(one(b) for b in self.backends))
+
+    async def _pool_of(self, b: Backend) -> int | None:
+        """``b``'s KV pool in the router's blocks, from its ``GET /metrics`` (``pool_blocks``),
+        bounded by ``health_timeout_s``; ``None`` when it cannot say."""
+        import aiohttp
+
+        try:
+            async with self._session.get(f"{b.url}/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)) as r:
+                text = await r.text() if r.status == 200 else ""
+        except Exception:  # noqa: BLE001 - no metrics: the pool stays unknown
+            text = ""
+        pool = pool_blocks(text, self.block_size)
+        if pool is not None:
+            log.info("radixkv router: %s has a pool of %d blocks", b.url, pool)
+        return pool
 
     async def _health_loop(self) -> None:
         while True:
@@ -279,7 +302,7 @@ class Router:
                 result = await self._forward(request, backend, path, body, stream, prefilled)
             finally:
                 prefilled()
-                self.chooser.ended(backend, length)
+                self.chooser.ended(backend, length, choice.names)
                 self._metrics.in_flight(backend.name, backend.in_flight)
             if result is not None:
                 return result
@@ -545,6 +568,27 @@ def build(args: argparse.Namespace) -> Router:
         if follower is not None:
             follower.close()
         raise
+
+
+def pool_blocks(metrics: str, block_size: int) -> int | None:
+    """An instance's KV pool in blocks of ``block_size`` tokens, read from its Prometheus text
+    (vLLM's ``vllm:cache_config_info``, labels ``num_gpu_blocks`` and ``block_size``; with several
+    engines the smallest pool, since a request runs on one), or ``None`` when the text does not say
+    or cannot be parsed.  O(text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    pools = []
+    try:
+        for family in text_string_to_metric_families(metrics):
+            for sample in family.samples:
+                if not sample.name.startswith("vllm:cache_config_info"):
+                    continue
+                blocks, size = sample.labels.get("num_gpu_blocks", ""), sample.labels.get("block_size", "")
+                if blocks.isdigit() and size.isdigit() and int(blocks) > 0 and int(size) > 0:
+                    pools.append(int(blocks) * int(size) // block_size)
+    except ValueError:                    # not Prometheus text (an error page, another server)
+        return None
+    return min(pools) if pools else None
 
 
 def model_limits(path: str | None, required: bool = False) -> tuple[int | None, int | None]:

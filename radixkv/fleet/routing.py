@@ -69,8 +69,15 @@ Contract:
     (their pools filled with requests in flight, which no queue of prefill tokens shows).  What the
     router has only sent is not copied (a burst still follows its first request), and a fresh
     router's first arrivals each have a share of 1, so it copies freely until ``LOAD_ARRIVALS``
-    arrivals an instance have come.  Ties go to the longer prefix, then fewer requests in flight,
-    then the instance whose oldest request still waiting for its first token was sent earliest
+    arrivals an instance have come.  Last, pools (``why`` is ``"fit"``): when the prompt does
+    not fit in the first choice's KV pool beside what its requests in flight hold (the blocks
+    they pin plus the prompt's others are more than ``Backend.pool_blocks``; the HTTP router
+    reads each pool from the instance's metrics, the simulator knows it), the instance of least
+    cost among those where it fits and that reuse as much of it goes first.  A full pool makes the
+    request wait for pages, which no queue of prefill tokens shows: on a workload shape with a
+    5,312-token prompt at 80% load, five of eight instances had no free page while three had, and
+    the router kept sending them requests.  Ties go to the longer prefix, then fewer requests in
+    flight, then the instance whose oldest request still waiting for its first token was sent earliest
     (the queue counts tokens, not how far along they are: on the real fleet two instances each
     with one cold prompt queued tied, and the tie went to the one that had just been sent its
     prompt, 100 ms behind the other), then round-robin: a turn that moves on only when it broke a
@@ -91,7 +98,8 @@ Contract:
   - ``least_loaded``, ``round_robin``, ``random``: the references.
 
 * **Cost.**  ``choose`` is O(instances + matched blocks) plus one index lookup, and O(blocks)
-  for the cost policy's ``Demand``; ``Recent`` and ``Demand`` each hold at most ``max_names`` block
+  for the cost policy's ``Demand`` (and O(instances x blocks) when the prompt may not fit in the
+  first choice's pool); ``Recent`` and ``Demand`` each hold at most ``max_names`` block
   names (the least recently seen dropped first), ``Recent`` with one expiry per instance.
 """
 
@@ -99,7 +107,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Sequence
 
@@ -141,7 +149,8 @@ class Backend:
     """One instance behind the router: its base URL, its name in the fleet index, its state
     (``queued_tokens``: the uncached prompt tokens of its requests still waiting for their first
     token, as estimated at routing; ``waiting``: how many requests those are; ``active_tokens``:
-    the prompt tokens of its requests in flight; ``in_flight - waiting`` of them are decoding)."""
+    the prompt tokens of its requests in flight; ``in_flight - waiting`` of them are decoding;
+    ``pool_blocks``: its KV pool in the router's blocks, ``None`` while unknown)."""
 
     url: str
     name: str
@@ -150,6 +159,7 @@ class Backend:
     queued_tokens: int = 0
     active_tokens: int = 0
     waiting: int = 0
+    pool_blocks: int | None = None
 
     @property
     def decoding(self) -> int:
@@ -398,6 +408,7 @@ class Chooser:
         self.load = 0.0             # the fraction of instances with prefill queued, averaged over arrivals
         self.demand = Demand()
         self._sent_at: dict[str, deque[float]] = {}     # instance -> when its requests waiting were sent
+        self._pinned: dict[str, Counter[Hashable]] = {}  # instance -> block names its requests in flight hold
         self._random = random.Random(seed)
 
     # -- what happens to a request -------------------------------------------------------------
@@ -407,6 +418,7 @@ class Chooser:
         (as estimated); returns its charge, to give back to ``prefilled``.  O(names)."""
         charge = max(0, tokens - promised)
         self._sent_at.setdefault(backend.name, deque()).append(now)
+        self._pinned.setdefault(backend.name, Counter()).update(names)
         backend.in_flight += 1
         backend.waiting += 1
         backend.queued_tokens += charge
@@ -423,11 +435,31 @@ class Chooser:
             sent_at.popleft()
         self.recent.settle(backend.name, names, now)
 
-    def ended(self, backend: Backend, tokens: int) -> None:
-        """The request ended (after ``prefilled``, or failed before it: then call ``prefilled``
-        first).  O(1)."""
+    def ended(self, backend: Backend, tokens: int, names: Sequence[Hashable]) -> None:
+        """The request of ``tokens`` tokens and block names ``names`` ended (after ``prefilled``,
+        or failed before it: then call ``prefilled`` first).  O(names)."""
         backend.in_flight -= 1
         backend.active_tokens -= tokens
+        pinned = self._pinned.get(backend.name)
+        if pinned is not None:
+            for name in names:
+                left = pinned.get(name, 0) - 1
+                if left > 0:
+                    pinned[name] = left
+                else:
+                    pinned.pop(name, None)
+
+    def fits(self, backend: Backend, names: Sequence[Hashable]) -> bool:
+        """Whether a prompt of block names ``names`` fits in ``backend``'s pool beside the blocks its
+        requests in flight hold (true while the pool's size is unknown).  O(1) when it clearly
+        does, else O(names)."""
+        pool = backend.pool_blocks
+        if pool is None:
+            return True
+        pinned: Mapping[Hashable, int] = self._pinned.get(backend.name) or {}
+        if len(pinned) + len(names) <= pool:
+            return True
+        return len(pinned) + sum(1 for n in names if n not in pinned) <= pool
 
     # -- choosing ------------------------------------------------------------------------------
 
@@ -588,9 +620,28 @@ class Chooser:
         scored.sort(key=lambda s: s[:4])
         self._sooner_when_idle(scored, ttft, held, tokens)
         copied = self._replicate(scored, ttft, wait, held, indexed, names, len(up))
+        fitted = self._fit(scored, names)
         if len(scored) > 1 and scored[0][:3] == scored[1][:3]:      # the turn broke a tie: it moves on
             self._tie_turn += 1
-        return Choice([s[4] for s in scored], "copy" if copied else "cost", scored[0][5], names)
+        return Choice([s[4] for s in scored], "fit" if fitted else "copy" if copied else "cost", scored[0][5],
+                      names)
+
+    def _fit(self, scored: list[Any], names: list[Hashable]) -> bool:
+        """Put first (in place) the instance of least cost among those where the prompt fits
+        (``fits``) and that reuse as much of it as the first, when the prompt does not fit in the
+        first's pool; whether it did.  An engine whose pool is full makes a new request wait for
+        pages, which no queue of prefill tokens shows.  O(instances) when the first fits, else
+        O(instances x names)."""
+        first = scored[0]
+        if self.fits(first[4], names):
+            return False
+        room = [s for s in scored[1:] if s[5] >= first[5] and self.fits(s[4], names)]
+        if not room:
+            return False
+        best = min(room, key=lambda s: s[:4])
+        scored.remove(best)
+        scored.insert(0, best)
+        return True
 
     def _replicate(self, scored: list[Any], ttft: dict[str, float], wait: dict[str, float], held: dict[str, Match],
                    indexed: dict[str, Match], names: list[Hashable], instances: int) -> bool:
@@ -661,5 +712,8 @@ class Chooser:
             sent_at = self._sent_at.get(b.name, ())
             # (at most: a caller may set a backend's counts without sending, as tests do)
             assert len(sent_at) <= b.waiting, f"{len(sent_at)} send times for {b.waiting} waiting on {b.name}"
+            pinned: Mapping[Hashable, int] = self._pinned.get(b.name, {})
+            assert b.in_flight or not pinned, f"blocks pinned on idle {b.name}"
+            assert all(c > 0 for c in pinned.values()), f"a pinned count below 1 on {b.name}"
         self.recent.check()
         self.demand.check()

@@ -24,7 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from radixkv.fleet.events import BlockStored, EventBatch
 from radixkv.fleet.follow import Follower
 from radixkv.fleet.index import MEDIA, Match
-from radixkv.fleet.router import Router
+from radixkv.fleet.router import Router, pool_blocks
 
 
 class FakeFollower:
@@ -172,10 +172,12 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def fake_backend(name: str, *, cut: bool = False, drop: bool = False, delay_s: float = 0.0) -> web.Application:
+def fake_backend(name: str, *, cut: bool = False, drop: bool = False, delay_s: float = 0.0,
+                 metrics: str | None = None, up: dict[str, bool] | None = None) -> web.Application:
     """An OpenAI-like instance: answers with its name (after ``delay_s``); a stream of three events
     (``cut``: the connection drops after the first; ``drop``: it drops before answering, health
-    checks pass)."""
+    checks pass); ``metrics``: its ``GET /metrics`` text; ``up[name]`` false: its health check
+    answers 503."""
     app = web.Application()
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -197,7 +199,10 @@ def fake_backend(name: str, *, cut: bool = False, drop: bool = False, delay_s: f
         return out
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({})
+        return web.json_response({}, status=200 if (up or {}).get(name, True) else 503)
+
+    async def metrics_page(request: web.Request) -> web.Response:
+        return web.Response(text=metrics or "")
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": name}]})
@@ -206,6 +211,8 @@ def fake_backend(name: str, *, cut: bool = False, drop: bool = False, delay_s: f
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    if metrics is not None:
+        app.router.add_get("/metrics", metrics_page)
     return app
 
 
@@ -489,3 +496,47 @@ def test_radixkv_route_refuses_a_bad_value_in_one_line(bad: list[str], says: str
     assert main(["route", "--backend", URLS[0], *bad]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1, err
+
+
+def vllm_metrics(engines: list[tuple[int, int]]) -> str:
+    """vLLM's ``/metrics`` text with one ``vllm:cache_config_info`` sample an engine (pool blocks,
+    block size), among other families."""
+    lines = ["# HELP vllm:num_requests_running Number of requests in model execution batches.",
+             "# TYPE vllm:num_requests_running gauge", 'vllm:num_requests_running{engine="0"} 0.0',
+             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+             "# TYPE vllm:cache_config_info gauge"]
+    lines += [f'vllm:cache_config_info{{block_size="{size}",cache_dtype="auto",engine="{i}",'
+              f'num_gpu_blocks="{blocks}",num_gpu_blocks_override="None"}} 1.0' for i, (blocks, size) in enumerate(engines)]
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(engines=st.lists(st.tuples(st.integers(1, 1 << 20), st.sampled_from([16, 32, 64, 128, 256])), max_size=4),
+       block=st.sampled_from([16, 32, 64, 128, 256]))
+def test_an_instance_pool_is_read_from_its_metrics_in_the_routers_blocks(engines: list[tuple[int, int]],
+                                                                          block: int) -> None:
+    """The smallest engine's pool, in the router's blocks (a request runs on one engine); no
+    ``cache_config_info`` or a text that is not Prometheus's: unknown."""
+    expected = min((n * s // block for n, s in engines), default=None)
+    assert pool_blocks(vllm_metrics(engines), block) == expected
+    assert pool_blocks("<html>not found</html>", block) is None
+    assert pool_blocks('vllm:cache_config_info{block_size="x",num_gpu_blocks="y"} 1.0\n', block) is None
+
+
+def test_the_router_reads_each_pool_at_its_health_check_and_forgets_it_when_the_instance_goes_down() -> None:
+    up = {"a": True}
+
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        a, b, c = router.backends
+        assert (a.pool_blocks, b.pool_blocks, c.pool_blocks) == (72 * 128 // 16, None, None)
+        up["a"] = False
+        await router.check_health()
+        assert not a.healthy and a.pool_blocks is None, "a pool is forgotten when its instance goes down"
+        up["a"] = True
+        await router.check_health()
+        assert a.healthy and a.pool_blocks == 72 * 128 // 16, "and read again when it is back"
+        r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+        assert r.status == 200
+
+    asyncio.run(_with_router({"a": fake_backend("a", metrics=vllm_metrics([(72, 128), (80, 128)]), up=up),
+                              "b": fake_backend("b"), "c": fake_backend("c", metrics="<html>")}, body, policy="cost"))

@@ -5,6 +5,8 @@ its first request while that is cheaper; the reference policies follow their own
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 from typing import Any
 
@@ -287,7 +289,7 @@ def test_tenants_arriving_on_an_idle_fleet_spread_whatever_the_burst_size(instan
         sent[got[0][0].name] = sent.get(got[0][0].name, 0) + burst
         for b, charge in got:                      # the burst is served: the fleet is idle again
             chooser.prefilled(b, charge, names, now=float(t) + 0.5)
-            chooser.ended(b, 96 * 16 + 64)
+            chooser.ended(b, 96 * 16 + 64, names)
         chooser.check(fleet)
     assert sorted(sent.values()) == [4 * burst] * instances
 
@@ -684,3 +686,63 @@ def test_among_equal_queues_the_one_sent_earliest_takes_the_next(n: int, data: s
         while b.waiting:
             chooser.prefilled(b, length, [], now=2.0)
     chooser.check(fleet)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(2, 6), data=st.data())
+def test_a_prompt_goes_where_it_fits_among_the_instances_that_reuse_as_much(n: int, data: st.DataObject) -> None:
+    """Each instance has a pool of a drawn size (or none known) and requests in flight that pin drawn
+    prompts, some sharing the new prompt's prefix.  The new prompt goes where the cost policy puts it
+    with no pool known, unless it does not fit there (the blocks that instance's requests in flight
+    pin, plus the prompt's other blocks, are more than its pool) and another instance that reuses at
+    least as much of it has room: then to one of those, the rest of the order unchanged.  What is
+    pinned is what the requests in flight hold: nothing once every request has ended."""
+    fleet = backends(n)
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
+    prompt = [("p", j) for j in range(data.draw(st.integers(1, 40), label="prompt blocks"))]
+    requests, pinned = [], {b.name: set() for b in fleet}
+    for b in fleet:
+        for k in range(data.draw(st.integers(0, 3), label=f"requests on {b.name}")):
+            shared = data.draw(st.integers(0, len(prompt)), label="blocks shared with the prompt")
+            names = prompt[:shared] + [(b.name, k, j) for j in range(data.draw(st.integers(0, 30)))]
+            tokens = len(names) * 16 + 8
+            charge = chooser.sent(b, tokens, 0, names, now=0.0)
+            done = data.draw(st.booleans(), label="prefilled")
+            if done:
+                chooser.prefilled(b, charge, names, now=0.5)
+            requests.append((b, tokens, names, charge, done))
+            pinned[b.name].update(names)
+        b.pool_blocks = data.draw(st.none() | st.integers(len(pinned[b.name]), len(pinned[b.name]) + 45), label=f"pool of {b.name}")
+    chooser.check(fleet)
+    twin, twin_fleet = copy.deepcopy((chooser, fleet))
+    for tb in twin_fleet:
+        tb.pool_blocks = None
+    tokens = len(prompt) * 16 + 8
+
+    def fits(name: str) -> bool:
+        pool = next(b.pool_blocks for b in fleet if b.name == name)
+        return pool is None or len(pinned[name] | set(prompt)) <= pool
+
+    def reuse(name: str) -> int:               # what the router sent there lately: its longest run of the prompt
+        return max((16 * sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(names, prompt)))
+                    for b, _, names, _, _ in requests if b.name == name), default=0)
+
+    plain = [b.name for b in twin.choose(twin_fleet, tokens, prompt, now=1.0).order]
+    choice = chooser.choose(fleet, tokens, prompt, now=1.0)
+    got = [b.name for b in choice.order]
+    first = plain[0]
+    room = [name for name in plain[1:] if reuse(name) >= reuse(first) and fits(name)]
+    event(f"fit moved it: {not fits(first) and bool(room)}")
+    if fits(first) or not room:
+        assert got == plain and choice.why != "fit"
+    else:
+        assert choice.why == "fit" and got[0] in room, (got, room)
+        assert got[1:] == [name for name in plain if name != got[0]], "only the one that fits moved"
+        assert choice.promised == min(reuse(got[0]), tokens)
+    chooser.check(fleet)
+    for b, length, names, charge, done in requests:
+        if not done:
+            chooser.prefilled(b, charge, names, now=2.0)
+        chooser.ended(b, length, names)
+        chooser.check(fleet)
+    assert not any(chooser._pinned.values()), "blocks still pinned after every request ended"

@@ -23,6 +23,7 @@ pytest.importorskip("msgspec")
 
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 BLOCK = 128
+POOL = 64       # blocks of BLOCK tokens an instance
 
 
 def _have_vllm() -> bool:
@@ -48,7 +49,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
     model = make_model(str(tmp_path_factory.mktemp("fleet") / "model"), seed=0)
     events = [f"tcp://127.0.0.1:{listen_port()}" for _ in range(2)]
     both = [VllmServer(model, connector={"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 0.05},
-                       kv_events=ep, block_size=BLOCK, max_model_len=2048) for ep in events]
+                       kv_events=ep, block_size=BLOCK, max_model_len=2048,
+                       extra_args=("--num-gpu-blocks-override", str(POOL))) for ep in events]
     with ThreadPoolExecutor(2) as pool:             # the two start-ups overlap
         started = list(pool.map(lambda s: s.start(), both))
     try:
@@ -77,6 +79,7 @@ def test_the_router_sends_a_prompt_where_its_prefix_is_and_survives_an_instance_
         client = TestClient(TestServer(router.app(), host="127.0.0.1"))
         await client.start_server()
         try:
+            assert [b.pool_blocks for b in router.backends] == [POOL, POOL], "each pool read from vLLM's metrics"
             first = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4})
             assert first.status == 200
             names = router.names(prompt, None)
