@@ -435,3 +435,46 @@ def test_a_prompt_nearly_every_request_shares_is_served_by_every_instance(shape:
     pool = default_pool(shape, reqs, bt)
     out = run(reqs, bt, instances=instances, policy="cost", pool_tokens=pool, cpu_tokens=pool)
     assert min(out["served"]) >= len(reqs) / instances / 4, out["served"]
+
+
+@pytest.mark.parametrize("shape,instances,load,n", [("shape5", 8, 0.8, 400), ("shape23", 4, 0.8, 300)])
+def test_the_router_pins_what_each_instances_requests_in_flight_hold_and_sends_a_prompt_where_it_fits(
+        shape: str, instances: int, load: float, n: int) -> None:
+    """On shapes whose pools fill (one prompt nearly every request shares, a pool of 1/8 of the
+    distinct tokens), at every arrival the blocks the router counts as pinned on an instance are
+    the union of the blocks of the requests in flight there (arrived, not ended), each pool is the
+    simulator's; a prompt the fit rule moved fits where it went, and the rule did move some."""
+    from radixkv.bench.fleet_sim import _Instance, default_pool
+
+    reqs, bt = workload(shape, n, 0)
+    scale_to_load(reqs, bt, MODEL, instances, load)
+    pool = default_pool(shape, reqs, bt)
+    flight: dict[str, dict[int, SimRequest]] = {}
+    moved = []
+
+    class Watched(Fleet):
+        def arrive(self, r: SimRequest) -> None:
+            for inst in self.instances:
+                held = set().union(*(q.names for q in flight.get(inst.name, {}).values()))
+                assert set(self.chooser._pinned.get(inst.name, {})) == held, inst.name
+                assert self.backend[inst.name].pool_blocks == self.pool_blocks
+            super().arrive(r)
+            flight.setdefault(r.instance, {})[r.rid] = r
+            if r.why == "fit":
+                moved.append(r.rid)
+                assert len(self.chooser._pinned[r.instance]) <= self.pool_blocks, "moved where it does not fit"
+            self.chooser.check(self.backends)
+
+    end = _Instance.end
+
+    def ended(inst: _Instance, r: SimRequest) -> None:
+        del flight[inst.name][r.rid]
+        end(inst, r)
+
+    fleet = Watched(instances, "cost", MODEL, bt, pool_tokens=pool, cpu_tokens=pool, budget=8192)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_Instance, "end", ended)
+        fleet.run(reqs)
+    fleet.check()
+    assert not any(flight.values()) and not any(fleet.chooser._pinned.values())
+    assert moved, "the fit rule moved no prompt: the check checked nothing"
