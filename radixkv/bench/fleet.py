@@ -479,6 +479,9 @@ def refuse(args: argparse.Namespace) -> None:
                                ("--pool-blocks", args.pool_blocks, 1), ("--burst", args.burst, 1)):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if args.pool_blocks * BLOCK <= CONTEXT:          # vLLM refuses to start a pool that holds no whole context
+        raise ValueError(f"--pool-blocks must be at least {CONTEXT // BLOCK + 1} (vLLM needs a pool that holds one "
+                         f"request of the model's {CONTEXT}-token context and a block more), got {args.pool_blocks}")
     if not 0.0 < args.rate < float("inf"):
         raise ValueError(f"--rate must be a finite number above 0, got {args.rate}")
     if not 0.0 <= args.cpu_tier_mb < float("inf"):
@@ -515,7 +518,9 @@ def refuse(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The command (the module docstring): a refused flag or value is one line on stderr and exit
-    status 2, before any server starts; a SIGTERM stops the servers it started."""
+    status 2, before any server starts; a server that fails to start is one line naming the first
+    exception in its log and the log's path, exit status 1; a SIGTERM stops the servers it
+    started."""
     try:
         args = _parser().parse_args(argv)
         refuse(args)
@@ -526,6 +531,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"python -m radixkv.bench fleet: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, argv, pinned)
+    except RuntimeError as exc:
+        if not str(exc).startswith("vllm serve"):
+            raise
+        print(f"python -m radixkv.bench fleet: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None, pinned: list[list[int]] | None) -> int:
+    """The runs of ``main``, its arguments checked.  ``RuntimeError`` when a server fails to start."""
     import signal
     import threading
 

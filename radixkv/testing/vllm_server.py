@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,12 +100,14 @@ class VllmServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.process.returncode}):\n{self.log_tail()}")
+                raise RuntimeError(f"vllm serve exited ({self.process.returncode}): {self.cause()} "
+                                   f"(its log: {self.log_path})\n{self.log_tail()}")
             if self.healthy():
                 return self
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"vllm serve did not answer /health in {self.start_timeout} s:\n{self.log_tail()}")
+        raise RuntimeError(f"vllm serve did not answer /health in {self.start_timeout} s (its log: "
+                           f"{self.log_path})\n{self.log_tail()}")
 
     def healthy(self) -> bool:
         """Whether ``GET /health`` answers 200 within a second."""
@@ -124,6 +127,19 @@ class VllmServer:
         """The text of ``GET /metrics``."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             return r.read().decode()
+
+    def cause(self) -> str:
+        """The first exception the server's output raised (``"ValueError: ..."``, a line of its
+        own or after an ``ERROR`` log prefix; the first is the root cause: the engine's failure
+        comes before the API server's ``RuntimeError`` that wraps it), or ``"no exception in its
+        log"``.  O(log size)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return "no log"
+        found = re.search(r"^(?:.*\bERROR\b.*?\] )?([A-Z]\w*(?:Error|Exception): .*)$", text, re.M)
+        return found.group(1).strip() if found else "no exception in its log"
 
     def log_tail(self, n: int = 4000) -> str:
         """The last ``n`` characters of the server's output."""

@@ -120,7 +120,7 @@ def test_ttft_is_timed_to_the_first_data_event_not_the_first_bytes() -> None:
     (["--system-tokens", "4000", "--question-tokens", "96"], "context"), (["--seed", "-1"], "--seed"),
     (["--out", "/no/such/folder/t.txt"], "--out"), (["--requests", "x"], "--requests"),
     (["--routers", "vllm:cost"], "--routers"), (["--no-such-flag"], "--no-such-flag"),
-    (["--trace", "/no/such/trace.jsonl"], "--trace"),
+    (["--trace", "/no/such/trace.jsonl"], "--trace"), (["--pool-blocks", "32"], "--pool-blocks"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2_before_any_server_starts(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,3 +287,32 @@ def test_an_events_port_is_free_and_outside_the_source_ports(low: int, width: in
     assert 1024 <= port <= 65535 and not low <= port <= high
     with socket.socket() as s:              # free: it binds
         s.bind(("127.0.0.1", port))
+
+
+#: A stand-in for ``vllm serve`` that fails to start as vLLM does when its pool cannot hold the
+#: model's context: the engine's exception logged with its prefix, then the API server's wrapper.
+FAILING = """
+import sys
+print("(APIServer pid=1) WARNING 12-05 19:09:16 [x.py:1] like `OSError: [Errno 24] Too many open files`")
+print("(EngineCore pid=2) ERROR 12-05 19:09:32 [core.py:1510] ValueError: To serve at least one request (4096)")
+print("Traceback (most recent call last):")
+print("RuntimeError: Engine core initialization failed. See root cause above.")
+sys.exit(1)
+"""
+
+
+def test_a_server_that_fails_to_start_is_one_line_naming_its_cause_and_log(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No traceback: the first exception the server raised (not the wrapper, not a warning's
+    example), where its log is, exit status 1; no server is left running."""
+    from radixkv.testing.vllm_server import VllmServer
+
+    failing = tmp_path / "failing.py"
+    failing.write_text(FAILING)
+    monkeypatch.setattr(VllmServer, "command", lambda self: [sys.executable, str(failing)])
+    assert fleet.main(["--instances", "2", "--requests", "4", "--no-kill", "--pin", "off", "--policies", "cost"]) == 1
+    *before, last = capsys.readouterr().err.splitlines()
+    assert all("Writing model shards" in line for line in before if line.strip()), before   # a save bar, then one line
+    assert "vllm serve exited (1): ValueError: To serve at least one request (4096)" in last, last
+    log = last.split("(its log: ")[1].split(")")[0]
+    assert "Engine core initialization failed" in Path(log).read_text()
