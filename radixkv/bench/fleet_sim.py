@@ -104,6 +104,7 @@ class SimRequest:
     started: bool = False
     left: float = 0.0
     charge: int = 0
+    sent_at: float = 0.0
     names: list[Any] = field(default_factory=list)
     tier_keys: list[bytes] = field(default_factory=list)
     hold: Any = None
@@ -598,7 +599,7 @@ class _Instance:
             for r in done:
                 r.ttft = env.now - r.arrival
                 self.finish_prefill(r)
-                f.chooser.prefilled(f.backend[self.name], r.charge, r.names, env.now)
+                f.chooser.prefilled(f.backend[self.name], r.charge, r.names, env.now, r.sent_at)
                 r.left = r.output - 1
                 self.running.append(r)
             for r in [r for r in self.running if r.left <= 1e-9]:
@@ -683,7 +684,7 @@ class Fleet:
         choice = self.chooser.choose(self.backends, r.tokens, r.names, now)
         backend = choice.order[0]
         r.instance, r.why = backend.name, choice.why
-        r.charge = self.chooser.sent(backend, r.tokens, choice.promised, r.names, now)
+        r.charge, r.sent_at = self.chooser.sent(backend, r.tokens, choice.promised, r.names, now), now
         inst = self.by_name[backend.name]
         inst.waiting.append(r)
         if not inst.wake.triggered:

@@ -288,15 +288,16 @@ class Router:
         for attempt, backend in enumerate(choice.order):
             if attempt:
                 self._metrics.retry()
-            charge = self.chooser.sent(backend, length, choice.promised if attempt == 0 else 0, choice.names,
-                                       self.clock())
+            sent_at = self.clock()
+            charge = self.chooser.sent(backend, length, choice.promised if attempt == 0 else 0, choice.names, sent_at)
             self._metrics.in_flight(backend.name, backend.in_flight)
             first = [False]
 
-            def prefilled(backend: Backend = backend, charge: int = charge, first: list[bool] = first) -> None:
+            def prefilled(backend: Backend = backend, charge: int = charge, first: list[bool] = first,
+                          sent_at: float = sent_at) -> None:
                 if not first[0]:
                     first[0] = True
-                    self.chooser.prefilled(backend, charge, choice.names, self.clock())
+                    self.chooser.prefilled(backend, charge, choice.names, self.clock(), sent_at)
 
             try:
                 result = await self._forward(request, backend, path, body, stream, prefilled)

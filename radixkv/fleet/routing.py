@@ -426,13 +426,20 @@ class Chooser:
         self.recent.add(backend.name, names, now)
         return charge
 
-    def prefilled(self, backend: Backend, charge: int, names: Sequence[Hashable], now: float) -> None:
-        """The request's first token came back: its prefill no longer queues.  O(names)."""
+    def prefilled(self, backend: Backend, charge: int, names: Sequence[Hashable], now: float,
+                  sent_at: float | None = None) -> None:
+        """The request's first token came back (or it failed before it): its prefill no longer
+        queues.  ``sent_at``: when it was sent (``sent``'s ``now``), whose send time then goes;
+        without it the oldest goes, as if the engine prefilled in the order it got them.
+        O(names + requests waiting there)."""
         backend.queued_tokens -= charge
         backend.waiting -= 1
-        sent_at = self._sent_at.get(backend.name)
-        if sent_at:                 # the oldest goes: an engine prefills in the order it got them
-            sent_at.popleft()
+        times = self._sent_at.get(backend.name)
+        if times:
+            if sent_at is not None and sent_at in times:
+                times.remove(sent_at)
+            else:
+                times.popleft()
         self.recent.settle(backend.name, names, now)
 
     def ended(self, backend: Backend, tokens: int, names: Sequence[Hashable]) -> None:
@@ -712,6 +719,8 @@ class Chooser:
             sent_at = self._sent_at.get(b.name, ())
             # (at most: a caller may set a backend's counts without sending, as tests do)
             assert len(sent_at) <= b.waiting, f"{len(sent_at)} send times for {b.waiting} waiting on {b.name}"
+            assert all(a <= b_ for a, b_ in zip(sent_at, itertools.islice(sent_at, 1, None))), \
+                f"send times out of order on {b.name}"
             pinned: Mapping[Hashable, int] = self._pinned.get(b.name, {})
             assert b.in_flight or not pinned, f"blocks pinned on idle {b.name}"
             assert all(c > 0 for c in pinned.values()), f"a pinned count below 1 on {b.name}"

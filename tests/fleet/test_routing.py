@@ -746,3 +746,22 @@ def test_a_prompt_goes_where_it_fits_among_the_instances_that_reuse_as_much(n: i
         chooser.ended(b, length, names)
         chooser.check(fleet)
     assert not any(chooser._pinned.values()), "blocks still pinned after every request ended"
+
+
+@settings(max_examples=200, deadline=None)
+@given(times=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=12), data=st.data())
+def test_a_first_token_drops_its_own_send_time_in_any_order(times: list[float], data: st.DataObject) -> None:
+    """Requests sent to one instance at drawn times (the router's clock: in order) get their first
+    tokens in any order (a retry's failure, a short prompt past a long one): each drops its own send
+    time, so what is left is the send times of the requests still waiting, the oldest first, which
+    ties are broken by."""
+    b = backends(1)[0]
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
+    times = sorted(times)
+    charges = [chooser.sent(b, 100, 0, [("r", i)], now=t) for i, t in enumerate(times)]
+    waiting = set(range(len(times)))
+    for i in data.draw(st.permutations(range(len(times))), label="first tokens in order"):
+        chooser.prefilled(b, charges[i], [("r", i)], now=20.0, sent_at=times[i])
+        waiting.discard(i)
+        chooser.check([b])
+        assert list(chooser._sent_at[b.name]) == sorted(times[j] for j in waiting)
