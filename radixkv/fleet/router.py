@@ -11,8 +11,9 @@ Contract:
   and ``POST /v1/chat/completions`` (with ``--tokenizer``: its chat template gives the tokens),
   streaming (server-sent events passed through as they come) or not; ``GET /v1/models``;
   ``GET /health`` (200 while an instance is up, else 503); ``GET /metrics`` (Prometheus text:
-  requests per instance and outcome, routing decisions, retries, in-flight and health gauges, the
-  prefix tokens the index promised).  The request body goes to the instance unchanged.
+  requests per instance and outcome, routing decisions, retries, in-flight and health gauges, each
+  instance's pool as read from its metrics, the prefix tokens the index promised).  The request
+  body goes to the instance unchanged.
 * **Policies** (``radixkv.fleet.routing``, the same code the fleet simulator runs): ``cost``
   (the default): the instance where the request's expected time to first token is least, from
   the queue of prefill the router sent it and the request's own prefill there (what it holds,
@@ -221,6 +222,7 @@ class Router:
                 b.pool_blocks = None            # it may come back with another pool
             elif b.pool_blocks is None:
                 b.pool_blocks = await self._pool_of(b)
+            self._metrics.pool(b.name, b.pool_blocks)
 
         await asyncio.gather(*(one(b) for b in self.backends))
 
@@ -440,9 +442,13 @@ class _Metrics:
                                 registry=self.registry)
         self._healthy = Gauge("radixkv_router_backend_up", "1 while an instance passes its health checks",
                               ["backend"], registry=self.registry)
+        self._pool = Gauge("radixkv_router_pool_blocks", "An instance's KV pool in the router's blocks, as read "
+                           "from its metrics (0 while unknown: the fit rule is off for it)", ["backend"],
+                           registry=self.registry)
         for b in backends:
             self._in_flight.labels(b).set(0)
             self._healthy.labels(b).set(1)
+            self._pool.labels(b).set(0)
 
     def request(self, backend: str, outcome: str) -> None:
         self._requests.labels(backend, outcome).inc()
@@ -459,6 +465,9 @@ class _Metrics:
 
     def healthy(self, backend: str, ok: bool) -> None:
         self._healthy.labels(backend).set(1 if ok else 0)
+
+    def pool(self, backend: str, blocks: int | None) -> None:
+        self._pool.labels(backend).set(blocks or 0)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -537,6 +537,9 @@ def test_the_router_reads_each_pool_at_its_health_check_and_forgets_it_when_the_
         assert a.healthy and a.pool_blocks == 72 * 128 // 16, "and read again when it is back"
         r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
         assert r.status == 200
+        metrics = await (await client.get("/metrics")).text()
+        assert f'radixkv_router_pool_blocks{{backend="{a.name}"}} {72 * 128 // 16}.0' in metrics
+        assert f'radixkv_router_pool_blocks{{backend="{b.name}"}} 0.0' in metrics, "unknown: 0"
 
     asyncio.run(_with_router({"a": fake_backend("a", metrics=vllm_metrics([(72, 128), (80, 128)]), up=up),
                               "b": fake_backend("b"), "c": fake_backend("c", metrics="<html>")}, body, policy="cost"))
