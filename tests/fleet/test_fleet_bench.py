@@ -303,8 +303,8 @@ sys.exit(1)
 
 def test_a_server_that_fails_to_start_is_one_line_naming_its_cause_and_log(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """No traceback: the first exception the server raised (not the wrapper, not a warning's
-    example), where its log is, exit status 1; no server is left running."""
+    """No traceback: one line with the first exception the server raised (not the wrapper, not a
+    warning's example) and where its log is, exit status 1."""
     from radixkv.testing.vllm_server import VllmServer
 
     failing = tmp_path / "failing.py"
