@@ -138,6 +138,10 @@ class Router:
         self._session: Any = None
         self._health_task: asyncio.Task[None] | None = None
         self._metrics = _Metrics([b.name for b in self.backends])
+        #: Instances whose ``GET /metrics`` answered since they last came up: an answer without a
+        #: pool (an engine that is not vLLM, a 404) is not asked again until the instance has been
+        #: down; a request that failed or a 5xx is asked again at the next health check.
+        self._pool_asked: set[str] = set()
 
     # -- choosing ------------------------------------------------------------------------------
 
@@ -166,9 +170,12 @@ class Router:
 
     def check(self) -> None:
         """Assert the router's invariants: instances named once, no negative in-flight count,
-        a known policy; and the follower's, when there is one.  O(instances) plus the index's."""
+        a known policy, a pool known only where one was read; and the follower's, when there is one.  O(instances) plus the index's."""
         self.chooser.check(self.backends)
         assert self.policy in POLICIES, f"unknown policy {self.policy!r}"
+        for b in self.backends:
+            assert b.pool_blocks is None or b.name in self._pool_asked, f"{b.name}'s pool was never read"
+        assert self._pool_asked <= {b.name for b in self.backends}, "an unknown instance was asked"
         if self.follower is not None and hasattr(self.follower, "check"):
             self.follower.check()
 
@@ -220,27 +227,32 @@ class Router:
             self._metrics.healthy(b.name, ok)
             if not ok:
                 b.pool_blocks = None            # it may come back with another pool
-            elif b.pool_blocks is None:
-                b.pool_blocks = await self._pool_of(b)
+                self._pool_asked.discard(b.name)
+            elif b.pool_blocks is None and b.name not in self._pool_asked:
+                b.pool_blocks, answered = await self._pool_of(b)
+                if answered:
+                    self._pool_asked.add(b.name)
             self._metrics.pool(b.name, b.pool_blocks)
 
         await asyncio.gather(*(one(b) for b in self.backends))
 
-    async def _pool_of(self, b: Backend) -> int | None:
+    async def _pool_of(self, b: Backend) -> tuple[int | None, bool]:
         """``b``'s KV pool in the router's blocks, from its ``GET /metrics`` (``pool_blocks``),
-        bounded by ``health_timeout_s``; ``None`` when it cannot say."""
+        ``None`` when it cannot say, and whether the instance answered (any status below 500).
+        One GET bounded by ``health_timeout_s``."""
         import aiohttp
 
         try:
             async with self._session.get(f"{b.url}/metrics",
                                          timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)) as r:
                 text = await r.text() if r.status == 200 else ""
+                answered = r.status < 500
         except Exception:  # noqa: BLE001 - no metrics: the pool stays unknown
-            text = ""
+            text, answered = "", False
         pool = pool_blocks(text, self.block_size)
         if pool is not None:
             log.info("radixkv router: %s has a pool of %d blocks", b.url, pool)
-        return pool
+        return pool, answered
 
     async def _health_loop(self) -> None:
         while True:

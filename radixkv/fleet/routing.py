@@ -717,8 +717,7 @@ class Chooser:
             assert 0 <= b.waiting <= b.in_flight, f"{b.waiting} waiting of {b.in_flight} in flight on {b.name}"
             assert b.waiting or not b.queued_tokens, f"queued tokens with no request waiting on {b.name}"
             sent_at = self._sent_at.get(b.name, ())
-            # (at most: a caller may set a backend's counts without sending, as tests do)
-            assert len(sent_at) <= b.waiting, f"{len(sent_at)} send times for {b.waiting} waiting on {b.name}"
+            assert len(sent_at) == b.waiting, f"{len(sent_at)} send times for {b.waiting} waiting on {b.name}"
             assert all(a <= b_ for a, b_ in zip(sent_at, itertools.islice(sent_at, 1, None))), \
                 f"send times out of order on {b.name}"
             pinned: Mapping[Hashable, int] = self._pinned.get(b.name, {})

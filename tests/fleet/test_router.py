@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import socket
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -173,12 +174,21 @@ def dead_url() -> str:
 
 
 def fake_backend(name: str, *, cut: bool = False, drop: bool = False, delay_s: float = 0.0,
-                 metrics: str | None = None, up: dict[str, bool] | None = None) -> web.Application:
+                 metrics: str | None = None, up: dict[str, bool] | None = None,
+                 asked: Counter[str] | None = None) -> web.Application:
     """An OpenAI-like instance: answers with its name (after ``delay_s``); a stream of three events
     (``cut``: the connection drops after the first; ``drop``: it drops before answering, health
     checks pass); ``metrics``: its ``GET /metrics`` text; ``up[name]`` false: its health check
-    answers 503."""
+    answers 503; ``asked[path]`` counts the GETs of each path."""
     app = web.Application()
+
+    @web.middleware
+    async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+        if asked is not None and request.method == "GET":
+            asked[request.path] += 1
+        return await handler(request)
+
+    app.middlewares.append(count)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -543,3 +553,36 @@ def test_the_router_reads_each_pool_at_its_health_check_and_forgets_it_when_the_
 
     asyncio.run(_with_router({"a": fake_backend("a", metrics=vllm_metrics([(72, 128), (80, 128)]), up=up),
                               "b": fake_backend("b"), "c": fake_backend("c", metrics="<html>")}, body, policy="cost"))
+
+
+def test_an_instance_that_answers_without_a_pool_is_not_asked_again_until_it_has_been_down() -> None:
+    """A pool is read once an up-period: an instance that answered ``GET /metrics`` without one
+    (a 404, a page that is not vLLM's) is asked again only after it has been down; one whose
+    metrics failed (a 5xx) is asked at every health check; one whose pool is known is not."""
+    up = {"b": True}
+    asked: dict[str, Counter[str]] = {n: Counter() for n in "abcd"}
+    failing = fake_backend("d", asked=asked["d"])
+
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="engine error")
+
+    failing.router.add_get("/metrics", broken)
+
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        for _ in range(3):
+            await router.check_health()
+        assert {n: c["/metrics"] for n, c in asked.items()} == {"a": 1, "b": 1, "c": 1, "d": 4}
+        assert [b.pool_blocks for b in router.backends] == [72 * 128 // 16, None, None, None]
+        up["b"] = False
+        await router.check_health()
+        up["b"] = True
+        await router.check_health()
+        await router.check_health()
+        assert {n: c["/metrics"] for n, c in asked.items()} == {"a": 1, "b": 2, "c": 1, "d": 7}, \
+            "b asked again once it is back, and once"
+        router.check()
+
+    asyncio.run(_with_router({"a": fake_backend("a", metrics=vllm_metrics([(72, 128)]), asked=asked["a"]),
+                              "b": fake_backend("b", up=up, asked=asked["b"]),
+                              "c": fake_backend("c", metrics="<html>", asked=asked["c"]), "d": failing},
+                             body, policy="cost"))

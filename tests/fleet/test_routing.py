@@ -38,6 +38,18 @@ def touch(order: list[Any], names: list[Any], cap: int) -> list[Any]:
     return dropped
 
 
+def occupy(chooser: Chooser, b: Backend, *, queued: int = 0, waiting: int = 1, decoding: int = 0,
+           now: float = 0.0) -> None:
+    """Put ``b`` in a state through the chooser's own calls, as the router would: ``decoding``
+    requests past their first token, then ``waiting`` requests still waiting for it, the first
+    of them with ``queued`` uncached tokens (each request's tokens all uncached, no block names)."""
+    assert queued == 0 or waiting > 0
+    for _ in range(decoding):
+        chooser.prefilled(b, chooser.sent(b, 0, 0, (), now), (), now, now)
+    for i in range(waiting):
+        chooser.sent(b, queued if i == 0 else 0, 0, (), now)
+
+
 def rare(chooser: Chooser, instances: int) -> Chooser:
     """``chooser`` after many arrivals of other prompts: the next prompt's prefix has a small share of
     the arrivals (about 1 / (LOAD_ARRIVALS x instances)), so no rule replicates it."""
@@ -86,14 +98,14 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
                                                         shared: int, affinity: float | None, budget: int) -> None:
     bs = 64
     fleet = backends(n)
+    state = {}
     for b in fleet:
         b.healthy = data.draw(st.booleans(), label="healthy")
         if data.draw(st.booleans(), label="idle"):         # nothing in flight
             continue
-        b.queued_tokens = data.draw(st.integers(0, 5000), label="queued")
-        b.waiting = data.draw(st.integers(0, 3), label="waiting") + (b.queued_tokens > 0)
-        b.in_flight = b.waiting + data.draw(st.integers(0, 12), label="decoding")
-        b.active_tokens = b.queued_tokens
+        queued = data.draw(st.integers(0, 5000), label="queued")
+        waiting = data.draw(st.integers(0, 3), label="waiting") + (queued > 0)
+        state[b.name] = (queued, waiting, data.draw(st.integers(0, 12), label="decoding"))
     held = {b.name: Match(data.draw(st.integers(1, 50)), data.draw(st.sampled_from(MEDIA)))
             for b in fleet if data.draw(st.booleans(), label="holds")}
     # what the router has just sent where (its blocks: on the GPU once computed, not yet in the index)
@@ -101,6 +113,10 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
     names = list(range(tokens // bs))
     chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, affinity=affinity, p2p=p2p,
                       shared=(lambda ns: shared) if shared else None, budget=budget)
+    for b in fleet:
+        if b.name in state:
+            queued, waiting, decoding = state[b.name]
+            occupy(chooser, b, queued=queued, waiting=waiting, decoding=decoding)
     chooser.recent.lookup = lambda ns, now: {k: min(v, len(ns)) for k, v in sent.items() if min(v, len(ns))}  # type: ignore[method-assign]
     chooser.load = load = data.draw(st.floats(0.0, 1.0), label="load so far")
     up = [b for b in fleet if b.healthy] or fleet
@@ -463,11 +479,10 @@ def test_the_holder_wins_while_its_queue_is_less_than_the_affinity_times_the_wor
     bs = 64
     tokens = held * bs + extra
     fleet = backends(2)
-    for b, q in zip(fleet, (qa, qb)):
-        b.in_flight = b.waiting = 1
-        b.queued_tokens = b.active_tokens = q
     chooser = rare(Chooser("cost", block_size=bs, lookup=lambda _: {"i0": Match(held, "GPU")}, model=MODEL,
                            budget=1 << 30), 2)
+    for b, q in zip(fleet, (qa, qb)):
+        occupy(chooser, b, queued=q)
     chooser.load = load
     choice = chooser.choose(fleet, tokens, list(range(tokens // bs)), now=0.0)
     affinity = by_load(load + (1.0 - load) / (LOAD_ARRIVALS * 2))     # both busy: the average moves towards 1
@@ -475,6 +490,7 @@ def test_the_holder_wins_while_its_queue_is_less_than_the_affinity_times_the_wor
     cost_b = MODEL.prefill(qb) + affinity * (MODEL.fixed_s + MODEL.prefill(tokens))
     assume(abs(cost_a - cost_b) > 1e-9 * max(cost_a, cost_b))
     assert choice.order[0].name == ("i0" if cost_a < cost_b else "i1")
+    chooser.check(fleet)
 
 
 @settings(max_examples=200, deadline=None)
@@ -488,10 +504,9 @@ def test_a_copy_of_work_under_way_is_charged_less_the_more_instances_are_idle(
     tokens = blocks * bs + 10
     fleet = backends(1 + idle)
     a = fleet[0]
-    a.in_flight = a.waiting = 1
-    a.queued_tokens = a.active_tokens = tokens + queued
     names = list(range(blocks))
     chooser = Chooser("cost", block_size=bs, lookup=lambda _: {}, model=MODEL, budget=1 << 30)
+    occupy(chooser, a, queued=tokens + queued)
     chooser.recent.add(a.name, names, now=0.0)
     chooser.load = load
     choice = chooser.choose(fleet, tokens, names, now=0.0)
@@ -503,6 +518,7 @@ def test_a_copy_of_work_under_way_is_charged_less_the_more_instances_are_idle(
     cost_idle = weight * (MODEL.fixed_s + MODEL.prefill(tokens)) + copy
     assume(abs(cost_a - cost_idle) > 1e-9 * max(cost_a, cost_idle))
     assert (choice.order[0] is a) == (cost_a < cost_idle)
+    chooser.check(fleet)
 
 
 @settings(max_examples=200, deadline=None)
@@ -517,11 +533,10 @@ def test_an_idle_instance_goes_first_exactly_when_sooner_and_the_prefix_is_held_
     bs = 64
     tokens = prefix * bs + tail
     fleet = backends(len(queues) + idle)
-    for b, q in zip(fleet, queues):
-        b.in_flight = b.waiting = 1
-        b.queued_tokens = b.active_tokens = q
     held = {b.name: Match(prefix, "GPU") for b in fleet[:len(queues)]}
     chooser = rare(Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30), len(fleet))
+    for b, q in zip(fleet, queues):
+        occupy(chooser, b, queued=q)
     chooser.load = load
     choice = chooser.choose(fleet, tokens, list(range(tokens // bs)), now=0.0)
     affinity = by_load(load + (len(queues) / len(fleet) - load) / (LOAD_ARRIVALS * len(fleet)))
@@ -547,11 +562,10 @@ def test_an_idle_instance_sooner_than_the_busy_ones_takes_a_prefix_two_instances
     bs, prefix = 64, 40
     tokens = prefix * bs + 64
     fleet = backends(3)
-    for b in fleet[:2]:
-        b.in_flight = b.waiting = 1
-        b.queued_tokens = b.active_tokens = 4000           # 0.4 s of prefill ahead
     held = {b.name: Match(prefix, "GPU") for b in fleet[:holders]}
     chooser = rare(Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30), 3)
+    for b in fleet[:2]:
+        occupy(chooser, b, queued=4000)                   # 0.4 s of prefill ahead
     chooser.load = 0.9
     choice = chooser.choose(fleet, tokens, list(range(prefix + 1)), now=0.0)
     affinity = by_load(0.9 + (2 / 3 - 0.9) / (LOAD_ARRIVALS * 3))
@@ -581,12 +595,11 @@ def test_a_prefix_held_by_fewer_instances_than_its_share_of_the_arrivals_is_copi
     tokens = prefix * bs + tail
     names = list(range(tokens // bs))
     fleet = backends(n)
-    for b, q in zip(fleet, queues):
-        b.in_flight = b.waiting = 1
-        b.queued_tokens = b.active_tokens = q
     held = {b.name: Match(prefix, "GPU") for b in fleet[:k]}
     chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30,
                       affinity=affinity)
+    for b, q in zip(fleet, queues):
+        occupy(chooser, b, queued=q)
     window = LOAD_ARRIVALS * n
     # the arrivals before this one: this prompt's (True) or another's
     before = data.draw(st.lists(st.booleans(), max_size=3 * window), label="arrivals before")
