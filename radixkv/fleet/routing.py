@@ -115,7 +115,7 @@ from radixkv.core._checks import check_int
 from radixkv.fleet.index import Match, medium_rank
 
 __all__ = ["AUTO_CAP", "AUTO_MAX", "Backend", "Chooser", "CostModel", "Demand", "POLICIES", "PROFILES", "Recent",
-           "auto_affinity"]
+           "STREAM_AFTER", "auto_affinity"]
 
 POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin", "random")
 
@@ -124,6 +124,13 @@ POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_ro
 #: thirds of the load to the queue's own growth, ``1 / (1 - load)``, at most ``AUTO_CAP``.
 AUTO_MAX = 4.0
 AUTO_CAP = 20.0
+
+#: The fraction of a prefix's expected prefill after which requests for it that still arrive while
+#: an instance computes it are a stream, not a burst: computing it again elsewhere is then not
+#: charged as duplicated work when its share of the arrivals calls for another holder
+#: (``Chooser._stream``).  A burst's requests arrive at once; on workload shapes drawn at random, a
+#: prompt every request shared queued behind its first prefill on one instance while others idled.
+STREAM_AFTER = 0.1
 
 #: Arrivals per instance over which the cost policy averages the fleet's load (``Chooser.load``:
 #: each arrival moves it ``1 / (LOAD_ARRIVALS x instances)`` of the way to the fraction busy now).
@@ -234,7 +241,8 @@ class Recent:
         if not ttl_s > 0 or not settle_s >= 0:
             raise ValueError(f"ttl_s must be > 0 and settle_s >= 0, got {ttl_s!r}, {settle_s!r}")
         self.ttl_s, self.settle_s, self.max_names = float(ttl_s), float(settle_s), int(max_names)
-        self._names: OrderedDict[Hashable, dict[str, float]] = OrderedDict()
+        # name -> {instance: (expiry, when its record began: the first send since it last expired)}
+        self._names: OrderedDict[Hashable, dict[str, tuple[float, float]]] = OrderedDict()
         self._sizes: dict[str, int] = {}           # instance -> names it is among the holders of
         self._expired_at = float("-inf")
 
@@ -247,13 +255,14 @@ class Recent:
                 holders = self._names[name] = {}
             else:
                 self._names.move_to_end(name)
-            if instance not in holders:
+            was = holders.get(instance)
+            if was is None:
                 self._sizes[instance] = self._sizes.get(instance, 0) + 1
-            holders[instance] = until
+            holders[instance] = (until, was[1] if was is not None and was[0] > now else now)
         while len(self._names) > self.max_names:
             self._forget(self._names.popitem(last=False)[1])
 
-    def _forget(self, holders: dict[str, float]) -> None:
+    def _forget(self, holders: dict[str, tuple[float, float]]) -> None:
         for inst in holders:
             self._sizes[inst] -= 1
 
@@ -264,7 +273,8 @@ class Recent:
         for name in names:
             holders = self._names.get(name)
             if holders is not None and instance in holders:
-                holders[instance] = min(holders[instance], until)
+                expiry, since = holders[instance]
+                holders[instance] = (min(expiry, until), since)
 
     def lookup(self, names: Sequence[Hashable], now: float) -> dict[str, int]:
         """``{instance: leading blocks of names it was sent and that have not expired}``, for
@@ -273,13 +283,20 @@ class Recent:
         alive: set[str] | None = None
         for i, name in enumerate(names):
             holders = self._names.get(name)
-            here = {inst for inst, until in holders.items() if until > now} if holders else set()
+            here = {inst for inst, (until, _) in holders.items() if until > now} if holders else set()
             alive = here if alive is None else alive & here
             if not alive:
                 break
             for inst in alive:
                 out[inst] = i + 1
         return out
+
+    def since(self, name: Hashable, instance: str, now: float) -> float | None:
+        """When the router began sending ``instance`` prompts with ``name`` (the first send since
+        its record last expired), ``None`` when it holds no unexpired record of it.  O(1)."""
+        holders = self._names.get(name)
+        record = holders.get(instance) if holders else None
+        return record[1] if record is not None and record[0] > now else None
 
     def size(self, instance: str, now: float) -> int:
         """How many names ``instance`` holds here (sglang's "tree size"), expired ones dropped at
@@ -293,7 +310,7 @@ class Recent:
         self._expired_at = now
         for name in list(self._names):
             holders = self._names[name]
-            gone = [inst for inst, until in holders.items() if until <= now]
+            gone = [inst for inst, (until, _) in holders.items() if until <= now]
             for inst in gone:
                 del holders[inst]
                 self._sizes[inst] -= 1
@@ -304,9 +321,12 @@ class Recent:
         return len(self._names)
 
     def check(self) -> None:
-        """Assert: at most ``max_names`` names, each held by some instance."""
+        """Assert: at most ``max_names`` names, each held by some instance, no record begun after
+        it expires."""
         assert len(self._names) <= self.max_names, "more names than max_names"
         assert all(self._names.values()), "a name with no holder"
+        assert all(since <= until for holders in self._names.values() for until, since in holders.values()), \
+            "a record begun after its expiry"
         counted: dict[str, int] = {}
         for holders in self._names.values():
             for inst in holders:
@@ -584,6 +604,8 @@ class Chooser:
         ttft: dict[str, float] = {}     # expected TTFT unweighted (an idle instance's with the copy's charge)
         wait: dict[str, float] = {}     # what the prompt waits for before its own prefill starts
         self.demand.add(names, LOAD_ARRIVALS * len(up))
+        for inst in [inst for inst in pending if self._stream(inst, held, names, pending[inst], up, now)]:
+            del pending[inst]       # a stream's prefix: computing it again is a copy it calls for
         turn = self._tie_turn
         idle = sum(1 for b in up if not b.queued_tokens)
         if self.affinity is not None:
@@ -632,6 +654,22 @@ class Chooser:
             self._tie_turn += 1
         return Choice([s[4] for s in scored], "fit" if fitted else "copy" if copied else "cost", scored[0][5],
                       names)
+
+    def _stream(self, inst: str, held: dict[str, Match], names: list[Hashable], under_way: tuple[int, int],
+                up: list[Backend], now: float) -> bool:
+        """Whether the prefix ``inst`` is computing for this prompt (tokens ``under_way``: from,
+        to; sent, not yet in the index) is a stream's rather than a burst's: the router began
+        sending it there at least ``STREAM_AFTER`` of its expected prefill ago, and one more holder
+        is still at most its share of the arrivals (``Demand``) times the instances.  Requests for
+        it that keep arriving while it is computed are a stream, which more instances should
+        hold; a burst arrives at once.  O(instances)."""
+        blocks = min(held[inst].blocks, len(names))
+        since = self.recent.since(names[blocks - 1], inst, now) if blocks else None
+        m = self.model
+        if since is None or now - since < STREAM_AFTER * (m.fixed_s + m.prefill(under_way[1] - under_way[0])):
+            return False
+        holding = sum(1 for b in up if b.name in held and held[b.name].blocks >= blocks)
+        return holding + 1 <= self.demand.share(names[blocks - 1], LOAD_ARRIVALS * len(up)) * len(up) + 1e-9
 
     def _fit(self, scored: list[Any], names: list[Hashable]) -> bool:
         """Put first (in place) the instance of least cost among those where the prompt fits

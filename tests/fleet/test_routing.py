@@ -14,8 +14,8 @@ import pytest
 from hypothesis import assume, event, given, settings, strategies as st
 
 from radixkv.fleet.index import MEDIA, Match
-from radixkv.fleet.routing import (AUTO_CAP, AUTO_MAX, LOAD_ARRIVALS, PROFILES, Backend, Chooser, CostModel, Recent,
-                                    auto_affinity)
+from radixkv.fleet.routing import (AUTO_CAP, AUTO_MAX, LOAD_ARRIVALS, PROFILES, STREAM_AFTER, Backend, Chooser,
+                                    CostModel, Recent, auto_affinity)
 
 MODEL = CostModel(prefill_s_per_token=1e-4, fixed_s=0.01,
                   load_s_per_token={"GPU": 0.0, "CPU": 1e-5, "STORAGE": 5e-5, "PEER": 2e-5, "SHARED": 3e-5},
@@ -254,9 +254,11 @@ def test_what_the_router_sent_counts_as_held_until_it_settles_or_expires() -> No
                               st.floats(0, 20), st.booleans()), max_size=30), cap=st.integers(1, 8))
 def test_recent_matches_a_model_of_expiries(ops: list[Any], cap: int) -> None:
     """``Recent`` against a dict model: names LRU-bounded, expiry per (name, instance), the
-    leading run of live names of each instance."""
+    leading run of live names of each instance, and when each live record began (the first send
+    since it last expired)."""
     recent = Recent(ttl_s=5.0, settle_s=1.0, max_names=cap)
     model: dict[int, dict[str, float]] = {}
+    began: dict[tuple[int, str], float] = {}
     order: list[int] = []
     now = 0.0
     for inst, names, dt, settle in ops:
@@ -269,10 +271,16 @@ def test_recent_matches_a_model_of_expiries(ops: list[Any], cap: int) -> None:
         else:
             recent.add(inst, names, now)
             for nm in names:
+                if model.get(nm, {}).get(inst, -1.0) <= now:
+                    began[nm, inst] = now
                 model.setdefault(nm, {})[inst] = now + 5.0
             for nm in touch(order, names, cap):
                 del model[nm]
         recent.check()
+        for nm in range(7):
+            for who in "abc":
+                live = model.get(nm, {}).get(who, -1.0) > now
+                assert recent.since(nm, who, now) == (began[nm, who] if live else None)
         query = list(range(7))
         want: dict[str, int] = {}
         for who in "abc":
@@ -518,6 +526,47 @@ def test_a_copy_of_work_under_way_is_charged_less_the_more_instances_are_idle(
     cost_idle = weight * (MODEL.fixed_s + MODEL.prefill(tokens)) + copy
     assume(abs(cost_a - cost_idle) > 1e-9 * max(cost_a, cost_idle))
     assert (choice.order[0] is a) == (cost_a < cost_idle)
+    chooser.check(fleet)
+
+
+@settings(max_examples=300, deadline=None)
+@given(idle=st.integers(1, 8), load=st.floats(0.0, 1.0), blocks=st.integers(1, 40), queued=st.integers(0, 20_000),
+       ago=st.floats(0.0, 0.5), data=st.data())
+def test_work_under_way_is_not_charged_as_a_copy_once_its_requests_are_a_stream(
+        idle: int, load: float, blocks: int, queued: int, ago: float, data: st.DataObject) -> None:
+    """The router began sending a prompt to one instance ``ago`` seconds before (under way, not
+    yet in the index), and the same prompt arrives again: computing it on an idle instance is
+    charged as a copy of that work (as above) unless the router began sending it at least
+    ``STREAM_AFTER`` of its expected prefill ago and two holders are at most its share of the
+    arrivals times the instances; then it is a stream's, and not charged."""
+    bs = 64
+    tokens = blocks * bs + 10
+    fleet = backends(1 + idle)
+    a = fleet[0]
+    names = list(range(blocks))
+    chooser = Chooser("cost", block_size=bs, lookup=lambda _: {}, model=MODEL, budget=1 << 30)
+    window = LOAD_ARRIVALS * len(fleet)
+    prior = data.draw(st.integers(0, 3 * window), label="arrivals of other prompts before")
+    for i in range(prior):
+        chooser.demand.add([("other", i)], window)
+    occupy(chooser, a, queued=tokens + queued)
+    chooser.recent.add(a.name, names, now=0.0)
+    chooser.recent.add(a.name, names, now=ago / 2)      # sent again since: the record began at 0
+    chooser.load = load
+    choice = chooser.choose(fleet, tokens, names, now=ago)
+    busy = 1 / len(fleet)
+    affinity = by_load(load + (busy - load) / (LOAD_ARRIVALS * len(fleet)))
+    weight = (1 + affinity) / 2
+    share = 1.0 / sum((1.0 - 1.0 / window) ** i for i in range(prior + 1))
+    after = STREAM_AFTER * (MODEL.fixed_s + MODEL.prefill(blocks * bs))
+    assume(abs(ago - after) > 1e-9 and abs(2 - share * len(fleet)) > 1e-9)
+    stream = ago > after and 2 < share * len(fleet)
+    copy = 0.0 if stream else max(0.0, by_load(busy) - weight) * MODEL.prefill(blocks * bs) / idle
+    cost_a = MODEL.prefill(a.queued_tokens) + affinity * (MODEL.fixed_s + MODEL.prefill(tokens - blocks * bs))
+    cost_idle = weight * (MODEL.fixed_s + MODEL.prefill(tokens)) + copy
+    assume(abs(cost_a - cost_idle) > 1e-9 * max(cost_a, cost_idle))
+    assert (choice.order[0] is a) == (cost_a < cost_idle)
+    assert choice.why == "cost", "not in the index: never a copy by share"
     chooser.check(fleet)
 
 
