@@ -41,7 +41,13 @@ Contract:
     it) is weighed by the load at this moment, ``auto_affinity`` of the fraction busy now, if that
     is more, divided by 1 + the instances idle beside the candidate: computing it again doubles
     work already under way, so a burst follows its first request on a lightly loaded fleet too,
-    unless idle instances are there to absorb the copy.
+    unless idle instances are there to absorb the copy.  Unless its requests are a stream
+    (``Chooser._stream``): the router began sending it there at least ``STREAM_AFTER`` of its
+    expected prefill ago and requests for it still arrive, and its share of the arrivals calls
+    for another holder (``Demand``, below); then computing it again is the copy the arrivals
+    call for, and not charged.  A burst's requests arrive at once; a stream's keep coming while
+    the first prefill runs, and on workload shapes drawn at random, a prompt every request
+    shared queued behind that prefill on one instance while others stood idle.
     An instance with nothing in flight weighs its work at ``(1 + affinity) / 2``: work on an idle
     instance delays only what arrives there while it runs, not a queue, so a hot prefix spreads to
     idle instances instead of queueing on its holder; but at high load an idle instance does not
@@ -99,7 +105,7 @@ Contract:
 
 * **Cost.**  ``choose`` is O(instances + matched blocks) plus one index lookup, and O(blocks)
   for the cost policy's ``Demand`` (and O(instances x blocks) when the prompt may not fit in the
-  first choice's pool); ``Recent`` and ``Demand`` each hold at most ``max_names`` block
+  first choice's pool, O(instances) more for each instance computing the prompt's prefix); ``Recent`` and ``Demand`` each hold at most ``max_names`` block
   names (the least recently seen dropped first), ``Recent`` with one expiry per instance.
 """
 

@@ -437,6 +437,30 @@ def test_a_prompt_nearly_every_request_shares_is_served_by_every_instance(shape:
     assert min(out["served"]) >= len(reqs) / instances / 4, out["served"]
 
 
+@pytest.mark.parametrize("instances,load", [(4, 0.5), (8, 0.95)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_stream_of_one_prompt_on_a_cold_fleet_is_computed_on_every_instance_before_its_first_token(
+        instances: int, load: float, seed: int) -> None:
+    """One system prompt heads every request (shape 5), arriving as a stream on a cold fleet: once
+    the first instance has been computing it for ``STREAM_AFTER`` of its prefill, the requests
+    that keep arriving are a stream's, and computing the prompt again elsewhere is not charged as
+    a copy, so every instance is sent it before its first token comes back (before, the first two
+    or three instances queued a third of the first second's requests while others idled).  A
+    burst arriving at once still follows its first request (the tests of bursts in
+    ``test_routing.py``)."""
+    from radixkv.bench.fleet_sim import default_pool
+
+    reqs, bt = workload("shape5", 150, seed)
+    scale_to_load(reqs, bt, MODEL, instances, load)
+    pool = default_pool("shape5", reqs, bt)
+    fleet = Fleet(instances, "cost", MODEL, bt, pool_tokens=pool, cpu_tokens=pool, budget=8192, seed=seed)
+    fleet.run(reqs)
+    fleet.check()
+    first_token = min(r.arrival + r.ttft for r in reqs)
+    before = [r for r in reqs if r.arrival < first_token]
+    assert len({r.instance for r in before}) == instances, sorted((r.arrival, r.instance) for r in before)
+
+
 @pytest.mark.parametrize("shape,instances,load,n", [("shape5", 8, 0.8, 400), ("shape23", 4, 0.8, 300)])
 def test_the_router_pins_what_each_instances_requests_in_flight_hold_and_sends_a_prompt_where_it_fits(
         shape: str, instances: int, load: float, n: int) -> None:
