@@ -70,6 +70,29 @@ def test_the_router_sends_a_prompt_where_its_prefix_is_and_survives_an_instance_
     urls = [s.url for s in both]
     prompt = [(i * 7919) % 997 + 1 for i in range(700)]
 
+    async def live(session: Any, router: Router, follower: Follower, url: str, k: int) -> None:
+        """Return once the follower has seen an event of ``url``.  vLLM connects to the endpoint
+        the follower binds, and it started first: ZMQ drops what vLLM publishes before the
+        follower's subscription has reached it, so a prompt computed before then is never in the
+        index (on a loaded machine the reconnection has taken longer than the first prompt).  A
+        new short prompt goes straight to the instance every 2 s until its blocks show up there;
+        at most 60 s."""
+        deadline = time.monotonic() + 60
+        attempt = 0
+        while time.monotonic() < deadline:
+            warm = [900 + k, 1 + attempt % 997] + [(i * 31 + attempt) % 997 + 1 for i in range(2 * BLOCK)]
+            async with session.post(f"{url}/v1/completions",
+                                    json={"model": model, "prompt": warm, "max_tokens": 1}) as r:
+                assert r.status == 200, await r.text()
+            names = router.names(warm, None)
+            seen_by = time.monotonic() + 2
+            while time.monotonic() < seen_by:
+                if url in follower.lookup(names):
+                    return
+                await asyncio.sleep(0.1)
+            attempt += 1
+        pytest.fail(f"no KV event from {url} within 60 s")
+
     async def run() -> None:
         follower = Follower()
         for url, ep in zip(urls, events):
@@ -80,6 +103,8 @@ def test_the_router_sends_a_prompt_where_its_prefix_is_and_survives_an_instance_
         await client.start_server()
         try:
             assert [b.pool_blocks for b in router.backends] == [POOL, POOL], "each pool read from vLLM's metrics"
+            for k, url in enumerate(urls):
+                await live(client.session, router, follower, url, k)
             first = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4})
             assert first.status == 200
             names = router.names(prompt, None)
