@@ -444,8 +444,8 @@ def test_a_stream_of_one_prompt_on_a_cold_fleet_is_computed_on_every_instance_be
     """One system prompt heads every request (shape 5), arriving as a stream on a cold fleet: once
     the first instance has been computing it for ``STREAM_AFTER`` of its prefill, the requests
     that keep arriving are a stream's, and computing the prompt again elsewhere is not charged as
-    a copy, so every instance is sent it before its first token comes back (before, the first two
-    or three instances queued a third of the first second's requests while others idled).  A
+    a copy, so every instance is sent it before its first token comes back (before the rule, 2 of 4
+    and 6 of 8 were; the others idled while the first ones queued).  A
     burst arriving at once still follows its first request (the tests of bursts in
     ``test_routing.py``)."""
     from radixkv.bench.fleet_sim import default_pool
