@@ -105,8 +105,9 @@ Contract:
 
 * **Cost.**  ``choose`` is O(instances + matched blocks) plus one index lookup, and O(blocks)
   for the cost policy's ``Demand`` (and O(instances x blocks) when the prompt may not fit in the
-  first choice's pool, O(instances) more for each instance computing the prompt's prefix); ``Recent`` and ``Demand`` each hold at most ``max_names`` block
-  names (the least recently seen dropped first), ``Recent`` with one expiry per instance.
+  first choice's pool, O(instances) more for each instance computing the prompt's prefix);
+  ``Recent`` and ``Demand`` each hold at most ``max_names`` block names (the least recently seen
+  dropped first), ``Recent`` with one expiry and one start per instance.
 """
 
 from __future__ import annotations
