@@ -676,7 +676,12 @@ class Chooser:
         if since is None or now - since < STREAM_AFTER * (m.fixed_s + m.prefill(under_way[1] - under_way[0])):
             return False
         holding = sum(1 for b in up if b.name in held and held[b.name].blocks >= blocks)
-        return holding + 1 <= self.demand.share(names[blocks - 1], LOAD_ARRIVALS * len(up)) * len(up) + 1e-9
+        return self._calls_for_another(names[blocks - 1], holding, len(up))
+
+    def _calls_for_another(self, name: Hashable, holding: int, instances: int) -> bool:
+        """Whether one more holder of the prefix whose last block is ``name`` (``holding`` hold it)
+        is at most its share of the arrivals (``Demand``) times the instances.  O(1)."""
+        return holding + 1 <= self.demand.share(name, LOAD_ARRIVALS * instances) * instances + 1e-9
 
     def _fit(self, scored: list[Any], names: list[Hashable]) -> bool:
         """Put first (in place) the instance of least cost among those where the prompt fits
@@ -709,7 +714,7 @@ class Chooser:
         if not any(m.blocks >= h for m in indexed.values()):
             return False            # not computed anywhere yet: a copy now would compute it again
         holding = {s[4].name for s in scored if s[4].name in held and held[s[4].name].blocks >= h}
-        if len(holding) + 1 > self.demand.share(names[h - 1], LOAD_ARRIVALS * instances) * instances + 1e-9:
+        if not self._calls_for_another(names[h - 1], len(holding), instances):
             return False
         others = [s for s in scored if s[4].name not in holding and wait[s[4].name] < wait[first[4].name]]
         if not others:

@@ -501,44 +501,17 @@ def test_the_holder_wins_while_its_queue_is_less_than_the_affinity_times_the_wor
     chooser.check(fleet)
 
 
-@settings(max_examples=200, deadline=None)
-@given(idle=st.integers(1, 8), load=st.floats(0.0, 1.0), blocks=st.integers(1, 40), queued=st.integers(0, 20_000))
-def test_a_copy_of_work_under_way_is_charged_less_the_more_instances_are_idle(
-        idle: int, load: float, blocks: int, queued: int) -> None:
-    """The router has just sent a prompt to one instance (under way, not yet in the index): sending
-    the same prompt to an idle one charges the copy at the load of the moment, divided by 1 + the
-    other idle instances (the fleet's spare capacity absorbs it)."""
-    bs = 64
-    tokens = blocks * bs + 10
-    fleet = backends(1 + idle)
-    a = fleet[0]
-    names = list(range(blocks))
-    chooser = Chooser("cost", block_size=bs, lookup=lambda _: {}, model=MODEL, budget=1 << 30)
-    occupy(chooser, a, queued=tokens + queued)
-    chooser.recent.add(a.name, names, now=0.0)
-    chooser.load = load
-    choice = chooser.choose(fleet, tokens, names, now=0.0)
-    busy = 1 / len(fleet)
-    affinity = by_load(load + (busy - load) / (LOAD_ARRIVALS * len(fleet)))
-    weight = (1 + affinity) / 2                    # an idle instance's
-    copy = max(0.0, by_load(busy) - weight) * MODEL.prefill(blocks * bs) / idle    # 1 + (idle - 1) others
-    cost_a = MODEL.prefill(a.queued_tokens) + affinity * (MODEL.fixed_s + MODEL.prefill(tokens - blocks * bs))
-    cost_idle = weight * (MODEL.fixed_s + MODEL.prefill(tokens)) + copy
-    assume(abs(cost_a - cost_idle) > 1e-9 * max(cost_a, cost_idle))
-    assert (choice.order[0] is a) == (cost_a < cost_idle)
-    chooser.check(fleet)
-
-
 @settings(max_examples=300, deadline=None)
-@given(idle=st.integers(1, 8), load=st.floats(0.0, 1.0), blocks=st.integers(1, 40), queued=st.integers(0, 20_000),
-       ago=st.floats(0.0, 0.5), data=st.data())
-def test_work_under_way_is_not_charged_as_a_copy_once_its_requests_are_a_stream(
+@given(idle=st.integers(1, 8), load=st.floats(0.0, 0.2) | st.floats(0.0, 1.0), blocks=st.integers(1, 40),
+       queued=st.integers(0, 3000) | st.integers(0, 20_000), ago=st.just(0.0) | st.floats(0.0, 0.5), data=st.data())
+def test_a_copy_of_work_under_way_is_charged_less_the_more_instances_are_idle_and_not_for_a_stream(
         idle: int, load: float, blocks: int, queued: int, ago: float, data: st.DataObject) -> None:
     """The router began sending a prompt to one instance ``ago`` seconds before (under way, not
     yet in the index), and the same prompt arrives again: computing it on an idle instance is
-    charged as a copy of that work (as above) unless the router began sending it at least
-    ``STREAM_AFTER`` of its expected prefill ago and two holders are at most its share of the
-    arrivals times the instances; then it is a stream's, and not charged."""
+    charged as a copy of that work, at the load of the moment, divided by 1 + the other idle
+    instances (the fleet's spare capacity absorbs it); unless the router began sending it at
+    least ``STREAM_AFTER`` of its expected prefill ago and two holders are at most its share of
+    the arrivals times the instances: then it is a stream's, and not charged."""
     bs = 64
     tokens = blocks * bs + 10
     fleet = backends(1 + idle)
@@ -546,7 +519,9 @@ def test_work_under_way_is_not_charged_as_a_copy_once_its_requests_are_a_stream(
     names = list(range(blocks))
     chooser = Chooser("cost", block_size=bs, lookup=lambda _: {}, model=MODEL, budget=1 << 30)
     window = LOAD_ARRIVALS * len(fleet)
-    prior = data.draw(st.integers(0, 3 * window), label="arrivals of other prompts before")
+    # (a light load, a short queue, few other arrivals: where the charge decides, and a stream's
+    # share calls for another holder; or any)
+    prior = data.draw(st.integers(0, 3) | st.integers(0, 3 * window), label="arrivals of other prompts before")
     for i in range(prior):
         chooser.demand.add([("other", i)], window)
     occupy(chooser, a, queued=tokens + queued)
