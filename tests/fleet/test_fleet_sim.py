@@ -437,6 +437,24 @@ def test_a_prompt_nearly_every_request_shares_is_served_by_every_instance(shape:
     assert min(out["served"]) >= len(reqs) / instances / 4, out["served"]
 
 
+@pytest.mark.parametrize("shape,instances,load,seed", [("shape26", 4, 0.8, 1), ("shape26", 8, 0.5, 0),
+                                                       ("shape28", 16, 0.8, 1)])
+def test_a_fleet_wide_prompt_before_a_few_tenants_leaves_no_instance_idle(shape: str, instances: int, load: float,
+                                                                          seed: int) -> None:
+    """A fleet-wide system prompt every request shares, then one of a few tenants' (shapes 26 and
+    28): the fleet-wide part's share of the arrivals calls for every instance, though no one
+    tenant's does, and the cost policy copies it by that part's share, so every instance serves at
+    least an eighth of its even share (copies asked of the tenant's whole prompt alone, with the
+    share's instances rounded down, left one to three instances serving nothing on each)."""
+    from radixkv.bench.fleet_sim import default_pool
+
+    reqs, bt = workload(shape, 300, seed)
+    scale_to_load(reqs, bt, MODEL, instances, load)
+    pool = default_pool(shape, reqs, bt)
+    out = run(reqs, bt, instances=instances, policy="cost", pool_tokens=pool, cpu_tokens=pool)
+    assert min(out["served"]) >= len(reqs) / instances / 8, out["served"]
+
+
 @pytest.mark.parametrize("instances,load", [(4, 0.5), (8, 0.95)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_stream_of_one_prompt_on_a_cold_fleet_is_computed_on_every_instance_before_its_first_token(

@@ -185,20 +185,25 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
         return costs[b.name][3]
 
     def replicas(first: Backend) -> list[Backend]:
-        """The instances the rule may put before ``first``: it holds its prefix (h blocks), which the
-        index shows somewhere, fewer than the prefix's share of the instances hold it, and they do
-        not hold it and wait less than ``first``."""
+        """The instances the rule may put before ``first``: it holds its prefix (h blocks); the
+        longest of the lengths of it that instances hold that the index shows somewhere and that
+        fewer instances hold than its share of the instances (rounded up) is copied, to an
+        instance that does not hold that length and waits less than ``first`` (none such: nothing
+        is)."""
         h = min(costs[first.name][1] // bs, len(names))
         if h < 1 or first.name not in mine or mine[first.name].blocks < h:
             return []
-        if not any(m.blocks >= h for m in held_here.values()):
-            return []
-        holding = {b.name for b in up if b.name in mine and mine[b.name].blocks >= h}
-        # this prompt's share of the arrivals, each weighing 1 - 1/window of the one after it
+        # this prompt's share of the arrivals, each weighing 1 - 1/window of the one after it (all
+        # its blocks alike: the other arrivals share none of them)
         share = 1.0 / sum((1.0 - 1.0 / window) ** i for i in range(prior + 1))
-        if len(holding) + 1 > share * len(up) + 1e-9:
-            return []
-        return [b for b in up if b.name not in holding and wait(b) < wait(first)]
+        for level in sorted({min(mine[b.name].blocks, h) for b in up if b.name in mine}, reverse=True):
+            if not any(m.blocks >= level for m in held_here.values()):
+                continue
+            holding = {b.name for b in up if b.name in mine and mine[b.name].blocks >= level}
+            if len(holding) >= share * len(up) - 1e-9:
+                continue
+            return [b for b in up if b.name not in holding and wait(b) < wait(first)]
+        return []
 
     def before_replication(seq: list[Backend]) -> None:
         first = seq[0]
@@ -510,8 +515,8 @@ def test_a_copy_of_work_under_way_is_charged_less_the_more_instances_are_idle_an
     yet in the index), and the same prompt arrives again: computing it on an idle instance is
     charged as a copy of that work, at the load of the moment, divided by 1 + the other idle
     instances (the fleet's spare capacity absorbs it); unless the router began sending it at
-    least ``STREAM_AFTER`` of its expected prefill ago and two holders are at most its share of
-    the arrivals times the instances: then it is a stream's, and not charged."""
+    least ``STREAM_AFTER`` of its expected prefill ago and its one holder is fewer than its share
+    of the arrivals times the instances: then it is a stream's, and not charged."""
     bs = 64
     tokens = blocks * bs + 10
     fleet = backends(1 + idle)
@@ -534,8 +539,8 @@ def test_a_copy_of_work_under_way_is_charged_less_the_more_instances_are_idle_an
     weight = (1 + affinity) / 2
     share = 1.0 / sum((1.0 - 1.0 / window) ** i for i in range(prior + 1))
     after = STREAM_AFTER * (MODEL.fixed_s + MODEL.prefill(blocks * bs))
-    assume(abs(ago - after) > 1e-9 and abs(2 - share * len(fleet)) > 1e-9)
-    stream = ago > after and 2 < share * len(fleet)
+    assume(abs(ago - after) > 1e-9 and abs(1 - share * len(fleet)) > 1e-9)
+    stream = ago > after and 1 < share * len(fleet)
     copy = 0.0 if stream else max(0.0, by_load(busy) - weight) * MODEL.prefill(blocks * bs) / idle
     cost_a = MODEL.prefill(a.queued_tokens) + affinity * (MODEL.fixed_s + MODEL.prefill(tokens - blocks * bs))
     cost_idle = weight * (MODEL.fixed_s + MODEL.prefill(tokens)) + copy
@@ -611,7 +616,7 @@ def test_an_idle_instance_sooner_than_the_busy_ones_takes_a_prefix_two_instances
 def test_a_prefix_held_by_fewer_instances_than_its_share_of_the_arrivals_is_copied_to_a_less_busy_one(
         queues: list[int], data: st.DataObject, prefix: int, tail: int, affinity: float) -> None:
     """Busy instances, ``k`` of them holding the prompt's prefix in the index: the least weighted
-    cost wins unless it is a holder and ``k + 1`` is at most the prefix's share of the arrivals
+    cost wins unless it is a holder and ``k`` is less than the prefix's share of the arrivals
     (decayed over ``LOAD_ARRIVALS`` per instance) times the instances; then the instance that does
     not hold it, waits less than that holder and gives the first token soonest goes first."""
     bs, n = 64, len(queues)
@@ -640,12 +645,76 @@ def test_a_prefix_held_by_fewer_instances_than_its_share_of_the_arrivals_is_copi
     cost = {b.name: MODEL.prefill(b.queued_tokens) + affinity * (own_hit if b.name in held else own_all) for b in fleet}
     first = min(fleet, key=lambda b: cost[b.name])
     assume(all(abs(cost[b.name] - cost[first.name]) > 1e-9 for b in fleet if b is not first))
-    assume(abs(k + 1 - share * n) > 1e-6)
+    assume(abs(k - share * n) > 1e-6)
     less_busy = [b for b in fleet[k:] if b.queued_tokens < first.queued_tokens]
-    event(f"copied: {first.name in held and k + 1 <= share * n and bool(less_busy)}")
-    if first.name in held and k + 1 <= share * n and less_busy:
+    event(f"copied: {first.name in held and k < share * n and bool(less_busy)}")
+    if first.name in held and k < share * n and less_busy:
         expected = min(less_busy, key=lambda b: b.queued_tokens)
         assert (choice.order[0], choice.promised, choice.why) == (expected, 0, "copy")
+        assert choice.order[1] is first
+    else:
+        assert (choice.order[0], choice.why) == (first, "cost")
+    chooser.check(fleet)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(3, 8), data=st.data(), part=st.integers(1, 40), rest=st.integers(1, 40),
+       tail=st.integers(1, 500), affinity=st.floats(1.0, 20.0))
+def test_a_leading_part_more_arrivals_share_is_copied_as_its_own_share_calls_for(
+        n: int, data: st.DataObject, part: int, rest: int, tail: int, affinity: float) -> None:
+    """A prompt of a leading part that another tenant's prompts share too (a fleet-wide system
+    prompt, ``part`` blocks), then its tenant's (``rest`` blocks): ``whole`` instances hold both in
+    the index, ``only`` the leading part, the others neither; each has a queue.  When a holder has
+    the least weighted cost, the whole prefix is copied if fewer instances hold it than its share
+    of the arrivals times the instances (to the soonest instance that does not hold it and waits
+    less than that holder; none such: no copy); otherwise, when some instances hold the leading
+    part alone, it is, if fewer hold it than its own share calls for (to the soonest that holds
+    neither and waits less); otherwise nothing is copied."""
+    bs = 64
+    whole = data.draw(st.integers(1, n - 1), label="instances holding the whole prefix")
+    only = data.draw(st.integers(0, n - whole), label="instances holding the leading part alone")
+    queues = data.draw(st.lists(st.integers(1, 20_000), min_size=n, max_size=n, unique=True), label="queues")
+    tokens = (part + rest) * bs + tail
+    names = ([("fleet", j) for j in range(part)] + [("tenant", j) for j in range(rest)]
+             + [("question", j) for j in range(tokens // bs - part - rest)])
+    other_tenant = names[:part] + [("other tenant", j) for j in range(rest)]
+    fleet = backends(n)
+    held = {b.name: Match(part + rest, "GPU") for b in fleet[:whole]}
+    held.update({b.name: Match(part, "GPU") for b in fleet[whole:whole + only]})
+    chooser = Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30,
+                      affinity=affinity)
+    for b, q in zip(fleet, queues):
+        occupy(chooser, b, queued=q)
+    window = LOAD_ARRIVALS * n
+    before = data.draw(st.lists(st.sampled_from(["this tenant", "other tenant", "other"]), max_size=3 * window),
+                       label="arrivals before")
+    for i, who in enumerate(before):
+        chooser.demand.add(names if who == "this tenant" else other_tenant if who == "other tenant"
+                           else [("other", i)], window)
+    choice = chooser.choose(fleet, tokens, names, now=0.0)
+    decay = 1.0 - 1.0 / window
+    arrivals = before + ["this tenant"]
+    weights = [decay ** (len(arrivals) - 1 - i) for i in range(len(arrivals))]
+    share_whole = sum(w for w, who in zip(weights, arrivals) if who == "this tenant") / sum(weights)
+    share_part = sum(w for w, who in zip(weights, arrivals) if who != "other") / sum(weights)
+    assume(abs(whole - share_whole * n) > 1e-6 and abs(whole + only - share_part * n) > 1e-6)
+    reuse = {b.name: (held[b.name].blocks * bs if b.name in held else 0) for b in fleet}
+    ttft = {b.name: MODEL.prefill(b.queued_tokens) + MODEL.fixed_s + MODEL.prefill(tokens - reuse[b.name])
+            for b in fleet}
+    cost = {b.name: ttft[b.name] + (affinity - 1) * (ttft[b.name] - MODEL.prefill(b.queued_tokens)) for b in fleet}
+    first = min(fleet, key=lambda b: cost[b.name])
+    assume(all(abs(cost[b.name] - cost[first.name]) > 1e-9 for b in fleet if b is not first))
+    expected = []
+    if first.name in held and reuse[first.name] == (part + rest) * bs and whole < share_whole * n:
+        expected = [b for b in fleet[whole:] if b.queued_tokens < first.queued_tokens]
+    elif first.name in held and only and whole + only < share_part * n:
+        expected = [b for b in fleet[whole + only:] if b.queued_tokens < first.queued_tokens]
+    by_part = bool(expected) and not (reuse[first.name] == (part + rest) * bs and whole < share_whole * n)
+    event(f"copied: {bool(expected)}, the leading part alone: {by_part}")
+    if expected:
+        soonest = min(ttft[b.name] for b in expected)
+        assume(sum(1 for b in expected if abs(ttft[b.name] - soonest) <= 1e-12) == 1)
+        assert choice.why == "copy" and choice.order[0] in expected and ttft[choice.order[0].name] == soonest
         assert choice.order[1] is first
     else:
         assert (choice.order[0], choice.why) == (first, "cost")
