@@ -66,7 +66,8 @@ Contract:
     ``"copy"``): when the first choice holds the prompt's prefix, the index shows it computed, and
     fewer instances hold it than its share of the arrivals calls for (``Demand``: the share of the
     last ``LOAD_ARRIVALS`` arrivals an instance, decayed, whose prompt held it, times the
-    instances, rounded up), the instance that does not hold it and gives the first token soonest
+    instances, rounded up once two instances hold it: ``_calls_for_another``), the instance that
+    does not hold it and gives the first token soonest
     among those that wait less than the first goes first.  Each length of that prefix that an
     instance holds is asked, longest first: a fleet-wide system prompt before a tenant's, which
     instances hold alone, is shared by more arrivals than the whole, and calls for more holders.  The cost of computing a
@@ -684,10 +685,15 @@ class Chooser:
         return self._calls_for_another(names[blocks - 1], holding, len(up))
 
     def _calls_for_another(self, name: Hashable, holding: int, instances: int) -> bool:
-        """Whether fewer instances than its share of the arrivals (``Demand``) times the instances
-        hold the prefix whose last block is ``name`` (``holding`` do): the share's instances rounded
-        up, so a prompt 98% of the arrivals share belongs on all of four instances, not three.  O(1)."""
-        return holding < self.demand.share(name, LOAD_ARRIVALS * instances) * instances - 1e-9
+        """Whether the prefix whose last block is ``name`` calls for another holder (``holding``
+        instances hold it): its share of the arrivals (``Demand``) times the instances is its
+        *worth*; one more holder is at most its worth, or two or more hold it and fewer than its
+        worth.  The worth is rounded up once two instances hold it (a prompt 98% of the arrivals
+        share belongs on all of four instances, not three), not before: a second holder doubles a
+        prefix's copies, and a tenant worth 1.2 instances, or on two instances a fresh router's
+        second tenant, would be computed twice for a fifth of an instance's work.  O(1)."""
+        worth = self.demand.share(name, LOAD_ARRIVALS * instances) * instances
+        return holding + 1 <= worth + 1e-9 or (holding >= 2 and holding < worth - 1e-9)
 
     def _fit(self, scored: list[Any], names: list[Hashable]) -> bool:
         """Put first (in place) the instance of least cost among those where the prompt fits
