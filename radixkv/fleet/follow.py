@@ -14,7 +14,7 @@ Contract:
   the instance *stale* in the index (its batches past the gap wait).  A stale instance that stays
   so for ``gap_timeout_s`` is reset (``Index.skip_gap``: its holdings dropped, so the index holds
   a subset of the truth: misses, never false hits) and goes on.  A restarted publisher (sequence
-  numbers from 0 again) is a restart in the index.
+  numbers from 0 again) is a restart in the index, counted per instance (``restarts``).
 * **Threads and waits.**  One thread polls every subscriber (``poll_s`` at most per round, so
   ``close`` waits at most about that, bounded by ``timeout``); the index is guarded by one lock,
   which ``lookup`` takes for O(matched blocks + instances).
@@ -75,6 +75,14 @@ class Follower:
             if instance in self.index.instances():
                 self.index.remove(instance)
             self._stale_since.pop(instance, None)
+
+    def restarts(self, instance: str) -> int:
+        """How many times ``instance``'s publisher was seen to restart (its sequence numbers from
+        0 again: the engine came back) on its current subscription; 0 for an instance not
+        followed.  The router reads its pool again when this changes.  O(1)."""
+        with self.lock:
+            sub = self._subs.get(instance)
+            return 0 if sub is None else int(sub.restarts)
 
     def lookup(self, block_hashes: Iterable[Hashable]) -> dict[str, Match]:
         """``Index.lookup`` under the lock (stale instances left out).  O(matched blocks + instances)."""

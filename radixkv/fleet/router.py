@@ -140,8 +140,12 @@ class Router:
         self._metrics = _Metrics([b.name for b in self.backends])
         #: Instances whose ``GET /metrics`` answered since they last came up: an answer without a
         #: pool (an engine that is not vLLM, a 404) is not asked again until the instance has been
-        #: down; a request that failed or a 5xx is asked again at the next health check.
+        #: down or its KV events restarted; a request that failed or a 5xx is asked again at the
+        #: next health check.
         self._pool_asked: set[str] = set()
+        #: Each instance's publisher restarts as the follower last counted them: a change means
+        #: the engine came back, maybe with another pool, between two health checks.
+        self._restarts_seen: dict[str, int] = {}
 
     # -- choosing ------------------------------------------------------------------------------
 
@@ -176,6 +180,7 @@ class Router:
         for b in self.backends:
             assert b.pool_blocks is None or b.name in self._pool_asked, f"{b.name}'s pool was never read"
         assert self._pool_asked <= {b.name for b in self.backends}, "an unknown instance was asked"
+        assert set(self._restarts_seen) <= {b.name for b in self.backends}, "restarts of an unknown instance"
         if self.follower is not None and hasattr(self.follower, "check"):
             self.follower.check()
 
@@ -225,16 +230,28 @@ class Router:
                 log.warning("radixkv router: %s is %s", b.url, "up" if ok else "down")
             b.healthy = ok
             self._metrics.healthy(b.name, ok)
-            if not ok:
+            if not ok or self._restarted(b.name):
                 b.pool_blocks = None            # it may come back with another pool
                 self._pool_asked.discard(b.name)
-            elif b.pool_blocks is None and b.name not in self._pool_asked:
+            if ok and b.pool_blocks is None and b.name not in self._pool_asked:
                 b.pool_blocks, answered = await self._pool_of(b)
                 if answered:
                     self._pool_asked.add(b.name)
             self._metrics.pool(b.name, b.pool_blocks)
 
         await asyncio.gather(*(one(b) for b in self.backends))
+
+    def _restarted(self, name: str) -> bool:
+        """Whether the follower counted a restart of ``name``'s KV-event publisher since the last
+        health check (the engine came back between two checks, which a check that passes does not
+        show).  False without a follower that counts them.  O(1)."""
+        count = getattr(self.follower, "restarts", None)
+        if count is None:
+            return False
+        now = count(name)
+        before = self._restarts_seen.get(name, now)
+        self._restarts_seen[name] = now
+        return now != before
 
     async def _pool_of(self, b: Backend) -> tuple[int | None, bool]:
         """``b``'s KV pool in the router's blocks, from its ``GET /metrics`` (``pool_blocks``),

@@ -555,6 +555,44 @@ def test_the_router_reads_each_pool_at_its_health_check_and_forgets_it_when_the_
                               "b": fake_backend("b"), "c": fake_backend("c", metrics="<html>")}, body, policy="cost"))
 
 
+def test_an_instance_whose_kv_events_restarted_has_its_pool_read_again() -> None:
+    """An engine that came back between two health checks passes both, but its KV-event publisher
+    counts from 0 again (the follower's ``restarts``): at the next health check the router
+    forgets its pool and reads it again, once; an instance whose events did not restart is not
+    asked again."""
+    asked: dict[str, Counter[str]] = {n: Counter() for n in "ab"}
+
+    class Follower:
+        """What the router asks of a follower: lookups (nothing held) and restarts counted."""
+
+        def __init__(self) -> None:
+            self.count: dict[str, int] = {}         # instance (its URL) -> restarts
+
+        def lookup(self, names: Any) -> dict[str, Any]:
+            return {}
+
+        def restarts(self, instance: str) -> int:
+            return self.count.get(instance, 0)
+
+    follower = Follower()
+
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        a = router.backends[0].name
+        for _ in range(2):
+            await router.check_health()
+        assert {n: c["/metrics"] for n, c in asked.items()} == {"a": 1, "b": 1}
+        follower.count[a] = 1                          # a came back between two checks
+        await router.check_health()
+        await router.check_health()
+        assert {n: c["/metrics"] for n, c in asked.items()} == {"a": 2, "b": 1}, "a read again, once"
+        assert [b.pool_blocks for b in router.backends] == [72 * 128 // 16] * 2
+        router.check()
+
+    asyncio.run(_with_router({"a": fake_backend("a", metrics=vllm_metrics([(72, 128)]), asked=asked["a"]),
+                              "b": fake_backend("b", metrics=vllm_metrics([(72, 128)]), asked=asked["b"])},
+                             body, policy="cost", follower=follower))
+
+
 def test_an_instance_that_answers_without_a_pool_is_not_asked_again_until_it_has_been_down() -> None:
     """A pool is read once an up-period: an instance that answered ``GET /metrics`` without one
     (a 404, a page that is not vLLM's) is asked again only after it has been down; one whose
