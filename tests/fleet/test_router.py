@@ -368,6 +368,24 @@ def test_the_follower_resets_an_instance_whose_gap_no_replay_fills() -> None:
     f.close()
 
 
+def test_the_follower_counts_each_instances_publisher_restarts() -> None:
+    """``Follower.restarts`` is the count its subscription keeps (``Subscriber.restarts``: a
+    sequence number below the next expected one; tested in ``test_events.py``), 0 for an
+    instance it does not follow; what the router compares between health checks."""
+    f = Follower()
+    assert f.restarts("a") == 0
+    sub = ScriptedSub([[(5, stored([1]))], [(0, stored([2]))]])
+    sub.restarts = 0                                         # type: ignore[attr-defined]
+    f._subs["a"] = sub                                       # type: ignore[assignment]
+    f.poll()
+    sub.restarts = 1                                         # type: ignore[attr-defined]  # as its subscriber counts 0 after 5
+    f.poll()
+    assert f.restarts("a") == 1 and f.lookup([2]) == {"a": Match(1, "GPU")} and f.lookup([1]) == {}
+    f.remove("a")
+    assert f.restarts("a") == 0
+    f.close()
+
+
 def test_the_follower_follows_two_caches_publishing_over_zmq() -> None:
     import time
 
