@@ -65,19 +65,19 @@ Contract:
     production-style trace at 30% load lost hits).  And a prefix is *copied* (``why`` is
     ``"copy"``): when the first choice holds the prompt's prefix, the index shows it computed, and
     fewer instances hold it than its share of the arrivals calls for (``Demand``: the share of the
-    last ``LOAD_ARRIVALS`` arrivals an instance, decayed, whose prompt held it, times the
-    instances, rounded up once two instances hold it: ``_calls_for_another``), the instance that
-    does not hold it and gives the first token soonest
-    among those that wait less than the first goes first.  Each length of that prefix that an
-    instance holds is asked, longest first: a fleet-wide system prompt before a tenant's, which
-    instances hold alone, is shared by more arrivals than the whole, and calls for more holders.  The cost of computing a
-    prefix again is paid once and repaid by every later request that the new holder takes off the
-    others: a prompt nearly every request shares belongs on every instance, one tenant's among
-    sixteen on one.  (Asking the whole prefix alone, with the share's instances rounded down, left
-    one of 4, 8 or 16 instances serving nothing in 24 of 648 workload-shape runs: a fleet-wide
-    prompt before two tenants, 98% of arrivals on one, held by three of four.)  Without it, on workload shapes drawn at random, one system prompt that nearly
-    every request shared stayed on the instances that first held it while others served nothing
-    (their pools filled with requests in flight, which no queue of prefill tokens shows).  What the
+    last ``LOAD_ARRIVALS`` arrivals an instance, decayed, whose prompt held it, times the instances,
+    rounded up once two instances hold it: ``_calls_for_another``), the instance that does not hold
+    it and gives the first token soonest among those that wait less than the first goes first. Each
+    length of that prefix that an instance holds is asked, longest first: a fleet-wide system prompt
+    before a tenant's, which instances hold alone, is shared by more arrivals than the whole, and
+    calls for more holders. The cost of computing a prefix again is paid once and repaid by every
+    later request that the new holder takes off the others: a prompt nearly every request shares
+    belongs on every instance, one tenant's among sixteen on one. Without it, on workload shapes
+    drawn at random, one system prompt that nearly every request shared stayed on the instances that
+    first held it while others served nothing (their pools filled with requests in flight, which no
+    queue of prefill tokens shows). (Asking the whole prefix alone, with the share's instances
+    rounded down, left one of 4, 8 or 16 instances serving nothing in 24 of 648 workload-shape runs:
+    a fleet-wide prompt before two tenants, 98% of arrivals on one, held by three of four.) What the
     router has only sent is not copied (a burst still follows its first request), and a fresh
     router's first arrivals each have a share of 1, so it copies freely until ``LOAD_ARRIVALS``
     arrivals an instance have come.  Last, pools (``why`` is ``"fit"``): when the prompt does
