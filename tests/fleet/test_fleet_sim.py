@@ -520,3 +520,87 @@ def test_the_router_pins_what_each_instances_requests_in_flight_hold_and_sends_a
     fleet.check()
     assert not any(flight.values()) and not any(fleet.chooser._pinned.values())
     assert moved, "the fit rule moved no prompt: the check checked nothing"
+
+
+@settings(max_examples=30, deadline=None)
+@given(trace=traces(), policy=st.sampled_from(["cost", "prefix", "round_robin"]), instances=st.integers(1, 3),
+       room=st.integers(0, 6), output_pages=st.booleans(), gap=st.sampled_from([0.0, 1e-4, 1.0]))
+def test_the_pages_requests_take_are_the_pages_the_engine_holds_after_every_step(
+        trace: tuple, policy: str, instances: int, room: int, output_pages: bool, gap: float) -> None:
+    """With or without ``output_pages``, on pools barely larger than the largest request (so
+    requests wait for pages), after every engine step of every instance the pages its cache counts
+    as the engine's are exactly those its requests took and have not given to the pool (``Fleet.check``),
+    and at the end none is left: every private page came back."""
+    from radixkv.bench.fleet_sim import _Instance, full_blocks, private_blocks
+
+    reqs, bt = trace
+    for i, r in enumerate(reqs):
+        r.arrival = gap * i
+    need = max(full_blocks(r, bt) + (private_blocks(r, bt) if output_pages else 0) for r in reqs)
+    fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=(need + room) * bt, cpu_tokens=0, budget=8192,
+                  output_pages=output_pages)
+    publish = _Instance.publish
+    steps = []
+
+    def checked(inst: _Instance) -> None:
+        publish(inst)
+        fleet.check()
+        steps.append(inst.name)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_Instance, "publish", checked)
+        fleet.run(reqs)
+    assert steps and all(r.ttft == r.ttft for r in reqs), "a request was never served"
+    assert all(inst.cache.stats()["pages_engine"] == 0 for inst in fleet.instances)
+
+
+@settings(max_examples=30, deadline=None)
+@given(full=st.integers(1, 6), partial=st.integers(1, 15), more=st.integers(1, 100))
+def test_with_output_pages_a_request_holds_a_page_for_every_block_of_its_prompt_and_output(
+        full: int, partial: int, more: int) -> None:
+    """Two requests of distinct blocks arriving together on one instance whose pool holds one
+    request's prompt and output but not two: with ``output_pages`` the second starts only after the
+    first's last token (it waits for pages); without, both prompts fit and share the first step."""
+    from radixkv.bench.fleet_sim import private_blocks
+
+    bt = 16
+    output = full * bt + more           # at least as many pages as the prompt's full blocks
+    reqs = [SimRequest(i, 0.0, [100 * i + j for j in range(full + 1)], full * bt + partial, output) for i in range(2)]
+    own = private_blocks(reqs[0], bt)
+    assert own == -(-(full * bt + partial + output) // bt) - full and own >= 2
+    pool = (full + own) * bt            # one request's pages; two prompts' full blocks fit too
+    assert 2 * full <= full + own
+    step = MODEL.fixed_s + MODEL.prefill(2 * (full * bt + partial))
+    without = run(reqs, bt, pool_tokens=pool)
+    assert without["ttft"] == [pytest.approx(step)] * 2
+    with_pages = run(reqs, bt, pool_tokens=pool, output_pages=True)
+    first, second = with_pages["ttft"]
+    assert first == pytest.approx(MODEL.fixed_s + MODEL.prefill(full * bt + partial))
+    decode = (output - 1) * MODEL.decode_s(1)
+    assert second >= first + decode
+    with pytest.raises(ValueError, match="pool_tokens"):     # a prompt and its output no pool could hold
+        run(reqs[:1], bt, pool_tokens=pool - bt, output_pages=True)
+
+
+def test_output_pages_is_a_setting_of_the_run_that_the_goals_check_keeps_apart(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``--output-pages`` is named in the table's profile line, so a table of runs with and without
+    it checks each apart; a pool that holds a prompt but not its output is refused in one line."""
+    from radixkv.bench import fleet_sim
+    from radixkv.bench.fleet_sim import goals
+
+    tables = []
+    for extra in ([], ["--output-pages"]):
+        out = tmp_path / f"t{len(tables)}.txt"
+        argv = ["--workloads", "tenants", "--instances", "2", "--loads", "0.5", "--seeds", "0", "--requests", "40",
+                "--policies", "cost,round_robin", "--out", str(out), *extra]
+        assert fleet_sim.main(argv) == 0
+        tables.append(out.read_text())
+    capsys.readouterr()
+    profiles = [next(line for line in t.splitlines() if line.startswith("# profile ")) for t in tables]
+    assert "output pages" not in profiles[0] and "output pages" in profiles[1]
+    assert " of 2 (run, workload" in goals((tables[0] + tables[1]).splitlines())[-1]     # one cell per run
+    argv = ["--workloads", "tenants", "--instances", "2", "--requests", "40", "--pool-tokens", "1600", "--output-pages"]
+    assert fleet_sim.main(argv) == 2
+    out = capsys.readouterr()
+    assert "does not fit" in out.err and out.err.count("\n") == 1 and not out.out
