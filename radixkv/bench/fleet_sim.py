@@ -580,7 +580,7 @@ class _Instance:
             if r.private is not None:
                 self.cache.free(r.private)
         r.hold, r.private = None, None
-        self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens, r.names)
+        self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens, r.names, self.fleet.told(r))
         self.served += 1
 
     def run(self) -> Generator[Any, Any, None]:
@@ -713,13 +713,19 @@ class Fleet:
             n += 1
         return n
 
+    def told(self, r: SimRequest) -> int | None:
+        """The output the router is told ``r`` may generate (as a real one reads ``max_tokens``):
+        its output with ``output_pages``, else ``None``: the engine gives the output no pages, and
+        the router counts none."""
+        return r.output if self.output_pages else None
+
     def arrive(self, r: SimRequest) -> None:
         now = self.env.now
         r.names = self.names(r)
-        choice = self.chooser.choose(self.backends, r.tokens, r.names, now)
+        choice = self.chooser.choose(self.backends, r.tokens, r.names, now, output=self.told(r))
         backend = choice.order[0]
         r.instance, r.why = backend.name, choice.why
-        r.charge, r.sent_at = self.chooser.sent(backend, r.tokens, choice.promised, r.names, now), now
+        r.charge, r.sent_at = self.chooser.sent(backend, r.tokens, choice.promised, r.names, now, self.told(r)), now
         inst = self.by_name[backend.name]
         inst.waiting.append(r)
         if not inst.wake.triggered:

@@ -20,9 +20,10 @@ Contract:
   on which medium, or a peer holds with ``--p2p``, loaded at the ``--cost-profile``'s cost; the
   rest computed); a prompt the router just sent somewhere counts as held there until the
   instance's events can confirm it, so a burst follows its first request; a prompt that does not
-  fit in an instance's KV pool beside its requests in flight goes to one where it does (each pool
-  read from the instance's ``GET /metrics``, vLLM's ``vllm:cache_config_info``, when it first
-  passes a health check).  ``prefix``: the
+  fit in an instance's KV pool beside its requests in flight (their prompts' blocks, and the pages
+  their outputs take as their ``max_tokens`` say: ``output_tokens``) goes to one where it does
+  (each pool read from the instance's ``GET /metrics``, vLLM's ``vllm:cache_config_info``, when it
+  first passes a health check).  ``prefix``: the
   longest prefix, imbalance first (``balance_abs``/``balance_rel`` requests in flight), no match
   to the idlest.  ``cache_aware``: sglang-router's rule; ``dynamo``: Dynamo's KV-router cost;
   ``least_loaded``, ``round_robin`` and ``random`` for comparison.  The prompt's block names are
@@ -63,7 +64,8 @@ from radixkv.core._checks import check_int
 from radixkv.fleet.hashing import ALGOS, request_extra_keys, vllm_block_hashes
 from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser
 
-__all__ = ["INSTANCE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits", "pool_blocks"]
+__all__ = ["INSTANCE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits", "output_tokens",
+           "pool_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -156,21 +158,23 @@ class Router:
         return vllm_block_hashes(tokens, self.block_size, extra_keys=extra,  # type: ignore[call-overload]
                                  algo=self.hash_algo, seed=self.hash_seed, as_int=True)
 
-    def choose(self, tokens: list[int] | None, salt: str | None = None,
-               model: str | None = None) -> tuple[list[Backend], str, int]:
+    def choose(self, tokens: list[int] | None, salt: str | None = None, model: str | None = None,
+               output: int | None = None) -> tuple[list[Backend], str, int]:
         """The healthy instances in the order to try them, why the first was chosen (``"cost"``,
         ``"copy"``, ``"fit"``, ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``, ``"least_loaded"``,
         ``"round_robin"``, ``"random"``) and the prefix tokens the first holds, as the router
-        believes.  O(instances + prompt blocks) plus the lookup."""
-        choice = self._choice(tokens, salt, model)
+        believes; ``output``: the tokens the request may generate (``output_tokens``), ``None`` when
+        unknown.  O(instances + prompt blocks) plus the lookup."""
+        choice = self._choice(tokens, salt, model, output)
         return choice.order, choice.why, choice.promised
 
-    def _choice(self, tokens: list[int] | None, salt: str | None, model: str | None = None) -> Any:
+    def _choice(self, tokens: list[int] | None, salt: str | None, model: str | None = None,
+                output: int | None = None) -> Any:
         names: list[Any] = []
         if tokens and self.policy not in ("round_robin", "random"):
             lora = (model, self.lora_modules[model]) if model in self.lora_modules else None
             names = self.names(tokens, salt) if lora is None else self._vllm_names(tokens, salt, lora)
-        return self.chooser.choose(self.backends, len(tokens or ()), names, self.clock())
+        return self.chooser.choose(self.backends, len(tokens or ()), names, self.clock(), output=output)
 
     def check(self) -> None:
         """Assert the router's invariants: instances named once, no negative in-flight count,
@@ -312,7 +316,8 @@ class Router:
             return self._refuse(web, problem)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         model = body.get("model") if isinstance(body.get("model"), str) else None
-        choice = self._choice(tokens, salt, model)
+        output = output_tokens(body, chat)
+        choice = self._choice(tokens, salt, model, output)
         self._metrics.routed(choice.why, choice.promised)
         stream = bool(body.get("stream"))
         length = len(tokens or ())
@@ -320,7 +325,8 @@ class Router:
             if attempt:
                 self._metrics.retry()
             sent_at = self.clock()
-            charge = self.chooser.sent(backend, length, choice.promised if attempt == 0 else 0, choice.names, sent_at)
+            charge = self.chooser.sent(backend, length, choice.promised if attempt == 0 else 0, choice.names, sent_at,
+                                       output)
             self._metrics.in_flight(backend.name, backend.in_flight)
             first = [False]
 
@@ -334,7 +340,7 @@ class Router:
                 result = await self._forward(request, backend, path, body, stream, prefilled)
             finally:
                 prefilled()
-                self.chooser.ended(backend, length, choice.names)
+                self.chooser.ended(backend, length, choice.names, output)
                 self._metrics.in_flight(backend.name, backend.in_flight)
             if result is not None:
                 return result
@@ -607,6 +613,23 @@ def build(args: argparse.Namespace) -> Router:
         if follower is not None:
             follower.close()
         raise
+
+
+#: vLLM's ``max_tokens`` for a completion that names none (as OpenAI's API): a chat completion
+#: without one may run to the end of the model's context, which says nothing of how long it runs.
+COMPLETION_MAX_TOKENS = 16
+
+
+def output_tokens(body: dict[str, Any], chat: bool) -> int | None:
+    """The tokens a request (a body ``invalid`` passed) may generate, as the instance will take
+    them: its ``max_tokens`` (``max_completion_tokens``), for a completion without one vLLM's
+    default (``COMPLETION_MAX_TOKENS``), ``None`` for a chat completion without one (unknown).
+    The cost policy's fit rule counts their pages.  One sequence a request (``n`` and ``best_of``
+    are not counted).  O(1)."""
+    value = body.get("max_tokens", body.get("max_completion_tokens"))
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None if chat else COMPLETION_MAX_TOKENS
 
 
 def pool_blocks(metrics: str, block_size: int) -> int | None:

@@ -82,12 +82,15 @@ Contract:
     router's first arrivals each have a share of 1, so it copies freely until ``LOAD_ARRIVALS``
     arrivals an instance have come.  Last, pools (``why`` is ``"fit"``): when the prompt does
     not fit in the first choice's KV pool beside what its requests in flight hold (the blocks
-    they pin plus the prompt's others are more than ``Backend.pool_blocks``; the HTTP router
-    reads each pool from the instance's metrics, the simulator knows it), the instance of least
-    cost among those where it fits and that reuse as much of it goes first.  A full pool makes the
-    request wait for pages, which no queue of prefill tokens shows: on a workload shape with a
-    5,312-token prompt at 80% load, five of eight instances had no free page while three had, and
-    the router kept sending them requests.  Ties go to the longer prefix, then fewer requests in
+    they pin, and with their ``output`` given the pages they hold alone, ``pages``, plus the
+    prompt's others and its own are more than ``Backend.pool_blocks``; the HTTP router reads each
+    pool from the instance's metrics, the simulator knows it), the instance of least cost among
+    those where it fits and that reuse as much of it goes first.  A full pool makes the request
+    wait for pages, which no queue of prefill tokens shows: on a workload shape with a 5,312-token
+    prompt at 80% load, five of eight instances had no free page while three had, and the router
+    kept sending them requests.  A request's output takes pages too, as many as its tokens fill:
+    with their ``max_tokens`` counted the rule met 2 more cells where the simulator gives outputs
+    pages (``fleet_sim --output-pages``) and none fewer.  Ties go to the longer prefix, then fewer requests in
     flight, then the instance whose oldest request still waiting for its first token was sent earliest
     (the queue counts tokens, not how far along they are: on the real fleet two instances each
     with one cold prompt queued tied, and the tie went to the one that had just been sent its
@@ -442,16 +445,30 @@ class Chooser:
         self.demand = Demand()
         self._sent_at: dict[str, deque[float]] = {}     # instance -> when its requests waiting were sent
         self._pinned: dict[str, Counter[Hashable]] = {}  # instance -> block names its requests in flight hold
+        self._private: dict[str, int] = {}          # instance -> pages its requests in flight hold alone (``pages``)
+        self._own_pages = 0                         # the request being chosen for: its own ``pages``
         self._random = random.Random(seed)
 
     # -- what happens to a request -------------------------------------------------------------
 
-    def sent(self, backend: Backend, tokens: int, promised: int, names: Sequence[Hashable], now: float) -> int:
+    def pages(self, tokens: int, names: Sequence[Hashable], output: int | None) -> int:
+        """The pages a request holds alone besides its prompt's full blocks (``names``): its
+        prompt's partial last block and a page for every ``block_size`` tokens of the ``output``
+        it may generate (its ``max_tokens``), as vLLM allocates them; 0 when ``output`` is ``None``
+        (unknown).  O(1)."""
+        if output is None:
+            return 0
+        return max(0, -(-(tokens + output) // self.block_size) - len(names))
+
+    def sent(self, backend: Backend, tokens: int, promised: int, names: Sequence[Hashable], now: float,
+             output: int | None = None) -> int:
         """``backend`` got a request of ``tokens`` prompt tokens of which it holds ``promised``
-        (as estimated); returns its charge, to give back to ``prefilled``.  O(names)."""
+        (as estimated), that may generate ``output`` tokens (``None``: unknown); returns its
+        charge, to give back to ``prefilled``.  O(names)."""
         charge = max(0, tokens - promised)
         self._sent_at.setdefault(backend.name, deque()).append(now)
         self._pinned.setdefault(backend.name, Counter()).update(names)
+        self._private[backend.name] = self._private.get(backend.name, 0) + self.pages(tokens, names, output)
         backend.in_flight += 1
         backend.waiting += 1
         backend.queued_tokens += charge
@@ -475,11 +492,13 @@ class Chooser:
                 times.popleft()
         self.recent.settle(backend.name, names, now)
 
-    def ended(self, backend: Backend, tokens: int, names: Sequence[Hashable]) -> None:
-        """The request of ``tokens`` tokens and block names ``names`` ended (after ``prefilled``,
-        or failed before it: then call ``prefilled`` first).  O(names)."""
+    def ended(self, backend: Backend, tokens: int, names: Sequence[Hashable], output: int | None = None) -> None:
+        """The request of ``tokens`` tokens, block names ``names`` and ``output`` (as given to
+        ``sent``) ended (after ``prefilled``, or failed before it: then call ``prefilled`` first).
+        O(names)."""
         backend.in_flight -= 1
         backend.active_tokens -= tokens
+        self._private[backend.name] = self._private.get(backend.name, 0) - self.pages(tokens, names, output)
         pinned = self._pinned.get(backend.name)
         if pinned is not None:
             for name in names:
@@ -489,17 +508,18 @@ class Chooser:
                 else:
                     pinned.pop(name, None)
 
-    def fits(self, backend: Backend, names: Sequence[Hashable]) -> bool:
-        """Whether a prompt of block names ``names`` fits in ``backend``'s pool beside the blocks its
-        requests in flight hold (true while the pool's size is unknown).  O(1) when it clearly
-        does, else O(names)."""
+    def fits(self, backend: Backend, names: Sequence[Hashable], own: int = 0) -> bool:
+        """Whether a prompt of block names ``names``, and ``own`` pages it holds alone (``pages``),
+        fit in ``backend``'s pool beside the blocks and pages its requests in flight hold (true
+        while the pool's size is unknown).  O(1) when it clearly does, else O(names)."""
         pool = backend.pool_blocks
         if pool is None:
             return True
         pinned: Mapping[Hashable, int] = self._pinned.get(backend.name) or {}
-        if len(pinned) + len(names) <= pool:
+        held = len(pinned) + self._private.get(backend.name, 0) + own
+        if held + len(names) <= pool:
             return True
-        return len(pinned) + sum(1 for n in names if n not in pinned) <= pool
+        return held + sum(1 for n in names if n not in pinned) <= pool
 
     # -- choosing ------------------------------------------------------------------------------
 
@@ -516,11 +536,14 @@ class Chooser:
                 held[inst] = Match(blocks, "GPU")
         return held
 
-    def choose(self, backends: Sequence[Backend], tokens: int, names: Sequence[Hashable], now: float) -> Choice:
-        """Where to send a prompt of ``tokens`` tokens whose block names are ``names``: the
-        healthy instances in the order to try them (all of them when none is healthy)."""
+    def choose(self, backends: Sequence[Backend], tokens: int, names: Sequence[Hashable], now: float,
+               output: int | None = None) -> Choice:
+        """Where to send a prompt of ``tokens`` tokens whose block names are ``names``, that may
+        generate ``output`` tokens (its ``max_tokens``; ``None``: unknown): the healthy instances in
+        the order to try them (all of them when none is healthy)."""
         up = [b for b in backends if b.healthy] or list(backends)
         names = list(names)
+        self._own_pages = self.pages(tokens, names, output)
         if self.policy == "round_robin":
             i = next(self._rr) % len(up)
             return Choice(up[i:] + up[:i], "round_robin", 0, names)
@@ -696,15 +719,16 @@ class Chooser:
         return holding + 1 <= worth + 1e-9 or (holding >= 2 and holding < worth - 1e-9)
 
     def _fit(self, scored: list[Any], names: list[Hashable]) -> bool:
-        """Put first (in place) the instance of least cost among those where the prompt fits
-        (``fits``) and that reuse as much of it as the first, when the prompt does not fit in the
-        first's pool; whether it did.  An engine whose pool is full makes a new request wait for
+        """Put first (in place) the instance of least cost among those where the prompt and its
+        own pages fit (``fits``) and that reuse as much of it as the first, when they do not fit in
+        the first's pool; whether it did.  An engine whose pool is full makes a new request wait for
         pages, which no queue of prefill tokens shows.  O(instances) when the first fits, else
         O(instances x names)."""
         first = scored[0]
-        if self.fits(first[4], names):
+        own = self._own_pages
+        if self.fits(first[4], names, own):
             return False
-        room = [s for s in scored[1:] if s[5] >= first[5] and self.fits(s[4], names)]
+        room = [s for s in scored[1:] if s[5] >= first[5] and self.fits(s[4], names, own)]
         if not room:
             return False
         best = min(room, key=lambda s: s[:4])
@@ -793,6 +817,8 @@ class Chooser:
                 f"send times out of order on {b.name}"
             pinned: Mapping[Hashable, int] = self._pinned.get(b.name, {})
             assert b.in_flight or not pinned, f"blocks pinned on idle {b.name}"
+            private = self._private.get(b.name, 0)
+            assert private >= 0 and (b.in_flight or not private), f"{private} pages held alone on {b.name}"
             assert all(c > 0 for c in pinned.values()), f"a pinned count below 1 on {b.name}"
         self.recent.check()
         self.demand.check()

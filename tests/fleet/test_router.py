@@ -290,6 +290,46 @@ def test_the_cost_policy_counts_the_queued_tokens_of_requests_in_flight() -> Non
                              policy="cost"))
 
 
+@settings(max_examples=60, deadline=None)
+@given(max_tokens=st.none() | st.integers(1, 10**6), other=st.none() | st.integers(1, 10**6), chat=st.booleans())
+def test_a_requests_output_is_its_max_tokens_or_vllms_default(max_tokens: int | None, other: int | None,
+                                                              chat: bool) -> None:
+    """The output the fit rule counts: ``max_tokens``, else ``max_completion_tokens``; without
+    either, vLLM's 16 for a completion and unknown for a chat completion."""
+    from radixkv.fleet.router import COMPLETION_MAX_TOKENS, output_tokens
+
+    body: dict[str, Any] = {}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if other is not None:
+        body["max_completion_tokens"] = other
+    want = max_tokens if max_tokens is not None else other
+    if want is None:
+        want = None if chat else COMPLETION_MAX_TOKENS
+    assert output_tokens(body, chat) == want
+
+
+def test_a_request_in_flight_holds_the_pages_of_its_max_tokens_in_the_fit_rule() -> None:
+    """While a completion of a 100-token prompt and ``max_tokens`` 500 is in flight, the cost
+    policy counts the pages it holds alone (its partial last block and its output: 38 of 16
+    tokens); a chat completion without ``max_tokens`` counts none; nothing is left when they end."""
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        for path, request, pages in (("/v1/completions", {"prompt": list(range(100)), "max_tokens": 500}, 38 - 6),
+                                     ("/v1/completions", {"prompt": list(range(100))}, 8 - 6),
+                                     ("/v1/chat/completions", {"prompt": list(range(100)), "messages": []}, 0)):
+            sent = asyncio.ensure_future(client.post(path, json=request))
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if router.backends[0].in_flight:
+                    break
+            assert router.backends[0].in_flight == 1
+            assert router.chooser._private.get(router.backends[0].name, 0) == pages, path
+            assert (await sent).status == 200
+            assert router.chooser._private.get(router.backends[0].name, 0) == 0
+
+    asyncio.run(_with_router({"a": fake_backend("a", delay_s=0.3)}, body, policy="cost", block_size=16))
+
+
 def test_an_unreachable_instance_is_retried_elsewhere_and_none_left_is_a_503() -> None:
     async def body(client: TestClient, router: Router, urls: list[str]) -> None:
         for _ in range(4):            # round robin puts the dead one first every other time

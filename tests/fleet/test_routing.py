@@ -814,49 +814,63 @@ def test_among_equal_queues_the_one_sent_earliest_takes_the_next(n: int, data: s
 
 @settings(max_examples=300, deadline=None)
 @given(n=st.integers(2, 6), data=st.data())
-def test_a_prompt_goes_where_it_fits_among_the_instances_that_reuse_as_much(n: int, data: st.DataObject) -> None:
+def test_a_prompt_goes_where_it_and_its_output_fit_among_the_instances_that_reuse_as_much(
+        n: int, data: st.DataObject) -> None:
     """Each instance has a pool of a drawn size (or none known) and requests in flight that pin drawn
-    prompts, some sharing the new prompt's prefix.  The new prompt goes where the cost policy puts it
-    with no pool known, unless it does not fit there (the blocks that instance's requests in flight
-    pin, plus the prompt's other blocks, are more than its pool) and another instance that reuses at
-    least as much of it has room: then to one of those, the rest of the order unchanged.  What is
-    pinned is what the requests in flight hold: nothing once every request has ended."""
+    prompts, some sharing the new prompt's prefix, each with a drawn output or none (unknown).  The
+    new prompt goes where the cost policy puts it with no pool known, unless it does not fit there
+    (the blocks that instance's requests in flight pin, plus the pages their outputs and partial
+    last blocks take, plus the prompt's other blocks and its own output's pages, are more than its
+    pool) and another instance that reuses at least as much of it has room: then to one of those,
+    the rest of the order unchanged.  What is pinned and held is what the requests in flight hold:
+    nothing once every request has ended."""
     fleet = backends(n)
     chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
     prompt = [("p", j) for j in range(data.draw(st.integers(1, 40), label="prompt blocks"))]
-    requests, pinned = [], {b.name: set() for b in fleet}
+    requests, pinned, alone = [], {b.name: set() for b in fleet}, {b.name: 0 for b in fleet}
+    outputs = st.none() | st.integers(1, 200)
+
+    def pages(tokens: int, names: list, output: int | None) -> int:
+        return 0 if output is None else -(-(tokens + output) // 16) - len(names)
+
     for b in fleet:
         for k in range(data.draw(st.integers(0, 3), label=f"requests on {b.name}")):
             shared = data.draw(st.integers(0, len(prompt)), label="blocks shared with the prompt")
             names = prompt[:shared] + [(b.name, k, j) for j in range(data.draw(st.integers(0, 30)))]
             tokens = len(names) * 16 + 8
-            charge = chooser.sent(b, tokens, 0, names, now=0.0)
+            output = data.draw(outputs, label="its output")
+            charge = chooser.sent(b, tokens, 0, names, now=0.0, output=output)
             done = data.draw(st.booleans(), label="prefilled")
             if done:
                 chooser.prefilled(b, charge, names, now=0.5)
-            requests.append((b, tokens, names, charge, done))
+            requests.append((b, tokens, names, charge, done, output))
             pinned[b.name].update(names)
-        b.pool_blocks = data.draw(st.none() | st.integers(len(pinned[b.name]), len(pinned[b.name]) + 45), label=f"pool of {b.name}")
+            alone[b.name] += pages(tokens, names, output)
+        held = len(pinned[b.name]) + alone[b.name]
+        b.pool_blocks = data.draw(st.none() | st.integers(held, held + 45), label=f"pool of {b.name}")
     chooser.check(fleet)
     twin, twin_fleet = copy.deepcopy((chooser, fleet))
     for tb in twin_fleet:
         tb.pool_blocks = None
     tokens = len(prompt) * 16 + 8
+    output = data.draw(outputs, label="the prompt's output")
+    own = pages(tokens, prompt, output)
 
     def fits(name: str) -> bool:
         pool = next(b.pool_blocks for b in fleet if b.name == name)
-        return pool is None or len(pinned[name] | set(prompt)) <= pool
+        return pool is None or len(pinned[name] | set(prompt)) + alone[name] + own <= pool
 
     def reuse(name: str) -> int:               # what the router sent there lately: its longest run of the prompt
         return max((16 * sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(names, prompt)))
-                    for b, _, names, _, _ in requests if b.name == name), default=0)
+                    for b, _, names, _, _, _ in requests if b.name == name), default=0)
 
-    plain = [b.name for b in twin.choose(twin_fleet, tokens, prompt, now=1.0).order]
-    choice = chooser.choose(fleet, tokens, prompt, now=1.0)
+    plain = [b.name for b in twin.choose(twin_fleet, tokens, prompt, now=1.0, output=output).order]
+    choice = chooser.choose(fleet, tokens, prompt, now=1.0, output=output)
     got = [b.name for b in choice.order]
     first = plain[0]
     room = [name for name in plain[1:] if reuse(name) >= reuse(first) and fits(name)]
     event(f"fit moved it: {not fits(first) and bool(room)}")
+    event(f"its output's pages counted: {own > 0}")
     if fits(first) or not room:
         assert got == plain and choice.why != "fit"
     else:
@@ -864,12 +878,62 @@ def test_a_prompt_goes_where_it_fits_among_the_instances_that_reuse_as_much(n: i
         assert got[1:] == [name for name in plain if name != got[0]], "only the one that fits moved"
         assert choice.promised == min(reuse(got[0]), tokens)
     chooser.check(fleet)
-    for b, length, names, charge, done in requests:
+    for b, length, names, charge, done, out in requests:
         if not done:
             chooser.prefilled(b, charge, names, now=2.0)
-        chooser.ended(b, length, names)
+        chooser.ended(b, length, names, out)
         chooser.check(fleet)
     assert not any(chooser._pinned.values()), "blocks still pinned after every request ended"
+    assert not any(chooser._private.values()), "pages still held alone after every request ended"
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt_blocks=st.integers(4, 60), decoding=st.integers(1, 20), output=st.integers(16, 512),
+       spare=st.integers(0, 40), queued=st.integers(0, 4000))
+def test_a_pool_full_of_outputs_sends_a_prompt_to_another_holder_with_room(
+        prompt_blocks: int, decoding: int, output: int, spare: int, queued: int) -> None:
+    """Two instances hold a tenant's prompt.  One has ``decoding`` of its requests in flight, each
+    generating ``output`` tokens, and a pool that holds their blocks and pages with ``spare``
+    pages to spare; the other has ``queued`` tokens of another prompt waiting and room.  Where the
+    cost policy (no pool known) sends the tenant's next request (the same output) to the first, it
+    goes there while its pages fit, and else to the other (``fit``).  With the outputs unknown
+    (no ``max_tokens``), the router counts the prompts' blocks alone and the pools change nothing."""
+    prompt = [("tenant", j) for j in range(prompt_blocks)]
+    tokens = prompt_blocks * 16 + 8
+
+    def fleet(out: int | None, pools: bool) -> tuple[Chooser, list[Backend]]:
+        a, b = backends(2)
+        chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
+        charge = chooser.sent(b, tokens, 0, prompt, now=0.0, output=out)     # b computed it and ended
+        chooser.prefilled(b, charge, prompt, now=0.2)
+        chooser.ended(b, tokens, prompt, out)
+        for _ in range(decoding):
+            charge = chooser.sent(a, tokens, 0, prompt, now=0.0, output=out)
+            chooser.prefilled(a, charge, prompt, now=0.5)
+        if queued:
+            other = [("other", j) for j in range(queued // 16)]
+            chooser.sent(b, queued, 0, other, now=0.9, output=out)
+        if pools:
+            a.pool_blocks = prompt_blocks + decoding * alone + spare
+            b.pool_blocks = prompt_blocks + queued // 16 + 2 * (alone + 40)
+        chooser.check([a, b])
+        return chooser, [a, b]
+
+    alone = Chooser("cost", block_size=16).pages(tokens, prompt, output)
+    assert alone == -(-(tokens + output) // 16) - prompt_blocks
+    twin, plain_fleet = fleet(output, pools=False)
+    plain = twin.choose(plain_fleet, tokens, prompt, now=1.0, output=output).order[0].name
+    chooser, (a, b) = fleet(output, pools=True)
+    choice = chooser.choose([a, b], tokens, prompt, now=1.0, output=output)
+    event(f"the first without pools: {plain}; its pages fit there: {alone <= spare}")
+    if plain == b.name:
+        assert choice.order[0] is b and choice.why != "fit"
+    elif alone <= spare:
+        assert choice.order[0] is a and choice.why != "fit"
+    else:
+        assert choice.order[0] is b and choice.why == "fit" and choice.promised == tokens - tokens % 16
+    unknown, unknown_fleet = fleet(None, pools=True)
+    assert unknown.choose(unknown_fleet, tokens, prompt, now=1.0).order[0].name == plain
 
 
 @settings(max_examples=200, deadline=None)
