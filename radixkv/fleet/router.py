@@ -622,14 +622,17 @@ COMPLETION_MAX_TOKENS = 16
 
 def output_tokens(body: dict[str, Any], chat: bool) -> int | None:
     """The tokens a request (a body ``invalid`` passed) may generate, as the instance will take
-    them: its ``max_tokens`` (``max_completion_tokens``), for a completion without one vLLM's
-    default (``COMPLETION_MAX_TOKENS``), ``None`` for a chat completion without one (unknown).
-    The cost policy's fit rule counts their pages.  One sequence a request (``n`` and ``best_of``
-    are not counted).  O(1)."""
+    them: its ``max_tokens`` (``max_completion_tokens``), for a completion that names neither vLLM's
+    default (``COMPLETION_MAX_TOKENS``), ``None`` (unknown) for a chat completion that names
+    neither or a request that sets one to null (vLLM then runs to the end of the context).  The
+    cost policy's fit rule counts their pages.  One sequence a request (``n`` and ``best_of`` are
+    not counted).  O(1)."""
     value = body.get("max_tokens", body.get("max_completion_tokens"))
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    return None if chat else COMPLETION_MAX_TOKENS
+    if chat or "max_tokens" in body or "max_completion_tokens" in body:
+        return None
+    return COMPLETION_MAX_TOKENS
 
 
 def pool_blocks(metrics: str, block_size: int) -> int | None:

@@ -290,22 +290,32 @@ def test_the_cost_policy_counts_the_queued_tokens_of_requests_in_flight() -> Non
                              policy="cost"))
 
 
-@settings(max_examples=60, deadline=None)
-@given(max_tokens=st.none() | st.integers(1, 10**6), other=st.none() | st.integers(1, 10**6), chat=st.booleans())
-def test_a_requests_output_is_its_max_tokens_or_vllms_default(max_tokens: int | None, other: int | None,
-                                                              chat: bool) -> None:
-    """The output the fit rule counts: ``max_tokens``, else ``max_completion_tokens``; without
-    either, vLLM's 16 for a completion and unknown for a chat completion."""
+absent = object()
+
+
+@settings(max_examples=100, deadline=None)
+@given(max_tokens=st.just(absent) | st.none() | st.integers(1, 10**6),
+       other=st.just(absent) | st.none() | st.integers(1, 10**6), chat=st.booleans())
+def test_a_requests_output_is_its_max_tokens_or_vllms_default(max_tokens: Any, other: Any, chat: bool) -> None:
+    """The output the fit rule counts: ``max_tokens``, else ``max_completion_tokens``; a
+    completion that names neither, vLLM's 16; a chat completion that names neither, or a request
+    that sets one to null, unknown (vLLM then runs to the end of the context)."""
     from radixkv.fleet.router import COMPLETION_MAX_TOKENS, output_tokens
 
     body: dict[str, Any] = {}
-    if max_tokens is not None:
+    if max_tokens is not absent:
         body["max_tokens"] = max_tokens
-    if other is not None:
+    if other is not absent:
         body["max_completion_tokens"] = other
-    want = max_tokens if max_tokens is not None else other
-    if want is None:
-        want = None if chat else COMPLETION_MAX_TOKENS
+    named = [v for v in (max_tokens, other) if v is not absent]
+    if "max_tokens" in body and isinstance(max_tokens, int):
+        want: int | None = max_tokens
+    elif "max_tokens" not in body and isinstance(other, int):
+        want = other
+    elif named or chat:
+        want = None
+    else:
+        want = COMPLETION_MAX_TOKENS
     assert output_tokens(body, chat) == want
 
 
