@@ -136,8 +136,11 @@ def check_pool(requests: Sequence[SimRequest], block_tokens: int, pool_blocks: i
 def private_blocks(r: SimRequest, block_tokens: int) -> int:
     """Pages ``r`` holds beyond its prompt's full blocks while it runs (``output_pages``): its
     prompt's partial last block and its output's tokens, as vLLM allocates a page for every
-    ``block_tokens`` tokens of a sequence.  O(1)."""
-    return -(-(r.tokens + r.output) // block_tokens) - full_blocks(r, block_tokens)
+    ``block_tokens`` tokens of a sequence (``radixkv.fleet.routing.pages_alone``, as the router
+    counts them).  O(1)."""
+    from radixkv.fleet.routing import pages_alone
+
+    return pages_alone(r.tokens, full_blocks(r, block_tokens), r.output, block_tokens)
 
 
 def ideal_hits(requests: Sequence[SimRequest], block_tokens: int) -> list[int]:
@@ -530,7 +533,8 @@ class _Instance:
             return None
         if own:                 # taken at admission, never cached, freed at the end (``end``)
             assert pages is not None
-            r.private, pages = pages[len(pages) - own:], (pages[:len(pages) - own] if full > hit else None)
+            cut = len(pages) - own          # the prompt's pages first (none when the match covers it)
+            r.private, pages = pages[cut:], (pages[:cut] if cut else None)
         if extra and pages is not None:             # the peer's or shared tier's blocks, loaded
             self.computing.update(r.names[hit:best])
             self.cache.insert(r.blocks[:best], [*m.pages.tolist(), *pages[:extra].tolist()])

@@ -131,7 +131,7 @@ from radixkv.core._checks import check_int
 from radixkv.fleet.index import Match, medium_rank
 
 __all__ = ["AUTO_CAP", "AUTO_MAX", "Backend", "Chooser", "CostModel", "Demand", "POLICIES", "PROFILES", "Recent",
-           "STREAM_AFTER", "auto_affinity"]
+           "STREAM_AFTER", "auto_affinity", "pages_alone"]
 
 POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin", "random")
 
@@ -154,6 +154,14 @@ LOAD_ARRIVALS = 8
 
 #: Dynamo's published overlap credit per medium (its KV router documentation).
 DYNAMO_CREDIT = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
+
+
+def pages_alone(tokens: int, full_blocks: int, output: int, block_size: int) -> int:
+    """The pages a sequence of ``tokens`` prompt tokens (``full_blocks`` of them whole blocks of
+    ``block_size``) and ``output`` generated tokens holds beyond its prompt's full blocks: its
+    prompt's partial last block and its output's, a page for every ``block_size`` tokens, as
+    vLLM allocates them.  O(1)."""
+    return max(0, -(-(tokens + output) // block_size) - full_blocks)
 
 
 def auto_affinity(load: float) -> float:
@@ -446,7 +454,6 @@ class Chooser:
         self._sent_at: dict[str, deque[float]] = {}     # instance -> when its requests waiting were sent
         self._pinned: dict[str, Counter[Hashable]] = {}  # instance -> block names its requests in flight hold
         self._private: dict[str, int] = {}          # instance -> pages its requests in flight hold alone (``pages``)
-        self._own_pages = 0                         # the request being chosen for: its own ``pages``
         self._random = random.Random(seed)
 
     # -- what happens to a request -------------------------------------------------------------
@@ -456,9 +463,7 @@ class Chooser:
         prompt's partial last block and a page for every ``block_size`` tokens of the ``output``
         it may generate (its ``max_tokens``), as vLLM allocates them; 0 when ``output`` is ``None``
         (unknown).  O(1)."""
-        if output is None:
-            return 0
-        return max(0, -(-(tokens + output) // self.block_size) - len(names))
+        return 0 if output is None else pages_alone(tokens, len(names), output, self.block_size)
 
     def sent(self, backend: Backend, tokens: int, promised: int, names: Sequence[Hashable], now: float,
              output: int | None = None) -> int:
@@ -543,7 +548,6 @@ class Chooser:
         the order to try them (all of them when none is healthy)."""
         up = [b for b in backends if b.healthy] or list(backends)
         names = list(names)
-        self._own_pages = self.pages(tokens, names, output)
         if self.policy == "round_robin":
             i = next(self._rr) % len(up)
             return Choice(up[i:] + up[:i], "round_robin", 0, names)
@@ -592,7 +596,7 @@ class Chooser:
                 first = least[next(self._rr) % len(least)]
                 return Choice([first] + [b for b in by_load if b is not first], "no_match", 0, names)
             return Choice([best] + [b for b in by_load if b is not best], "prefix", tok(held[best.name]), names)
-        return self._cost(up, tokens, names, held, indexed, now)
+        return self._cost(up, tokens, names, held, indexed, now, self.pages(tokens, names, output))
 
     def own(self, tokens: int, offers: Sequence[tuple[int, float]]) -> tuple[float, int]:
         """(seconds of the request's own prefill on an instance, the prefix tokens it reuses), the
@@ -614,7 +618,7 @@ class Chooser:
         return tokens - left, load
 
     def _cost(self, up: list[Backend], tokens: int, names: list[Hashable], held: dict[str, Match],
-              indexed: dict[str, Match], now: float) -> Choice:
+              indexed: dict[str, Match], now: float, own: int) -> Choice:
         bs, m = self.block_size, self.model
         spreads = self.spread(names) if self.spread is not None and names else {}
         # what each instance holds by the index, on any medium: what a peer can load from it (what
@@ -685,7 +689,7 @@ class Chooser:
         scored.sort(key=lambda s: s[:4])
         self._sooner_when_idle(scored, ttft, held, tokens)
         copied = self._replicate(scored, ttft, wait, held, indexed, names, len(up))
-        fitted = self._fit(scored, names)
+        fitted = self._fit(scored, names, own)
         if len(scored) > 1 and scored[0][:3] == scored[1][:3]:      # the turn broke a tie: it moves on
             self._tie_turn += 1
         return Choice([s[4] for s in scored], "fit" if fitted else "copy" if copied else "cost", scored[0][5],
@@ -718,14 +722,13 @@ class Chooser:
         worth = self.demand.share(name, LOAD_ARRIVALS * instances) * instances
         return holding + 1 <= worth + 1e-9 or (holding >= 2 and holding < worth - 1e-9)
 
-    def _fit(self, scored: list[Any], names: list[Hashable]) -> bool:
+    def _fit(self, scored: list[Any], names: list[Hashable], own: int) -> bool:
         """Put first (in place) the instance of least cost among those where the prompt and its
-        own pages fit (``fits``) and that reuse as much of it as the first, when they do not fit in
+        ``own`` pages (``pages``) fit (``fits``) and that reuse as much of it as the first, when they do not fit in
         the first's pool; whether it did.  An engine whose pool is full makes a new request wait for
         pages, which no queue of prefill tokens shows.  O(instances) when the first fits, else
         O(instances x names)."""
         first = scored[0]
-        own = self._own_pages
         if self.fits(first[4], names, own):
             return False
         room = [s for s in scored[1:] if s[5] >= first[5] and self.fits(s[4], names, own)]
