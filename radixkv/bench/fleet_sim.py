@@ -584,7 +584,7 @@ class _Instance:
             if r.private is not None:
                 self.cache.free(r.private)
         r.hold, r.private = None, None
-        self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens, r.names, self.fleet.told(r))
+        self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens, r.names, self.fleet.told(r), self.fleet.env.now)
         self.served += 1
 
     def run(self) -> Generator[Any, Any, None]:
@@ -637,7 +637,7 @@ class _Instance:
             for r in done:
                 r.ttft = env.now - r.arrival
                 self.finish_prefill(r)
-                f.chooser.prefilled(f.backend[self.name], r.charge, r.names, env.now, r.sent_at)
+                f.chooser.prefilled(f.backend[self.name], r.charge, r.names, env.now, r.sent_at, r.tokens, f.told(r))
                 r.left = r.output - 1
                 self.running.append(r)
             self.finishing = []

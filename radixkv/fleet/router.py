@@ -334,13 +334,16 @@ class Router:
                           sent_at: float = sent_at) -> None:
                 if not first[0]:
                     first[0] = True
-                    self.chooser.prefilled(backend, charge, choice.names, self.clock(), sent_at)
+                    self.chooser.prefilled(backend, charge, choice.names, self.clock(), sent_at, length, output)
 
             try:
                 result = await self._forward(request, backend, path, body, stream, prefilled)
             finally:
+                # a stream's first token came before its end: the time between shows the decode
+                # steps; a response read whole shows neither
+                streamed = first[0]
                 prefilled()
-                self.chooser.ended(backend, length, choice.names, output)
+                self.chooser.ended(backend, length, choice.names, output, self.clock() if streamed else None)
                 self._metrics.in_flight(backend.name, backend.in_flight)
             if result is not None:
                 return result

@@ -90,7 +90,13 @@ Contract:
     prompt at 80% load, five of eight instances had no free page while three had, and the router
     kept sending them requests.  A request's output takes pages too, as many as its tokens fill:
     with their ``max_tokens`` counted the rule met 2 more cells where the simulator gives outputs
-    pages (``fleet_sim --output-pages``) and none fewer.  Ties go to the longer prefix, then fewer requests in
+    pages (``fleet_sim --output-pages``) and none fewer.  Where none that reuses as much has room,
+    the one of least cost where it fits goes first if that cost is below the first's with its
+    wait for pages in place of its queue where longer (``page_wait``: when enough of its requests
+    decoding a known ``max_tokens`` are expected to end, at the seconds a decode step their ends
+    there showed).  A pool full of prompts is soon waited out, one full of long outputs is not:
+    moving to any instance with room, without the wait, met 2 fewer cells on the 36 workload
+    shapes; with it, 6 more of the 135 where pools fill with outputs and none fewer.  Ties go to the longer prefix, then fewer requests in
     flight, then the instance whose oldest request still waiting for its first token was sent earliest
     (the queue counts tokens, not how far along they are: on the real fleet two instances each
     with one cold prompt queued tied, and the tie went to the one that had just been sent its
@@ -454,6 +460,11 @@ class Chooser:
         self._sent_at: dict[str, deque[float]] = {}     # instance -> when its requests waiting were sent
         self._pinned: dict[str, Counter[Hashable]] = {}  # instance -> block names its requests in flight hold
         self._private: dict[str, int] = {}          # instance -> pages its requests in flight hold alone (``pages``)
+        # instance -> (first token, decode steps, pages held alone, block names) of its requests
+        # decoding whose output is known, and its seconds a decode step as its requests' ends
+        # showed: when their pages come free (``page_wait``)
+        self._decodes: dict[str, list[tuple[float, int, int, Sequence[Hashable]]]] = {}
+        self._step_s: dict[str, float] = {}
         self._random = random.Random(seed)
 
     # -- what happens to a request -------------------------------------------------------------
@@ -482,13 +493,18 @@ class Chooser:
         return charge
 
     def prefilled(self, backend: Backend, charge: int, names: Sequence[Hashable], now: float,
-                  sent_at: float | None = None) -> None:
+                  sent_at: float | None = None, tokens: int | None = None, output: int | None = None) -> None:
         """The request's first token came back (or it failed before it): its prefill no longer
         queues.  ``sent_at``: when it was sent (``sent``'s ``now``), whose send time then goes;
         without it the oldest goes, as if the engine prefilled in the order it got them.
-        O(names + requests waiting there)."""
+        ``tokens`` and ``output`` (as given to ``sent``): with both, the router expects the
+        request to end after ``output - 1`` more decode steps and to free the pages it holds alone
+        then (``page_wait``).  O(names + requests waiting there)."""
         backend.queued_tokens -= charge
         backend.waiting -= 1
+        if tokens is not None and output is not None:
+            self._decodes.setdefault(backend.name, []).append(
+                (now, max(0, output - 1), self.pages(tokens, names, output), names))
         times = self._sent_at.get(backend.name)
         if times:
             if sent_at is not None and sent_at in times:
@@ -497,13 +513,28 @@ class Chooser:
                 times.popleft()
         self.recent.settle(backend.name, names, now)
 
-    def ended(self, backend: Backend, tokens: int, names: Sequence[Hashable], output: int | None = None) -> None:
+    def ended(self, backend: Backend, tokens: int, names: Sequence[Hashable], output: int | None = None,
+              now: float | None = None) -> None:
         """The request of ``tokens`` tokens, block names ``names`` and ``output`` (as given to
-        ``sent``) ended (after ``prefilled``, or failed before it: then call ``prefilled`` first).
-        O(names)."""
+        ``sent``) ended (after ``prefilled``, or failed before it: then call ``prefilled`` first)
+        at ``now``: with it, the time from its first token over its decode steps updates the
+        instance's seconds a step (an average over about ``LOAD_ARRIVALS`` ends).  O(names +
+        requests decoding there)."""
         backend.in_flight -= 1
         backend.active_tokens -= tokens
         self._private[backend.name] = self._private.get(backend.name, 0) - self.pages(tokens, names, output)
+        decodes = self._decodes.get(backend.name)
+        if decodes and output is not None:
+            # its own entry (the same names), else one alike: interchangeable for ``page_wait``
+            alone = self.pages(tokens, names, output)
+            entry = next((e for e in decodes if e[3] is names), None) or next(
+                (e for e in decodes if e[2] == alone and list(e[3]) == list(names)), None)
+            if entry is not None:
+                decodes.remove(entry)
+                first, steps = entry[0], entry[1]
+                if now is not None and steps > 0 and now >= first:
+                    seen, step = (now - first) / steps, self._step_s.get(backend.name)
+                    self._step_s[backend.name] = seen if step is None else step + (seen - step) / LOAD_ARRIVALS
         pinned = self._pinned.get(backend.name)
         if pinned is not None:
             for name in names:
@@ -525,6 +556,41 @@ class Chooser:
         if held + len(names) <= pool:
             return True
         return held + sum(1 for n in names if n not in pinned) <= pool
+
+    def page_wait(self, backend: Backend, names: Sequence[Hashable], own: int, now: float) -> float | None:
+        """Seconds until a prompt of block names ``names`` and ``own`` pages it holds alone
+        (``pages``) fits in ``backend``'s pool (``fits``): 0 when it fits now, else when enough of
+        the instance's requests decoding an output it was told (``prefilled``'s ``output``) are
+        expected to end, each freeing the pages it holds alone and the blocks no other request
+        there pins (but the prompt's own: those it reuses); ``None`` when those requests cannot
+        free enough (the rest end at times the router does not know).  A request is expected to
+        end its decode steps after its first token, at the instance's seconds a step as its
+        requests' ends showed (``ended``; before any, ``CostModel.decode_s`` of its decodes now:
+        steps without prefill, the shortest), and at once when that time has passed.
+        O(1) when it fits, else O(names + blocks of the requests decoding there)."""
+        pool = backend.pool_blocks
+        if pool is None:
+            return 0.0
+        pinned: Mapping[Hashable, int] = self._pinned.get(backend.name) or {}
+        need = (len(pinned) + self._private.get(backend.name, 0) + own
+                + sum(1 for n in names if n not in pinned) - pool)
+        if need <= 0:
+            return 0.0
+        mine = set(names)
+        step = self._step_s.get(backend.name)
+        if step is None:
+            step = self.model.decode_s(max(1, backend.decoding))
+        freed, ended = 0, Counter[Hashable]()
+        for first, steps, alone, held in sorted(self._decodes.get(backend.name, ()), key=lambda e: e[0] + e[1] * step):
+            end = first + steps * step
+            freed += alone
+            for n in held:
+                ended[n] += 1
+                if ended[n] == pinned.get(n) and n not in mine:
+                    freed += 1
+            if freed >= need:
+                return max(0.0, end - now)
+        return None
 
     # -- choosing ------------------------------------------------------------------------------
 
@@ -689,7 +755,7 @@ class Chooser:
         scored.sort(key=lambda s: s[:4])
         self._sooner_when_idle(scored, ttft, held, tokens)
         copied = self._replicate(scored, ttft, wait, held, indexed, names, len(up))
-        fitted = self._fit(scored, names, own)
+        fitted = self._fit(scored, names, own, wait, now)
         if len(scored) > 1 and scored[0][:3] == scored[1][:3]:      # the turn broke a tie: it moves on
             self._tie_turn += 1
         return Choice([s[4] for s in scored], "fit" if fitted else "copy" if copied else "cost", scored[0][5],
@@ -722,19 +788,29 @@ class Chooser:
         worth = self.demand.share(name, LOAD_ARRIVALS * instances) * instances
         return holding + 1 <= worth + 1e-9 or (holding >= 2 and holding < worth - 1e-9)
 
-    def _fit(self, scored: list[Any], names: list[Hashable], own: int) -> bool:
-        """Put first (in place) the instance of least cost among those where the prompt and its
-        ``own`` pages (``pages``) fit (``fits``) and that reuse as much of it as the first, when they do not fit in
-        the first's pool; whether it did.  An engine whose pool is full makes a new request wait for
-        pages, which no queue of prefill tokens shows.  O(instances) when the first fits, else
-        O(instances x names)."""
+    def _fit(self, scored: list[Any], names: list[Hashable], own: int, wait: dict[str, float], now: float) -> bool:
+        """Put first (in place), when the prompt and its ``own`` pages (``pages``) do not fit
+        (``fits``) in the first's pool, the instance of least cost among those where they fit and
+        that reuse as much of it; or, with none, the one of least cost where they fit, if that
+        cost is below the first's with its wait for pages (``page_wait``) in place of its queue
+        (``wait``) where longer; whether it did.  An engine whose pool is full makes a new request
+        wait for pages, which no queue of prefill tokens shows; a pool full of prompts is soon
+        waited out, one full of long outputs is not.  O(instances) when the first fits, else
+        O(instances x names + blocks decoding on the first)."""
         first = scored[0]
         if self.fits(first[4], names, own):
             return False
-        room = [s for s in scored[1:] if s[5] >= first[5] and self.fits(s[4], names, own)]
-        if not room:
-            return False
-        best = min(room, key=lambda s: s[:4])
+        room = [s for s in scored[1:] if self.fits(s[4], names, own)]
+        same = [s for s in room if s[5] >= first[5]]
+        if same:
+            best = min(same, key=lambda s: s[:4])
+        else:
+            pages_s = self.page_wait(first[4], names, own, now) if room else None
+            if pages_s is None:
+                return False
+            best = min(room, key=lambda s: s[:4])
+            if best[0] >= first[0] + max(0.0, pages_s - wait[first[4].name]):
+                return False
         scored.remove(best)
         scored.insert(0, best)
         return True
@@ -823,5 +899,10 @@ class Chooser:
             private = self._private.get(b.name, 0)
             assert private >= 0 and (b.in_flight or not private), f"{private} pages held alone on {b.name}"
             assert all(c > 0 for c in pinned.values()), f"a pinned count below 1 on {b.name}"
+            decodes = self._decodes.get(b.name, ())
+            assert len(decodes) <= b.decoding, f"{len(decodes)} decodes expected to end, {b.decoding} decoding on {b.name}"
+            assert sum(e[2] for e in decodes) <= private and all(
+                all(pinned.get(n, 0) > 0 for n in e[3]) for e in decodes), \
+                f"a decode's pages not held on {b.name}"
         self.recent.check()
         self.demand.check()

@@ -175,9 +175,9 @@ def dead_url() -> str:
 
 def fake_backend(name: str, *, cut: bool = False, drop: bool = False, delay_s: float = 0.0,
                  metrics: str | None = None, up: dict[str, bool] | None = None,
-                 asked: Counter[str] | None = None) -> web.Application:
+                 asked: Counter[str] | None = None, gap_s: float = 0.0) -> web.Application:
     """An OpenAI-like instance: answers with its name (after ``delay_s``); a stream of three events
-    (``cut``: the connection drops after the first; ``drop``: it drops before answering, health
+    ``gap_s`` apart (``cut``: the connection drops after the first; ``drop``: it drops before answering, health
     checks pass); ``metrics``: its ``GET /metrics`` text; ``up[name]`` false: its health check
     answers 503; ``asked[path]`` counts the GETs of each path."""
     app = web.Application()
@@ -201,6 +201,8 @@ def fake_backend(name: str, *, cut: bool = False, drop: bool = False, delay_s: f
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         for i in range(3):
+            if i:
+                await asyncio.sleep(gap_s)
             await out.write(f"data: {json.dumps({'backend': name, 'i': i})}\n\n".encode())
             if cut:
                 request.transport.close()      # type: ignore[union-attr]
@@ -338,6 +340,31 @@ def test_a_request_in_flight_holds_the_pages_of_its_max_tokens_in_the_fit_rule()
             assert router.chooser._private.get(router.backends[0].name, 0) == 0
 
     asyncio.run(_with_router({"a": fake_backend("a", delay_s=0.3)}, body, policy="cost", block_size=16))
+
+
+def test_a_stream_past_its_first_token_is_expected_to_end_and_its_end_shows_the_decode_step() -> None:
+    """A streamed completion with ``max_tokens`` 3, past its first token, is among the requests the
+    router expects to end (``page_wait``); at its end the time from its first token over its 2
+    decode steps is the instance's seconds a step.  A response read whole shows no first token
+    before its end, and teaches no step."""
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        b, chooser = router.backends[0], router.chooser
+        sent = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": list(range(40)),
+                                                                         "max_tokens": 3, "stream": True}))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if b.in_flight and not b.waiting:
+                break
+        assert b.decoding == 1 and len(chooser._decodes[b.name]) == 1
+        r = await sent
+        assert r.status == 200 and "[DONE]" in await r.text()
+        assert not chooser._decodes[b.name] and 0.4 / 2 <= chooser._step_s[b.name] <= 5.0 / 2
+        del chooser._step_s[b.name]
+        r = await client.post("/v1/completions", json={"prompt": list(range(40)), "max_tokens": 3})
+        assert r.status == 200 and b.name not in chooser._step_s and not chooser._decodes[b.name]
+        chooser.check(router.backends)
+
+    asyncio.run(_with_router({"a": fake_backend("a", gap_s=0.3)}, body, policy="cost", block_size=16))
 
 
 def test_an_unreachable_instance_is_retried_elsewhere_and_none_left_is_a_503() -> None:

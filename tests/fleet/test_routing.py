@@ -953,3 +953,135 @@ def test_a_first_token_drops_its_own_send_time_in_any_order(times: list[float], 
         waiting.discard(i)
         chooser.check([b])
         assert list(chooser._sent_at[b.name]) == sorted(times[j] for j in waiting)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_wait_for_pages_ends_when_the_requests_expected_to_end_first_have_freed_enough(
+        data: st.DataObject) -> None:
+    """One instance with a pool of a drawn size has requests in flight that pin drawn prompts (some
+    sharing the new one's head), each with a drawn output or none, some past their first token at
+    drawn times; a drawn earlier request may have shown the instance's seconds a decode step.  The
+    wait ``page_wait`` reports for a new prompt and its output is the time, from now, at which
+    ending the requests decoding a known output in the order of their expected ends (first token
+    plus a step for every token after it) first makes the prompt fit (``fits``): 0 when it fits
+    now, ``None`` when ending all of them does not make it fit."""
+    b = backends(1)[0]
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
+    prompt = [("p", j) for j in range(data.draw(st.integers(1, 30), label="prompt blocks"))]
+    step = MODEL.decode_s(1)
+    if data.draw(st.booleans(), label="an end showed the step"):
+        out, first, end = data.draw(st.integers(2, 100)), data.draw(st.floats(0.0, 0.5)), data.draw(st.floats(0.5, 1.0))
+        chooser.prefilled(b, chooser.sent(b, 40, 0, [("old", 0)], 0.0, out), [("old", 0)], first, 0.0, 40, out)
+        chooser.ended(b, 40, [("old", 0)], out, end)
+        step = (end - first) / (out - 1)
+        assert chooser._step_s[b.name] == pytest.approx(step)
+    decodes = []
+    for k in range(data.draw(st.integers(0, 10), label="requests in flight")):
+        shared = data.draw(st.integers(0, len(prompt)) | st.just(len(prompt)), label="blocks shared with the prompt")
+        names = prompt[:shared] + [("r", k, j) for j in range(data.draw(st.integers(0, 20)))]
+        tokens = len(names) * 16 + data.draw(st.integers(0, 15))
+        output = data.draw(st.integers(1, 300) | st.integers(1, 300) | st.none(), label="its output")
+        charge = chooser.sent(b, tokens, 0, names, now=0.0, output=output)
+        if data.draw(st.integers(0, 3), label="past its first token unless 0"):
+            first = data.draw(st.floats(0.0, 1.0), label="its first token")
+            chooser.prefilled(b, charge, names, first, 0.0, tokens, output)
+            if output is not None:
+                decodes.append((first, output, tokens, names))
+    if "i0" not in chooser._step_s:
+        step = MODEL.decode_s(max(1, b.decoding))
+    held = len(chooser._pinned.get(b.name, {})) + chooser._private.get(b.name, 0)
+    b.pool_blocks = held + data.draw(st.integers(0, 12) | st.integers(0, 40), label="pages to spare")
+    chooser.check([b])
+    names = prompt + [("new", j) for j in range(data.draw(st.integers(0, 10)))]
+    tokens = len(names) * 16 + data.draw(st.integers(0, 15))
+    own = chooser.pages(tokens, names, data.draw(st.none() | st.integers(1, 300), label="the new output"))
+    now = data.draw(st.floats(0.5, 3.0), label="now")
+    got = chooser.page_wait(b, names, own, now)
+    twin, twin_b = copy.deepcopy((chooser, b))
+    expected = 0.0 if twin.fits(twin_b, names, own) else None
+    for first, output, length, request in sorted(decodes, key=lambda d: d[0] + max(0, d[1] - 1) * step):
+        if expected is not None:
+            break
+        twin.ended(twin_b, length, request, output)
+        twin.check([twin_b])
+        if twin.fits(twin_b, names, own):
+            expected = max(0.0, first + max(0, output - 1) * step - now)
+    event(f"the wait: {'none' if expected is None else 'now' if expected == 0 else 'some'}")
+    assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected)), (got, expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_blocks=st.integers(4, 60), output=st.integers(2, 400), spare=st.integers(0, 30),
+       firsts=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=12), known=st.booleans())
+def test_a_pool_full_of_long_outputs_sends_a_prompt_to_an_instance_with_room_when_its_prefill_costs_less_than_the_wait(
+        prompt_blocks: int, output: int, spare: int, firsts: list[float], known: bool) -> None:
+    """The only holder of a prompt has requests of it decoding ``output`` tokens each (first tokens
+    at drawn times) in a pool with ``spare`` pages to spare; an idle instance that holds nothing has
+    room.  The next request of the prompt (the same output) goes to the idle one when its cost
+    there (computing the whole prompt) is below the holder's, or when the prompt does not fit in the
+    holder's pool and that cost is below the holder's with its wait for pages (when enough requests
+    are expected to end: first token plus a decode step a token) in place of its queue (``fit``);
+    else to the holder.  With the outputs unknown to the router (no ``max_tokens``), the holder
+    keeps it while its cost is the least: no wait for pages can be told."""
+    a, b = backends(2)
+    prompt = [("tenant", j) for j in range(prompt_blocks)]
+    chooser = Chooser("cost", block_size=16, model=MODEL, affinity=2.0,
+                      lookup=lambda names: {a.name: Match(min(len(names), prompt_blocks), "GPU")})
+    for i in range(40):                     # the prompt is a small share of the arrivals: no copy is called for
+        chooser.demand.add([("x", i)], LOAD_ARRIVALS * 2)
+    tokens = prompt_blocks * 16 + 8
+    told = output if known else None
+    for first in firsts:
+        charge = chooser.sent(a, tokens, tokens, prompt, now=0.0, output=told)
+        chooser.prefilled(a, charge, prompt, first, 0.0, tokens, told)
+    alone = chooser.pages(tokens, prompt, output)
+    a.pool_blocks = prompt_blocks + (len(firsts) * alone if known else 0) + spare
+    b.pool_blocks = 10 * (prompt_blocks + alone)
+    chooser.check([a, b])
+    now, step = 1.0, MODEL.decode_s(len(firsts))
+    queue_a = step                          # one engine step, which also decodes what a is decoding
+    cost_a = queue_a + 2.0 * (MODEL.fixed_s + MODEL.prefill(8))
+    cost_b = 1.5 * (MODEL.fixed_s + MODEL.prefill(tokens))     # idle: halfway between 1 and the affinity
+    need = (alone if known else 0) - spare
+    ends = sorted(f + (output - 1) * step for f in firsts)
+    wait = None
+    if known and need <= 0:
+        wait = 0.0
+    elif known and need <= len(firsts) * alone:
+        wait = max(0.0, ends[-(-need // alone) - 1] - now)
+    assume(abs(cost_b - cost_a) > 1e-9)
+    assume(wait is None or abs(cost_b - cost_a - max(0.0, wait - queue_a)) > 1e-9)
+    choice = chooser.choose([a, b], tokens, prompt, now, output=told)
+    event(f"the holder's pool: {'fits' if wait == 0 else 'unknown' if wait is None else 'waits'}")
+    if cost_b < cost_a:
+        assert choice.order[0] is b and choice.why == "cost"
+    elif wait and cost_b < cost_a + max(0.0, wait - queue_a):
+        assert choice.order[0] is b and choice.why == "fit"
+    else:
+        assert choice.order[0] is a and choice.why == "cost"
+    chooser.check([a, b])
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompt_blocks=st.integers(1, 40), new_blocks=st.integers(0, 60), output=st.integers(1, 300),
+       spare=st.integers(0, 20))
+def test_a_request_that_ends_frees_none_of_the_blocks_the_waiting_prompt_reuses(
+        prompt_blocks: int, new_blocks: int, output: int, spare: int) -> None:
+    """The only request in flight pins a prompt and decodes a known output; the next prompt is the
+    same prompt and ``new_blocks`` more.  When it does not fit, the request's end frees its pages
+    alone and not the prompt's blocks, which stay cached for the next prompt: the wait is until that
+    end when those pages are enough, else unknown (``None``)."""
+    b = backends(1)[0]
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
+    prompt = [("p", j) for j in range(prompt_blocks)]
+    tokens = prompt_blocks * 16 + 8
+    chooser.prefilled(b, chooser.sent(b, tokens, 0, prompt, 0.0, output), prompt, 0.5, 0.0, tokens, output)
+    alone = chooser.pages(tokens, prompt, output)
+    b.pool_blocks = prompt_blocks + alone + spare
+    names = prompt + [("new", j) for j in range(new_blocks)]
+    own = chooser.pages(len(names) * 16 + 8, names, output)
+    need = new_blocks + own - spare
+    expected = 0.0 if need <= 0 else max(0.0, 0.5 + (output - 1) * MODEL.decode_s(1) - 1.0) if need <= alone else None
+    got = chooser.page_wait(b, names, own, 1.0)
+    assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected)), (got, expected)
