@@ -566,7 +566,8 @@ class Chooser:
         free enough (the rest end at times the router does not know).  A request is expected to
         end its decode steps after its first token, at the instance's seconds a step as its
         requests' ends showed (``ended``; before any, ``CostModel.decode_s`` of its decodes now:
-        steps without prefill, the shortest), and at once when that time has passed.
+        steps without prefill, the shortest), or more: a request still decoding ``e`` seconds
+        after its first token shows a step of at least ``e`` over its steps.
         O(1) when it fits, else O(names + blocks of the requests decoding there)."""
         pool = backend.pool_blocks
         if pool is None:
@@ -580,6 +581,9 @@ class Chooser:
         step = self._step_s.get(backend.name)
         if step is None:
             step = self.model.decode_s(max(1, backend.decoding))
+        decodes = self._decodes.get(backend.name, ())
+        # a request still decoding after e seconds of its s steps shows a step of at least e / s
+        step = max([step] + [(now - first) / steps for first, steps, _, _ in decodes if steps > 0])
         freed, ended = 0, Counter[Hashable]()
         for first, steps, alone, held in sorted(self._decodes.get(backend.name, ()), key=lambda e: e[0] + e[1] * step):
             end = first + steps * step

@@ -964,8 +964,9 @@ def test_the_wait_for_pages_ends_when_the_requests_expected_to_end_first_have_fr
     drawn times; a drawn earlier request may have shown the instance's seconds a decode step.  The
     wait ``page_wait`` reports for a new prompt and its output is the time, from now, at which
     ending the requests decoding a known output in the order of their expected ends (first token
-    plus a step for every token after it) first makes the prompt fit (``fits``): 0 when it fits
-    now, ``None`` when ending all of them does not make it fit."""
+    plus a step for every token after it, the step at least what each request still decoding
+    shows: the time since its first token over its steps) first makes the prompt fit (``fits``):
+    0 when it fits now, ``None`` when ending all of them does not make it fit."""
     b = backends(1)[0]
     chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
     prompt = [("p", j) for j in range(data.draw(st.integers(1, 30), label="prompt blocks"))]
@@ -990,13 +991,15 @@ def test_the_wait_for_pages_ends_when_the_requests_expected_to_end_first_have_fr
                 decodes.append((first, output, tokens, names))
     if "i0" not in chooser._step_s:
         step = MODEL.decode_s(max(1, b.decoding))
+    now = data.draw(st.floats(0.5, 3.0), label="now")
+    # a request still decoding after e seconds of its s steps shows a step of at least e / s
+    step = max([step] + [(now - first) / (output - 1) for first, output, _, _ in decodes if output > 1])
     held = len(chooser._pinned.get(b.name, {})) + chooser._private.get(b.name, 0)
     b.pool_blocks = held + data.draw(st.integers(0, 12) | st.integers(0, 40), label="pages to spare")
     chooser.check([b])
     names = prompt + [("new", j) for j in range(data.draw(st.integers(0, 10)))]
     tokens = len(names) * 16 + data.draw(st.integers(0, 15))
     own = chooser.pages(tokens, names, data.draw(st.none() | st.integers(1, 300), label="the new output"))
-    now = data.draw(st.floats(0.5, 3.0), label="now")
     got = chooser.page_wait(b, names, own, now)
     twin, twin_b = copy.deepcopy((chooser, b))
     expected = 0.0 if twin.fits(twin_b, names, own) else None
@@ -1021,7 +1024,8 @@ def test_a_pool_full_of_long_outputs_sends_a_prompt_to_an_instance_with_room_whe
     room.  The next request of the prompt (the same output) goes to the idle one when its cost
     there (computing the whole prompt) is below the holder's, or when the prompt does not fit in the
     holder's pool and that cost is below the holder's with its wait for pages (when enough requests
-    are expected to end: first token plus a decode step a token) in place of its queue (``fit``);
+    are expected to end: first token plus a decode step a token, the step at least what the
+    requests still decoding show) in place of its queue (``fit``);
     else to the holder.  With the outputs unknown to the router (no ``max_tokens``), the holder
     keeps it while its cost is the least: no wait for pages can be told."""
     a, b = backends(2)
@@ -1039,8 +1043,9 @@ def test_a_pool_full_of_long_outputs_sends_a_prompt_to_an_instance_with_room_whe
     a.pool_blocks = prompt_blocks + (len(firsts) * alone if known else 0) + spare
     b.pool_blocks = 10 * (prompt_blocks + alone)
     chooser.check([a, b])
-    now, step = 1.0, MODEL.decode_s(len(firsts))
-    queue_a = step                          # one engine step, which also decodes what a is decoding
+    now = 1.0
+    queue_a = MODEL.decode_s(len(firsts))   # one engine step, which also decodes what a is decoding
+    step = max([queue_a] + [(now - f) / (output - 1) for f in firsts])
     cost_a = queue_a + 2.0 * (MODEL.fixed_s + MODEL.prefill(8))
     cost_b = 1.5 * (MODEL.fixed_s + MODEL.prefill(tokens))     # idle: halfway between 1 and the affinity
     need = (alone if known else 0) - spare
@@ -1082,6 +1087,7 @@ def test_a_request_that_ends_frees_none_of_the_blocks_the_waiting_prompt_reuses(
     names = prompt + [("new", j) for j in range(new_blocks)]
     own = chooser.pages(len(names) * 16 + 8, names, output)
     need = new_blocks + own - spare
-    expected = 0.0 if need <= 0 else max(0.0, 0.5 + (output - 1) * MODEL.decode_s(1) - 1.0) if need <= alone else None
+    step = max(MODEL.decode_s(1), 0.5 / (output - 1) if output > 1 else 0.0)
+    expected = 0.0 if need <= 0 else max(0.0, 0.5 + (output - 1) * step - 1.0) if need <= alone else None
     got = chooser.page_wait(b, names, own, 1.0)
     assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected)), (got, expected)
