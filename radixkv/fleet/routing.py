@@ -94,7 +94,7 @@ Contract:
     the one of least cost where it fits goes first if that cost is below the first's with its
     wait for pages in place of its queue where longer (``page_wait``: when enough of its requests
     decoding a known ``max_tokens`` are expected to end, at the seconds a decode step their ends
-    there showed).  A pool full of prompts is soon waited out, one full of long outputs is not:
+    there showed, or what those still decoding show, if longer).  A pool full of prompts is soon waited out, one full of long outputs is not:
     moving to any instance with room, without the wait, met 2 fewer cells on the 36 workload
     shapes; with it, 6 more of the 135 where pools fill with outputs and none fewer.  Ties go to the longer prefix, then fewer requests in
     flight, then the instance whose oldest request still waiting for its first token was sent earliest
@@ -585,7 +585,7 @@ class Chooser:
         # a request still decoding after e seconds of its s steps shows a step of at least e / s
         step = max([step] + [(now - first) / steps for first, steps, _, _ in decodes if steps > 0])
         freed, ended = 0, Counter[Hashable]()
-        for first, steps, alone, held in sorted(self._decodes.get(backend.name, ()), key=lambda e: e[0] + e[1] * step):
+        for first, steps, alone, held in sorted(decodes, key=lambda e: e[0] + e[1] * step):
             end = first + steps * step
             freed += alone
             for n in held:
