@@ -94,9 +94,10 @@ Contract:
     the one of least cost where it fits goes first if that cost is below the first's with its
     wait for pages in place of its queue where longer (``page_wait``: when enough of its requests
     decoding a known ``max_tokens`` are expected to end, at the seconds a decode step their ends
-    there showed, or what those still decoding show, if longer).  A pool full of prompts is soon waited out, one full of long outputs is not:
-    moving to any instance with room, without the wait, met 2 fewer cells on the 36 workload
-    shapes; with it, 6 more of the 135 where pools fill with outputs and none fewer.  Ties go to the longer prefix, then fewer requests in
+    there showed, or what those still decoding show, if longer).  A pool full of prompts is soon
+    waited out, one full of long outputs is not: moving to any instance with room, without the
+    wait, met 2 fewer cells on the 36 workload shapes; with it, 6 more of the 135 where pools fill
+    with outputs and none fewer.  Ties go to the longer prefix, then fewer requests in
     flight, then the instance whose oldest request still waiting for its first token was sent earliest
     (the queue counts tokens, not how far along they are: on the real fleet two instances each
     with one cold prompt queued tied, and the tie went to the one that had just been sent its
@@ -522,11 +523,11 @@ class Chooser:
         requests decoding there)."""
         backend.in_flight -= 1
         backend.active_tokens -= tokens
-        self._private[backend.name] = self._private.get(backend.name, 0) - self.pages(tokens, names, output)
+        alone = self.pages(tokens, names, output)
+        self._private[backend.name] = self._private.get(backend.name, 0) - alone
         decodes = self._decodes.get(backend.name)
         if decodes and output is not None:
             # its own entry (the same names), else one alike: interchangeable for ``page_wait``
-            alone = self.pages(tokens, names, output)
             entry = next((e for e in decodes if e[3] is names), None) or next(
                 (e for e in decodes if e[2] == alone and list(e[3]) == list(names)), None)
             if entry is not None:
