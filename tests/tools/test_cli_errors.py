@@ -1,17 +1,25 @@
 """Every ``python -m radixkv`` command answers bad input with one line on stderr naming the problem
 and a non-zero exit status, never a traceback: a missing, unreadable or malformed configuration,
 an unknown key, a tier that cannot be opened, a wrong flag or value.  Each command is driven with
-each kind of bad input it can be given, in a process of its own, as a user runs it."""
+each kind of bad input it can be given through ``radixkv.tools.cli.main``, the function the entry
+point calls (an exception escaping it is what a user would see as a traceback; a log record of
+warning or above is a line a user's stderr would show, as no handler is configured); and each
+command once in a process of its own, as a user runs it (an interpreter importing torch costs
+about 2.5 s here, which every case paid when each had its own)."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-pytestmark = pytest.mark.slow      # every command with every bad input, each in a process: `pytest -m "not slow"` leaves it out
+from radixkv.tools.cli import main
+
+pytestmark = pytest.mark.slow      # every command with every bad input: `pytest -m "not slow"` leaves it out
 
 LAYOUT = "layout: {num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype: float16}\n"
 GOOD = "chunk_size: 64\npage_size: 16\nnum_pages: 64\nnamespace: {model: m}\n" + LAYOUT
@@ -50,9 +58,26 @@ def _files(tmp: Path) -> dict[str, tuple[str, str]]:
     return {k: (p if p.startswith("/") else str(tmp / p), word) for k, (p, word) in cases.items()}
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _process(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m radixkv ARGS`` in a process of its own."""
     return subprocess.run([sys.executable, "-m", "radixkv", *args], capture_output=True, text=True, timeout=120,
                           stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``python -m radixkv ARGS`` as the entry point runs it, in this process: its status, its
+    stdout, and its stderr with a line for each record logged at warning or above."""
+    def call(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            status = main(list(args))
+        out = capsys.readouterr()
+        logged = "".join(f"{r.levelname}: {r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
+        return subprocess.CompletedProcess(list(args), status, out.out, out.err + logged)
+    return call
 
 
 def _one_line(out: subprocess.CompletedProcess[str], word: str) -> None:
@@ -66,14 +91,15 @@ def _one_line(out: subprocess.CompletedProcess[str], word: str) -> None:
 @pytest.mark.parametrize("case", ["missing", "a directory", "YAML syntax", "JSON syntax", "a python tag", "a list",
                                   "an unknown key", "a wrong suffix", "an LMDB tier that cannot be opened",
                                   "a local_disk that is a file"])
-def test_each_command_names_what_is_wrong_with_its_configuration(tmp_path: Path, command: str, case: str) -> None:
+def test_each_command_names_what_is_wrong_with_its_configuration(tmp_path: Path, command: str, case: str,
+                                                                 run: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     path, word = _files(tmp_path)[case]
     if command == "controller":
         if case in ("an unknown key", "an LMDB tier that cannot be opened", "a local_disk that is a file"):
             pytest.skip("the controller reads only the secret of the file: its other keys are the engines'")
-        out = _run("controller", "--bind", "tcp://127.0.0.1:0", "--config", path)
+        out = run("controller", "--bind", "tcp://127.0.0.1:0", "--config", path)
     else:
-        out = _run(command, "--config", path)
+        out = run(command, "--config", path)
     _one_line(out, word)
     assert "owned" not in out.stdout            # a YAML tag never runs code
 
@@ -93,15 +119,33 @@ def test_each_command_names_what_is_wrong_with_its_configuration(tmp_path: Path,
     (["build-ext", "--lock-timeout", "soon"], "--lock-timeout"),
     (["demo", "--system-tokens", "lots"], "--system-tokens"),
 ])
-def test_each_command_names_a_wrong_flag_or_value(args: list[str], word: str) -> None:
-    _one_line(_run(*args), word)
+def test_each_command_names_a_wrong_flag_or_value(args: list[str], word: str,
+                                                  run: Callable[..., subprocess.CompletedProcess[str]]) -> None:
+    _one_line(run(*args), word)
 
 
-def test_warm_names_a_malformed_prompts_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command,case", [("inspect", "YAML syntax"), ("warm", "an LMDB tier that cannot be opened"),
+                                          ("controller", "a python tag"), ("route", None), ("nosuch", None)])
+def test_in_a_process_of_its_own_each_command_prints_one_line_and_exits_non_zero(tmp_path: Path, command: str,
+                                                                                case: str | None) -> None:
+    """What the in-process cases stand for: the interpreter's own stderr (the entry point, import
+    time, the log records no test handler catches) holds the one line, and the status is not 0."""
+    if case is None:
+        out, word = _process(command, *(["--policy", "best"] if command == "route" else [])), \
+            "--policy" if command == "route" else "invalid choice"
+    else:
+        path, word = _files(tmp_path)[case]
+        extra = ["--bind", "tcp://127.0.0.1:0"] if command == "controller" else []
+        out = _process(command, *extra, "--config", path)
+    _one_line(out, word)
+    assert "owned" not in out.stdout
+
+
+def test_warm_names_a_malformed_prompts_file(tmp_path: Path, run: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     _files(tmp_path)
     cfg = tmp_path / "warm.yaml"
     cfg.write_text(GOOD + f"local_disk: {tmp_path / 'disk'}\nmax_local_disk_size: 0.01\n"
                    "remote_url: s3://radixkv-cli/kv\nremote_endpoint: http://127.0.0.1:9\nremote_timeout: 0.5\n")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("[1, 2, 3]\n{not json\n")
-    _one_line(_run("warm", "--config", str(cfg), "--prompts", str(prompts), "--no-progress"), "prompts")
+    _one_line(run("warm", "--config", str(cfg), "--prompts", str(prompts), "--no-progress"), "prompts")
