@@ -563,8 +563,11 @@ class Chooser:
         (``pages``) fits in ``backend``'s pool (``fits``): 0 when it fits now, else when enough of
         the instance's requests decoding an output it was told (``prefilled``'s ``output``) are
         expected to end, each freeing the pages it holds alone and the blocks no other request
-        there pins (but the prompt's own: those it reuses); ``None`` when those requests cannot
-        free enough (the rest end at times the router does not know).  A request is expected to
+        there pins (but the prompt's own: those it reuses).  When those requests cannot free
+        enough and every request decoding there is one of them, the rest is held by requests
+        waiting for their first token, which free nothing before they have decoded: the last of
+        those ends plus a decode of their mean output.  ``None`` otherwise (the rest may end at
+        times the router does not know), or when the prompt would not fit an empty pool.  A request is expected to
         end its decode steps after its first token, at the instance's seconds a step as its
         requests' ends showed (``ended``; before any, ``CostModel.decode_s`` of its decodes now:
         steps without prefill, the shortest), or more: a request still decoding ``e`` seconds
@@ -585,7 +588,7 @@ class Chooser:
         decodes = self._decodes.get(backend.name, ())
         # a request still decoding after e seconds of its s steps shows a step of at least e / s
         step = max([step] + [(now - first) / steps for first, steps, _, _ in decodes if steps > 0])
-        freed, ended = 0, Counter[Hashable]()
+        freed, ended, end = 0, Counter[Hashable](), now
         for first, steps, alone, held in sorted(decodes, key=lambda e: e[0] + e[1] * step):
             end = first + steps * step
             freed += alone
@@ -595,6 +598,14 @@ class Chooser:
                     freed += 1
             if freed >= need:
                 return max(0.0, end - now)
+        # Even all of them cannot free enough.  Where every request decoding there is timed, the rest
+        # is held by requests waiting for their first token: they start as those end and free
+        # nothing before their own outputs are decoded, so the wait is at least the last of those
+        # ends, and is taken as that plus one decode of the mean output decoding there (the router
+        # does not time a waiting request).  ``None`` where a decode it cannot time could end first,
+        # or where the prompt would not fit an empty pool.
+        if decodes and backend.waiting and len(decodes) >= backend.decoding and own + len(mine) <= pool:
+            return max(0.0, end + step * sum(e[1] for e in decodes) / len(decodes) - now)
         return None
 
     # -- choosing ------------------------------------------------------------------------------

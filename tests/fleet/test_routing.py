@@ -966,7 +966,10 @@ def test_the_wait_for_pages_ends_when_the_requests_expected_to_end_first_have_fr
     ending the requests decoding a known output in the order of their expected ends (first token
     plus a step for every token after it, the step at least what each request still decoding
     shows: the time since its first token over its steps) first makes the prompt fit (``fits``):
-    0 when it fits now, ``None`` when ending all of them does not make it fit."""
+    0 when it fits now.  When ending all of them does not make it fit: where they are every request
+    decoding there, some wait for their first token, and the prompt fits an empty pool, the last
+    of those ends plus a decode of their mean output (the waiting requests free nothing before they
+    have decoded); else ``None``."""
     b = backends(1)[0]
     chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
     prompt = [("p", j) for j in range(data.draw(st.integers(1, 30), label="prompt blocks"))]
@@ -978,11 +981,12 @@ def test_the_wait_for_pages_ends_when_the_requests_expected_to_end_first_have_fr
         step = (end - first) / (out - 1)
         assert chooser._step_s[b.name] == pytest.approx(step)
     decodes = []
+    told = data.draw(st.booleans(), label="every output told")
     for k in range(data.draw(st.integers(0, 10), label="requests in flight")):
         shared = data.draw(st.integers(0, len(prompt)) | st.just(len(prompt)), label="blocks shared with the prompt")
         names = prompt[:shared] + [("r", k, j) for j in range(data.draw(st.integers(0, 20)))]
         tokens = len(names) * 16 + data.draw(st.integers(0, 15))
-        output = data.draw(st.integers(1, 300) | st.integers(1, 300) | st.none(), label="its output")
+        output = data.draw(st.integers(1, 300) if told else st.integers(1, 300) | st.none(), label="its output")
         charge = chooser.sent(b, tokens, 0, names, now=0.0, output=output)
         if data.draw(st.integers(0, 3), label="past its first token unless 0"):
             first = data.draw(st.floats(0.0, 1.0), label="its first token")
@@ -1010,8 +1014,48 @@ def test_the_wait_for_pages_ends_when_the_requests_expected_to_end_first_have_fr
         twin.check([twin_b])
         if twin.fits(twin_b, names, own):
             expected = max(0.0, first + max(0, output - 1) * step - now)
+    timed_all = decodes and len(decodes) == b.decoding and b.waiting > 0 and own + len(set(names)) <= b.pool_blocks
+    if expected is None and timed_all:
+        last = max(first + max(0, output - 1) * step for first, output, _, _ in decodes)
+        expected = max(0.0, last + step * sum(max(0, output - 1) for _, output, _, _ in decodes) / len(decodes) - now)
+        event("the wait: past the requests timed")
     event(f"the wait: {'none' if expected is None else 'now' if expected == 0 else 'some'}")
     assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected)), (got, expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(decoding=st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(2, 300)), min_size=1, max_size=5),
+       waiting=st.lists(st.integers(1, 300), min_size=1, max_size=6), prompt_blocks=st.integers(1, 20),
+       wait_blocks=st.integers(20, 40), now=st.floats(1.0, 2.0))
+def test_a_pool_its_waiting_requests_fill_is_waited_out_past_every_request_decoding_there(
+        decoding: list[tuple[float, int]], waiting: list[int], prompt_blocks: int, wait_blocks: int,
+        now: float) -> None:
+    """Requests of one block decode drawn outputs (first tokens at drawn times) and requests of
+    ``wait_blocks`` blocks wait for their first token, filling the pool; a new prompt of fresh
+    blocks needs ``prompt_blocks`` pages more than the decoding ones free.  The waiting ones
+    start as those end and free nothing before they have decoded, so the wait is the last of those
+    ends plus a decode of their mean output, the step at least what each of them shows; with one
+    request decoding an output the router was not told, it is ``None`` (that one may end first)."""
+    b = backends(1)[0]
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
+    for k, (first, output) in enumerate(decoding):
+        names = [("d", k)]
+        chooser.prefilled(b, chooser.sent(b, 16, 0, names, 0.0, output), names, first, 0.0, 16, output)
+    freed = len(chooser._pinned[b.name]) + chooser._private[b.name]     # what their ends free
+    for k, output in enumerate(waiting):
+        chooser.sent(b, wait_blocks * 16, 0, [("w", k, j) for j in range(wait_blocks)], 0.0, output)
+    b.pool_blocks = len(chooser._pinned[b.name]) + chooser._private[b.name]
+    chooser.check([b])
+    names = [("new", j) for j in range(freed + prompt_blocks)]
+    own = chooser.pages(len(names) * 16, names, None)
+    step = max([MODEL.decode_s(len(decoding))] + [(now - first) / (output - 1) for first, output in decoding])
+    last = max(first + (output - 1) * step for first, output in decoding)
+    expected = max(0.0, last + step * sum(output - 1 for _, output in decoding) / len(decoding) - now)
+    assert chooser.page_wait(b, names, own, now) == pytest.approx(expected)
+    untold = [("u", 0)]
+    chooser.prefilled(b, chooser.sent(b, 16, 0, untold, 0.0, None), untold, 0.5, 0.0, 16, None)
+    b.pool_blocks = len(chooser._pinned[b.name]) + chooser._private[b.name]
+    assert chooser.page_wait(b, names, own, now) is None
 
 
 @settings(max_examples=200, deadline=None)
