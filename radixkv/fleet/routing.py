@@ -94,9 +94,11 @@ Contract:
     the one of least cost where it fits goes first if that cost is below the first's with its
     wait for pages in place of its queue where longer (``page_wait``: when enough of its requests
     decoding a known ``max_tokens`` are expected to end, at the seconds a decode step their ends
-    there showed, or what those still decoding show, if longer).  A pool full of prompts is soon
-    waited out, one full of long outputs is not: moving to any instance with room, without the
-    wait, met 2 fewer cells on the 36 workload shapes; with it, 6 more of the 135 where pools fill
+    there showed, or what those still decoding show, if longer; past all of them, where those are
+    every request decoding there and the rest wait for their first token, a decode more: on a real
+    fleet whose pools filled with such requests the wait read as unknown and nothing moved).  A
+    pool full of prompts is soon waited out, one full of long outputs is not: moving to any
+    instance with room, without the wait, met 2 fewer cells on the 36 workload shapes; with it, 6 more of the 135 where pools fill
     with outputs and none fewer.  Ties go to the longer prefix, then fewer requests in
     flight, then the instance whose oldest request still waiting for its first token was sent earliest
     (the queue counts tokens, not how far along they are: on the real fleet two instances each
@@ -567,11 +569,11 @@ class Chooser:
         enough and every request decoding there is one of them, the rest is held by requests
         waiting for their first token, which free nothing before they have decoded: the last of
         those ends plus a decode of their mean output.  ``None`` otherwise (the rest may end at
-        times the router does not know), or when the prompt would not fit an empty pool.  A request is expected to
-        end its decode steps after its first token, at the instance's seconds a step as its
-        requests' ends showed (``ended``; before any, ``CostModel.decode_s`` of its decodes now:
-        steps without prefill, the shortest), or more: a request still decoding ``e`` seconds
-        after its first token shows a step of at least ``e`` over its steps.
+        times the router does not know), or when the prompt would not fit an empty pool.  A
+        request is expected to end its decode steps after its first token, at the instance's
+        seconds a step as its requests' ends showed (``ended``; before any, ``CostModel.decode_s``
+        of its decodes now: steps without prefill, the shortest), or more: a request still
+        decoding ``e`` seconds after its first token shows a step of at least ``e`` over its steps.
         O(1) when it fits, else O(names + blocks of the requests decoding there)."""
         pool = backend.pool_blocks
         if pool is None:
