@@ -606,7 +606,7 @@ class Chooser:
         # ends, and is taken as that plus one decode of the mean output decoding there (the router
         # does not time a waiting request).  ``None`` where a decode it cannot time could end first,
         # or where the prompt would not fit an empty pool.
-        if decodes and backend.waiting and len(decodes) >= backend.decoding and own + len(mine) <= pool:
+        if decodes and backend.waiting and len(decodes) == backend.decoding and own + len(mine) <= pool:
             return max(0.0, end + step * sum(e[1] for e in decodes) / len(decodes) - now)
         return None
 

@@ -124,19 +124,24 @@ def test_each_command_names_a_wrong_flag_or_value(args: list[str], word: str,
     _one_line(run(*args), word)
 
 
-@pytest.mark.parametrize("command,case", [("inspect", "YAML syntax"), ("warm", "an LMDB tier that cannot be opened"),
-                                          ("controller", "a python tag"), ("route", None), ("nosuch", None)])
-def test_in_a_process_of_its_own_each_command_prints_one_line_and_exits_non_zero(tmp_path: Path, command: str,
-                                                                                case: str | None) -> None:
+@pytest.mark.parametrize("args,case,word", [
+    (["inspect"], "YAML syntax", None),
+    (["warm"], "an LMDB tier that cannot be opened", None),
+    (["controller", "--bind", "tcp://127.0.0.1:0"], "a python tag", None),
+    (["route", "--policy", "best"], None, "--policy"),
+    (["nosuch"], None, "invalid choice"),
+])
+def test_in_a_process_of_its_own_each_command_prints_one_line_and_exits_non_zero(
+        tmp_path: Path, args: list[str], case: str | None, word: str | None) -> None:
     """What the in-process cases stand for: the interpreter's own stderr (the entry point, import
-    time, the log records no test handler catches) holds the one line, and the status is not 0."""
-    if case is None:
-        out, word = _process(command, *(["--policy", "best"] if command == "route" else [])), \
-            "--policy" if command == "route" else "invalid choice"
-    else:
+    time, the log records no test handler catches) holds the one line, and the status is not 0.
+    ``case``: a configuration of ``_files`` given as ``--config`` (its word then names the
+    problem); else ``word``."""
+    if case is not None:
         path, word = _files(tmp_path)[case]
-        extra = ["--bind", "tcp://127.0.0.1:0"] if command == "controller" else []
-        out = _process(command, *extra, "--config", path)
+        args = [*args, "--config", path]
+    assert word is not None
+    out = _process(*args)
     _one_line(out, word)
     assert "owned" not in out.stdout
 
