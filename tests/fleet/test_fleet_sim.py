@@ -604,3 +604,140 @@ def test_output_pages_is_a_setting_of_the_run_that_the_goals_check_keeps_apart(t
     assert fleet_sim.main(argv) == 2
     out = capsys.readouterr()
     assert "does not fit" in out.err and out.err.count("\n") == 1 and not out.out
+
+
+@st.composite
+def long_outputs(draw: st.DrawFn) -> tuple[list[SimRequest], int]:
+    """``traces()`` with outputs of up to three blocks, arriving together or close together: decodes
+    that reach new pages while others wait."""
+    reqs, bt = draw(traces())
+    gap = draw(st.sampled_from([0.0, 1e-4, 1e-2]))
+    for i, r in enumerate(reqs):
+        r.arrival, r.output = gap * i, draw(st.integers(1, 3 * bt))
+    return reqs, bt
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=long_outputs(), policy=st.sampled_from(["cost", "prefix", "round_robin"]), instances=st.integers(1, 3),
+       room=st.integers(0, 4))
+def test_with_preemption_every_request_ends_and_its_pages_are_the_engines_after_every_step(
+        trace: tuple, policy: str, instances: int, room: int) -> None:
+    """With ``preempt`` on pools barely larger than the largest request, after every engine step
+    the pages the requests took are the engine's, no running request has decoded past its pages
+    (``Fleet.check``); no request is admitted in a step that preempted one; every request gets its
+    first token and ends, each preemption is counted on the request it stopped, and every page
+    comes back."""
+    from radixkv.bench.fleet_sim import _Instance, full_blocks, private_blocks
+
+    reqs, bt = trace
+    need = max(full_blocks(r, bt) + private_blocks(r, bt) for r in reqs)
+    fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=(need + room) * bt, cpu_tokens=0, budget=8192,
+                  output_pages=True, preempt=True)
+    publish, end, grow, start = _Instance.publish, _Instance.end, _Instance._grow, _Instance.start
+    ends: list[int] = []
+    preempting: set[str] = set()
+
+    def checked(inst: _Instance) -> None:
+        publish(inst)
+        fleet.check()
+
+    def grown(inst: _Instance) -> bool:
+        preempted = grow(inst)
+        (preempting.add if preempted else preempting.discard)(inst.name)
+        return preempted
+
+    def started(inst: _Instance, r: SimRequest) -> float | None:
+        assert inst.name not in preempting, "a request admitted in a step that preempted one"
+        return start(inst, r)
+
+    def ended(inst: _Instance, r: SimRequest) -> None:
+        assert r.left <= 1e-9 and r.recompute == 0 and not r.pages
+        ends.append(r.rid)
+        end(inst, r)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_Instance, "publish", checked)
+        mp.setattr(_Instance, "end", ended)
+        mp.setattr(_Instance, "_grow", grown)
+        mp.setattr(_Instance, "start", started)
+        fleet.run(reqs)
+    assert sorted(ends) == sorted(r.rid for r in reqs), "a request never ended"
+    assert all(r.ttft == r.ttft for r in reqs)
+    assert sum(r.preempted for r in reqs) == sum(inst.preemptions for inst in fleet.instances)
+    assert all(inst.cache.stats()["pages_engine"] == 0 and not inst.running and not inst.waiting
+               for inst in fleet.instances)
+
+
+@settings(max_examples=30, deadline=None)
+@given(trace=long_outputs(), policy=st.sampled_from(["cost", "prefix", "round_robin", "least_loaded"]),
+       instances=st.integers(1, 3))
+def test_where_every_request_fits_at_once_taking_pages_as_decoded_changes_nothing(
+        trace: tuple, policy: str, instances: int) -> None:
+    """On pools that hold every request's prompt and output at once nothing waits for pages either
+    way: taking them as decodes reach them gives the reservation's TTFTs, hits and split, and
+    preempts nothing."""
+    from radixkv.bench.fleet_sim import full_blocks, private_blocks
+
+    reqs, bt = trace
+    pool = sum(full_blocks(r, bt) + private_blocks(r, bt) for r in reqs) * bt
+    kw: dict[str, Any] = dict(instances=instances, policy=policy, pool_tokens=pool, output_pages=True)
+    reserved, decoded = run(reqs, bt, **kw), run(reqs, bt, preempt=True, **kw)
+    assert decoded["preempted"] == 0
+    for key in ("ttft", "hit", "served"):
+        assert decoded[key] == reserved[key], key
+
+
+def test_a_decode_that_finds_no_page_preempts_the_request_admitted_last_which_recomputes() -> None:
+    """One instance whose pool holds two prompts but not two outputs: reserving output pages, the
+    second request waits for the first to end; taking them as decoded, both prompts share the
+    first step, and when a decode finds no page the request admitted last is preempted, recomputes
+    its prompt and what it had generated, and ends; the first is never stopped."""
+    from radixkv.bench.fleet_sim import _Instance
+
+    bt, full, output = 16, 3, 5 * 16
+    reqs = [SimRequest(i, 0.0, [100 * i + j for j in range(full)], full * bt, output) for i in range(2)]
+    pool = (full + 6) * bt                  # one request's 3 + 5 pages and a spare; two prompts fit
+    reserved = run(reqs, bt, pool_tokens=pool, output_pages=True)
+    assert reserved["ttft"][1] > reserved["ttft"][0] + (output - 1) * MODEL.decode_s(1)
+    fleet = Fleet(1, "cost", MODEL, bt, pool_tokens=pool, cpu_tokens=0, budget=8192, output_pages=True, preempt=True)
+    computed: list[tuple[int, int]] = []
+    start = _Instance._start
+
+    def started(inst: _Instance, r: SimRequest) -> float | None:
+        cost = start(inst, r)
+        if cost is not None:
+            computed.append((r.rid, r.remaining))
+        return cost
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_Instance, "_start", started)
+        fleet.run(reqs)
+    fleet.check()
+    both = MODEL.fixed_s + MODEL.prefill(2 * full * bt)
+    assert [r.ttft for r in reqs] == [pytest.approx(both)] * 2
+    assert [r.preempted for r in reqs] == [0, 1] and fleet.instances[0].preemptions == 1
+    # its prompt's blocks stayed cached while unheld (nothing else wanted the pages): it recomputes
+    # what it had generated, the last block of its prompt included (vLLM leaves a prompt's last token to compute)
+    assert computed[:2] == [(0, full * bt), (1, full * bt)]
+    rid, again = computed[2]
+    assert rid == 1 and bt < again <= bt + output and fleet.instances[0].served == 2
+
+
+def test_preempt_needs_output_pages_and_is_named_in_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--preempt`` without ``--output-pages`` is refused in one line; with it the profile line
+    names it (so the goals check keeps the runs apart) and each row counts its preemptions."""
+    from radixkv.bench import fleet_sim
+
+    argv = ["--workloads", "tenants", "--instances", "2", "--loads", "0.5", "--seeds", "0", "--requests", "40",
+            "--policies", "cost,round_robin"]
+    assert fleet_sim.main([*argv, "--preempt"]) == 2
+    err = capsys.readouterr().err
+    assert "--preempt" in err and err.count("\n") == 1
+    out = tmp_path / "t.txt"
+    assert fleet_sim.main([*argv, "--output-pages", "--preempt", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "taken as decoded, preempting" in next(line for line in text.splitlines() if line.startswith("# profile "))
+    rows = [line for line in text.splitlines() if line.startswith("tenants")]
+    assert len(rows) == 2 and all(" preempted " in row for row in rows)
+    with pytest.raises(ValueError, match="preempt"):
+        Fleet(1, "cost", MODEL, 16, pool_tokens=1024, cpu_tokens=0, budget=8192, preempt=True)
