@@ -395,6 +395,42 @@ def workload(kind: str, n: int, seed: int, trace: str | None = None,
     return _synthetic(kind, n, seed)
 
 
+def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]:
+    """``(instances, pool_tokens, [(seed, requests)])`` of the workload ``python -m radixkv.bench
+    fleet TEXT`` sends: its instances, its pool (``--pool-blocks`` of vLLM's 128-token blocks), and
+    per seed its prompts and arrivals as it sends them (seconds; nothing rescales them), each
+    request generating ``--max-tokens`` (the real requests may stop sooner).  Its flags are refused
+    as that command refuses them (``radixkv.bench.fleet.refuse``), as ``ValueError``.  O(tokens)."""
+    import shlex
+
+    from radixkv.bench import fleet
+
+    try:
+        args = fleet._parser().parse_args(shlex.split(text))
+    except Refused as exc:
+        raise ValueError(f"--like-fleet: {exc}") from None
+    try:
+        fleet.refuse(args)
+    except ValueError as exc:
+        raise ValueError(f"--like-fleet: {exc}") from None
+    bt, out = fleet.BLOCK, []
+    for seed in args.seed:
+        work, _ = fleet._work(args, seed)
+        ids: dict[tuple[int, ...], int] = {}          # a block id per distinct prefix (chained, as vLLM hashes)
+        reqs = [SimRequest(i, at, [ids.setdefault(tuple(prompt[:(j + 1) * bt]), len(ids))
+                                   for j in range(-(-len(prompt) // bt))], len(prompt), args.max_tokens)
+                for i, (at, prompt) in enumerate(work)]
+        out.append((seed, reqs))
+    return args.instances, args.pool_blocks * bt, out
+
+
+def fleet_load(requests: Sequence[SimRequest], block_tokens: int, model: Any, instances: int) -> float:
+    """The load of ``requests`` as they arrive (``scale_to_load``'s measure: their work with the
+    trace's infinite-cache hits over ``instances x`` their span).  O(blocks)."""
+    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
+    return ideal_work(requests, block_tokens, model) / (instances * span) if span > 0 else math.inf
+
+
 def shape_number(kind: str) -> int | None:
     """``K`` of a workload named ``shapeK`` (K a non-negative int), else ``None``.  O(1)."""
     digits = kind[5:]
@@ -1019,17 +1055,22 @@ def _main(argv: list[str] | None) -> int:
     from radixkv.fleet.routing import POLICIES, PROFILES
 
     ap = Parser(prog="python -m radixkv.bench fleet_sim", description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", default="mooncake,tenants,hot,fleetwide",
+    ap.add_argument("--workloads", default=None,
                     help="mooncake, tenants, hot, fleetwide, or shapeK (K a number: a shape drawn from it)")
     ap.add_argument("--trace", default=None, help="a Mooncake-format trace (JSON lines) for the mooncake workload")
     ap.add_argument("--trace-block", type=int, default=None,
                     help="tokens a trace's hash id stands for (default: as its rows' lengths say; 512 in Mooncake's)")
-    ap.add_argument("--instances", default="4,8,16")
-    ap.add_argument("--loads", default="0.5,0.8,0.95")
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--instances", default=None, help="default 4,8,16")
+    ap.add_argument("--loads", default=None, help="default 0.5,0.8,0.95")
+    ap.add_argument("--seeds", default=None, help="default 0,1,2")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--profile", choices=sorted(PROFILES), default="h100-8b")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                    help="default h100-8b; vllm-cpu with --like-fleet")
+    ap.add_argument("--like-fleet", default=None, metavar="ARGS",
+                    help="the workload 'python -m radixkv.bench fleet ARGS' sends, on its instances and pool: its "
+                         "seeds, prompts and arrivals as sent, every request generating --max-tokens (instead of "
+                         "--workloads, --instances, --loads, --seeds and --requests)")
     ap.add_argument("--pool-tokens", type=int, default=None,
                     help="KV pool per instance (default: SYNTHETIC_POOL for tenants, hot and fleetwide; a shape's "
                          "fraction of its distinct prefix tokens, at least two of its longest prompt; for mooncake "
@@ -1075,39 +1116,81 @@ def _main(argv: list[str] | None) -> int:
         if args.out:
             Path(args.out).write_text(text + "\n")
         return 0
-    args.workloads = args.workloads.split(",")
-    for kind in args.workloads:
-        if kind not in WORKLOADS and shape_number(kind) is None:
-            raise ValueError(f"--workloads: unknown workload {kind!r} (one of {', '.join(WORKLOADS)}, or shapeK)")
-    args.instances = _numbers("--instances", args.instances, int, 1)
-    args.loads = _numbers("--loads", args.loads, float, 1e-6)
-    args.seeds = _numbers("--seeds", args.seeds, int, 0)
     for flag, value, least in (("--requests", args.requests, 1), ("--trace-block", args.trace_block, 1),
                                ("--budget", args.budget, 1), ("--pool-tokens", args.pool_tokens, 1),
                                ("--cpu-tokens", args.cpu_tokens, 0)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
-    for kind in args.workloads:             # a bad trace is refused before anything is printed
-        workload(kind, 1, 0, args.trace, args.trace_block)
     policies = args.policies.split(",")
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r} (one of {', '.join(POLICIES)})")
+    if args.like_fleet is not None:
+        for flag in ("workloads", "instances", "loads", "seeds", "trace"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag}: not with --like-fleet (its command sets them)")
+        return _run_like_fleet(args, argv, policies)
+    args.workloads = (args.workloads or "mooncake,tenants,hot,fleetwide").split(",")
+    for kind in args.workloads:
+        if kind not in WORKLOADS and shape_number(kind) is None:
+            raise ValueError(f"--workloads: unknown workload {kind!r} (one of {', '.join(WORKLOADS)}, or shapeK)")
+    args.instances = _numbers("--instances", args.instances or "4,8,16", int, 1)
+    args.loads = _numbers("--loads", args.loads or "0.5,0.8,0.95", float, 1e-6)
+    args.seeds = _numbers("--seeds", args.seeds or "0,1,2", int, 0)
+    for kind in args.workloads:             # a bad trace is refused before anything is printed
+        workload(kind, 1, 0, args.trace, args.trace_block)
+    args.profile = args.profile or "h100-8b"
     model = PROFILES[args.profile]
     budget = args.budget or (8192 if args.profile == "h100-8b" else 2048)
     for kind in args.workloads:             # so is a pool too small for a request (O(requests) a seed)
         for seed in args.seeds:
             reqs, bt = workload(kind, args.requests, seed, args.trace, args.trace_block)
             check_pool(reqs, bt, max(2, (args.pool_tokens or default_pool(kind, reqs, bt)) // bt), args.output_pages)
+
+    def cells() -> Iterable[tuple[str, int, float, int, list[SimRequest], int, int]]:
+        for kind, n, load, seed in _grid(args):
+            reqs, bt = workload(kind, args.requests, seed, args.trace, args.trace_block)
+            pool = args.pool_tokens or default_pool(kind, reqs, bt)
+            scale_to_load(reqs, bt, model, n, load)
+            yield kind, n, load, seed, reqs, bt, pool
+
+    return _report(args, argv, policies, budget, cells())
+
+
+def _run_like_fleet(args: argparse.Namespace, argv: list[str] | None, policies: list[str]) -> int:
+    """``--like-fleet``: ``bench fleet``'s workload, as it arrives, on its instances and pool."""
+    from radixkv.fleet.routing import PROFILES
+
+    instances, pool, runs = like_fleet(args.like_fleet)
+    args.profile = args.profile or "vllm-cpu"
+    model = PROFILES[args.profile]
+    budget = args.budget or (8192 if args.profile == "h100-8b" else 2048)
+    pool = args.pool_tokens or pool
+    for _, reqs in runs:
+        check_pool(reqs, 128, max(2, pool // 128), args.output_pages)
+    load = statistics.fmean(fleet_load(reqs, 128, model, instances) for _, reqs in runs)   # one cell, its seeds
+    cells = (("fleet", instances, load, seed, reqs, 128, pool) for seed, reqs in runs)
+    return _report(args, argv, policies, budget, cells)
+
+
+def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str], budget: int,
+            cells: Iterable[tuple[str, int, float, int, list[SimRequest], int, int]]) -> int:
+    """Run every policy on every cell ``(workload, instances, load, seed, requests, block tokens,
+    pool)``, print the table and the goals' check, write it to ``--out``."""
+    from radixkv.bench import machine_line
+    from radixkv.fleet.routing import PROFILES
+
+    model = PROFILES[args.profile]
     out: list[str] = []
 
     def say(line: str = "") -> None:
         print(line, flush=True)
         out.append(line)
 
-    say(f"# python -m radixkv.bench fleet_sim {' '.join(argv if argv is not None else __import__('sys').argv[1:])}")
-    from radixkv.bench import machine_line
+    import shlex
+    import sys
 
+    say(f"# python -m radixkv.bench fleet_sim {shlex.join(argv if argv is not None else sys.argv[1:])}")
     say(f"# machine: {machine_line()} (virtual time: the machine sets only how long the run takes)")
     say(f"# profile {args.profile} ({model.source}): prefill {model.prefill_s_per_token * 1e6:.1f} us/token, "
         f"fixed {model.fixed_s * 1000:.1f} ms, decode step {model.decode_step_s * 1000:.2f} ms + "
@@ -1119,11 +1202,8 @@ def _main(argv: list[str] | None) -> int:
     started = time.perf_counter()
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
         f"{'p99 s':>8}  served min/max")
-    for kind, n, load, seed in _grid(args):
-        reqs, bt = workload(kind, args.requests, seed, args.trace, args.trace_block)
-        pool = args.pool_tokens or default_pool(kind, reqs, bt)
+    for kind, n, load, seed, reqs, bt, pool in cells:
         cpu = args.cpu_tokens if args.cpu_tokens is not None else pool
-        scale_to_load(reqs, bt, model, n, load)
         for policy in policies:
             s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,
                          budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,

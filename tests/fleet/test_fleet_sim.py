@@ -741,3 +741,49 @@ def test_preempt_needs_output_pages_and_is_named_in_the_table(tmp_path: Path, ca
     assert len(rows) == 2 and all(" preempted " in row for row in rows)
     with pytest.raises(ValueError, match="preempt"):
         Fleet(1, "cost", MODEL, 16, pool_tokens=1024, cpu_tokens=0, budget=8192, preempt=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(tenants=st.integers(1, 4), system=st.integers(1, 700), question=st.integers(1, 300), requests=st.integers(1, 30),
+       burst=st.integers(1, 3), seed=st.integers(0, 50))
+def test_like_fleet_runs_the_requests_bench_fleet_sends(tenants: int, system: int, question: int, requests: int,
+                                                          burst: int, seed: int) -> None:
+    """``--like-fleet ARGS`` simulates what ``bench fleet ARGS`` sends: per seed the same arrivals
+    and prompt lengths, two prompts sharing a block id exactly where they share that block's
+    tokens and every token before it, each request generating ``--max-tokens``, on its instances
+    and pool."""
+    from radixkv.bench import fleet
+    from radixkv.bench.fleet_sim import like_fleet
+
+    text = (f"--tenants {tenants} --system-tokens {system} --question-tokens {question} --requests {requests} "
+            f"--burst {burst} --max-tokens 40 --pool-blocks 40 --instances 3 --seed {seed},{seed + 1}")
+    instances, pool, runs = like_fleet(text)
+    assert (instances, pool) == (3, 40 * fleet.BLOCK) and [s for s, _ in runs] == [seed, seed + 1]
+    args = fleet._parser().parse_args(text.split())
+    bt = fleet.BLOCK
+    for s, reqs in runs:
+        work, _ = fleet._work(args, s)
+        assert [(r.arrival, r.tokens, r.output) for r in reqs] == [(at, len(p), 40) for at, p in work]
+        for (_, p), r in zip(work, reqs):
+            assert len(r.blocks) == -(-len(p) // bt)
+        for (_, p), r in zip(work, reqs):
+            for (_, q), o in zip(work, reqs):
+                for j in range(min(len(r.blocks), len(o.blocks))):
+                    assert (r.blocks[j] == o.blocks[j]) == (p[:(j + 1) * bt] == q[:(j + 1) * bt])
+
+
+def test_like_fleet_is_refused_in_one_line_as_bench_fleet_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    """A flag ``bench fleet`` refuses, or one ``--like-fleet`` sets, is one line and exit 2; a run
+    prints one row per seed and policy in one cell."""
+    from radixkv.bench import fleet_sim
+
+    for argv in (["--like-fleet=--requests 0"], ["--like-fleet=--bogus 1"], ["--like-fleet=--requests 5", "--seeds", "1"],
+                 ["--like-fleet=--requests 5", "--workloads", "tenants"]):
+        assert fleet_sim.main(argv) == 2, argv
+        out = capsys.readouterr()
+        assert out.err.count("\n") == 1 and "--" in out.err and not out.out, argv
+    argv = ["--like-fleet=--requests 12 --tenants 2 --system-tokens 300 --max-tokens 200 --pool-blocks 33 --seed 0,1",
+            "--policies", "cost,round_robin", "--output-pages", "--preempt"]
+    assert fleet_sim.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fleet ")]
+    assert len(rows) == 4 and len({line.split()[2] for line in rows}) == 1
