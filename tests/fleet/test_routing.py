@@ -822,8 +822,9 @@ def test_a_prompt_goes_where_it_and_its_output_fit_among_the_instances_that_reus
     (the blocks that instance's requests in flight pin, plus the pages their outputs and partial
     last blocks take, plus the prompt's other blocks and its own output's pages, are more than its
     pool) and another instance that reuses at least as much of it has room: then to one of those,
-    the rest of the order unchanged.  What is pinned and held is what the requests in flight hold:
-    nothing once every request has ended."""
+    the rest of the order unchanged; where none has room, to the one of those whose pool falls
+    short by the fewest pages, if fewer than the first's.  What is pinned and held is what the
+    requests in flight hold: nothing once every request has ended."""
     fleet = backends(n)
     chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
     prompt = [("p", j) for j in range(data.draw(st.integers(1, 40), label="prompt blocks"))]
@@ -864,17 +865,26 @@ def test_a_prompt_goes_where_it_and_its_output_fit_among_the_instances_that_reus
         return max((16 * sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(names, prompt)))
                     for b, _, names, _, _, _ in requests if b.name == name), default=0)
 
+    def over(name: str) -> int:                 # pages by which its pool falls short, with the prompt
+        pool = next(b.pool_blocks for b in fleet if b.name == name)
+        return 0 if pool is None else len(pinned[name] | set(prompt)) + alone[name] + own - pool
+
     plain = [b.name for b in twin.choose(twin_fleet, tokens, prompt, now=1.0, output=output).order]
     choice = chooser.choose(fleet, tokens, prompt, now=1.0, output=output)
     got = [b.name for b in choice.order]
     first = plain[0]
     room = [name for name in plain[1:] if reuse(name) >= reuse(first) and fits(name)]
+    less = [name for name in plain[1:] if reuse(name) >= reuse(first) and over(name) < over(first)]
     event(f"fit moved it: {not fits(first) and bool(room)}")
+    event(f"moved to a pool less overcommitted: {not fits(first) and not room and bool(less)}")
     event(f"its output's pages counted: {own > 0}")
-    if fits(first) or not room:
+    if fits(first) or not (room or less):
         assert got == plain and choice.why != "fit"
     else:
-        assert choice.why == "fit" and got[0] in room, (got, room)
+        if room:
+            assert choice.why == "fit" and got[0] in room, (got, room)
+        else:                                   # fits nowhere that reuses as much: the least overcommitted
+            assert choice.why == "fit" and got[0] == min(less, key=lambda name: (over(name), plain.index(name)))
         assert got[1:] == [name for name in plain if name != got[0]], "only the one that fits moved"
         assert choice.promised == min(reuse(got[0]), tokens)
     chooser.check(fleet)
@@ -885,6 +895,57 @@ def test_a_prompt_goes_where_it_and_its_output_fit_among_the_instances_that_reus
         chooser.check(fleet)
     assert not any(chooser._pinned.values()), "blocks still pinned after every request ended"
     assert not any(chooser._private.values()), "pages still held alone after every request ended"
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 6), data=st.data())
+def test_a_prompt_that_fits_nowhere_goes_to_the_pool_that_falls_short_by_the_fewest_pages(
+        n: int, data: st.DataObject) -> None:
+    """No instance holds the new prompt; each has requests in flight (drawn prompts, outputs told
+    or not) and a pool that, with the prompt and its output's pages, falls short by a drawn number
+    of pages (or has room).  Where the first of the cost policy's order (no pool known) has room,
+    the order stands; where none has room, the instance whose pool falls short by the fewest pages
+    goes first (the earlier in that order among equals), if fewer than the first's; the rest of the
+    order is unchanged."""
+    fleet = backends(n)
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
+    prompt = [("p", j) for j in range(data.draw(st.integers(1, 20), label="prompt blocks"))]
+    tokens, output = len(prompt) * 16 + 8, data.draw(st.none() | st.integers(1, 300), label="its output")
+    own = chooser.pages(tokens, prompt, output)
+    short = {}
+    for b in fleet:
+        held = 0
+        for k in range(data.draw(st.integers(1, 3), label=f"requests on {b.name}")):
+            names = [(b.name, k, j) for j in range(data.draw(st.integers(1, 10)))]
+            out = data.draw(st.none() | st.integers(1, 300))
+            charge = chooser.sent(b, len(names) * 16 + 8, 0, names, now=0.0, output=out)
+            if data.draw(st.booleans(), label="prefilled"):
+                chooser.prefilled(b, charge, names, now=0.5)
+            held += len(names) + chooser.pages(len(names) * 16 + 8, names, out)
+        short[b.name] = data.draw(st.integers(-2, held), label=f"pages {b.name} falls short by")
+        b.pool_blocks = held + len(prompt) + own - short[b.name]      # the prompt alone fits it empty
+    chooser.check(fleet)
+    twin, twin_fleet = copy.deepcopy((chooser, fleet))
+    for tb in twin_fleet:
+        tb.pool_blocks = None
+    plain = [b.name for b in twin.choose(twin_fleet, tokens, prompt, now=1.0, output=output).order]
+    choice = chooser.choose(fleet, tokens, prompt, now=1.0, output=output)
+    got = [b.name for b in choice.order]
+    assert all(chooser.overcommit(b, prompt, own) == short[b.name] for b in fleet)
+    first = plain[0]
+    room = [name for name in plain[1:] if short[name] <= 0]
+    less = [name for name in plain[1:] if short[name] < short[first]]
+    event(f"the first has room: {short[first] <= 0}; another has: {bool(room)}; less short: {bool(less)}")
+    if short[first] <= 0 or not (room or less):
+        assert got == plain and choice.why != "fit"
+    else:
+        assert choice.why == "fit"
+        if room:
+            assert got[0] in room
+        else:
+            assert got[0] == min(less, key=lambda name: (short[name], plain.index(name)))
+        assert got[1:] == [name for name in plain if name != got[0]]
+    chooser.check(fleet)
 
 
 @settings(max_examples=150, deadline=None)
