@@ -65,7 +65,9 @@ first instance that holds the shared block); and ``shapeK``, for any number K, a
 shape drawn from K (``SHAPE_CHOICES``: tenants and their popularity, system prompts and their
 spread, a fleet-wide prefix or none, question and output lengths, multi-turn sessions, bursts,
 arrivals switched on and off, the pool against the distinct prefix tokens), to test the policies on
-shapes no one chose.
+shapes no one chose.  ``--like-fleet ARGS`` instead runs the requests ``python -m radixkv.bench fleet
+ARGS`` sends (``like_fleet``: its arrivals in seconds, its prompts as 128-token blocks, its instances
+and pool; every request generating its ``--max-tokens``), to set the simulator beside a real fleet.
 """
 
 from __future__ import annotations
