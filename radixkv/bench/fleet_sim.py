@@ -741,7 +741,7 @@ class _Instance:
                 self.busy_s += env.now - start
                 for r in self.running:
                     r.left -= 1
-            elif not self.running:          # everything running was preempted: admit again
+            elif preempted and not self.running:    # everything running was preempted: admit again
                 continue
             else:
                 # decode only: advance to the next completion or the next arrival (with ``preempt``:
