@@ -146,6 +146,12 @@ def check_pool(requests: Sequence[SimRequest], block_tokens: int, pool_blocks: i
                          f"(raise --pool-tokens)")
 
 
+def _computed(r: SimRequest) -> float:
+    """Positions of running ``r`` whose KV exists: its prompt and every token it generated but the
+    last (fractional between decode steps).  O(1)."""
+    return r.tokens + r.output - r.left - 1
+
+
 def private_blocks(r: SimRequest, block_tokens: int) -> int:
     """Pages ``r`` holds beyond its prompt's full blocks while it runs (``output_pages``): its
     prompt's partial last block and its output's tokens, as vLLM allocates a page for every
@@ -612,6 +618,10 @@ class _Instance:
             return private_blocks(r, bt)
         return max(0, -(-(r.tokens + r.recompute) // bt) - full_blocks(r, bt))
 
+    def _pages(self, r: SimRequest) -> int:
+        """Pages running ``r`` holds: its prompt's full blocks and its private pages.  O(1)."""
+        return full_blocks(r, self.fleet.block_tokens) + (len(r.private) if r.private is not None else 0)
+
     def _grow(self) -> bool:
         """With ``preempt``, before a step: a page for every running request whose next position
         starts a block, in admission order, as vLLM's scheduler allocates its running requests'
@@ -624,8 +634,7 @@ class _Instance:
         bt, preempted, i = self.fleet.block_tokens, False, 0
         while i < len(self.running):
             r = self.running[i]
-            held = full_blocks(r, bt) + (len(r.private) if r.private is not None else 0)
-            if r.tokens + r.output - r.left - 1 < held * bt - _EPS:   # positions computed < pages x block
+            if _computed(r) < self._pages(r) * bt - _EPS:          # its pages cover its next position
                 i += 1
                 continue
             try:
@@ -688,9 +697,7 @@ class _Instance:
 
     def _to_next_page(self, r: SimRequest) -> float:
         """Decode steps before running ``r`` reaches a position its pages do not cover.  O(1)."""
-        bt = self.fleet.block_tokens
-        held = full_blocks(r, bt) + (len(r.private) if r.private is not None else 0)
-        return max(0.0, held * bt - (r.tokens + r.output - r.left - 1))
+        return max(0.0, self._pages(r) * self.fleet.block_tokens - _computed(r))
 
     def end(self, r: SimRequest) -> None:
         with self._held_writer():
@@ -897,9 +904,8 @@ class Fleet:
             engine = inst.cache.stats()["pages_engine"]
             assert engine == taken, f"{inst.name}: {engine} pages held by the engine, its requests took {taken}"
             for r in inst.running if self.preempt else ():      # no decode past its pages, none beyond its sequence's
-                bt = self.block_tokens
-                pages = full_blocks(r, bt) + (len(r.private) if r.private is not None else 0)
-                assert r.tokens + r.output - r.left - 1 < pages * bt + 1, f"{inst.name}: request {r.rid} past its pages"
+                bt, pages = self.block_tokens, inst._pages(r)
+                assert _computed(r) < pages * bt + 1, f"{inst.name}: request {r.rid} past its pages"
                 assert pages <= full_blocks(r, bt) + private_blocks(r, bt), f"{inst.name}: request {r.rid}: {pages} pages"
         self.index.check()
         self.chooser.check(self.backends)
@@ -1163,15 +1169,17 @@ def _run_like_fleet(args: argparse.Namespace, argv: list[str] | None, policies: 
     """``--like-fleet``: ``bench fleet``'s workload, as it arrives, on its instances and pool."""
     from radixkv.fleet.routing import PROFILES
 
+    from radixkv.bench.fleet import BLOCK as bt
+
     instances, pool, runs = like_fleet(args.like_fleet)
     args.profile = args.profile or "vllm-cpu"
     model = PROFILES[args.profile]
     budget = args.budget or (8192 if args.profile == "h100-8b" else 2048)
     pool = args.pool_tokens or pool
     for _, reqs in runs:
-        check_pool(reqs, 128, max(2, pool // 128), args.output_pages)
-    load = statistics.fmean(fleet_load(reqs, 128, model, instances) for _, reqs in runs)   # one cell, its seeds
-    cells = (("fleet", instances, load, seed, reqs, 128, pool) for seed, reqs in runs)
+        check_pool(reqs, bt, max(2, pool // bt), args.output_pages)
+    load = statistics.fmean(fleet_load(reqs, bt, model, instances) for _, reqs in runs)   # one cell, its seeds
+    cells = (("fleet", instances, load, seed, reqs, bt, pool) for seed, reqs in runs)
     return _report(args, argv, policies, budget, cells)
 
 

@@ -562,10 +562,9 @@ class Chooser:
         if pool is None:
             return True
         pinned: Mapping[Hashable, int] = self._pinned.get(backend.name) or {}
-        held = len(pinned) + self._private.get(backend.name, 0) + own
-        if held + len(names) <= pool:
+        if len(pinned) + self._private.get(backend.name, 0) + own + len(names) <= pool:
             return True
-        return held + sum(1 for n in names if n not in pinned) <= pool
+        return self.overcommit(backend, names, own) <= 0
 
     def overcommit(self, backend: Backend, names: Sequence[Hashable], own: int = 0) -> int:
         """Pages by which ``backend``'s pool falls short of its requests in flight and a prompt of
@@ -837,13 +836,13 @@ class Chooser:
             return False
         room = [s for s in scored[1:] if self.fits(s[4], names, own)]
         same = [s for s in room if s[5] >= first[5]]
-        pages_s = None if same else self.page_wait(first[4], names, own, now) if room else None
-        if same:
-            best = min(same, key=lambda s: s[:4])
-        elif pages_s is not None and (room_best := min(room, key=lambda s: s[:4]))[0] < (
-                first[0] + max(0.0, pages_s - wait[first[4].name])):
-            best = room_best
-        else:
+        best = min(same, key=lambda s: s[:4]) if same else None
+        if best is None and room:
+            pages_s = self.page_wait(first[4], names, own, now)
+            cheapest = min(room, key=lambda s: s[:4])
+            if pages_s is not None and cheapest[0] < first[0] + max(0.0, pages_s - wait[first[4].name]):
+                best = cheapest
+        if best is None:
             # fits nowhere that reuses as much: the least overcommitted of those pools, if less
             # than the first's (an engine that reserves makes the prompt wait while the excess
             # drains; one that takes pages as decodes grow, as vLLM does, preempts and recomputes
