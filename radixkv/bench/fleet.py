@@ -21,7 +21,9 @@ fresh instances, so no run inherits another's cache; ``--burst N`` sends one ten
 Poisson arrival): the **prefix hit rate** from vLLM's own counters summed over the
 instances (``vllm:prefix_cache_hits`` / ``queries``: the GPU pool; ``+ tiers`` adds the
 connector's, ``vllm:external_prefix_cache_hits``), TTFT p50/p95/p99 at the client (its first
-streamed data event), requests/s, the requests each instance served, and the router's decisions.  Then the
+streamed data event), requests/s, the requests each instance served, the router's decisions, and
+the requests the instances preempted (``vllm:num_preemptions``: pool pages ran out while decoding, and
+the request was recomputed; ``fleet_sim --preempt`` models it).  Then the
 first policy again with the first instance
 killed (SIGKILL) after half the requests were sent: every request is counted as served, answered
 with an error, or lost (no answer at all); the claim is none lost.
@@ -640,6 +642,7 @@ def _row(name: str, results: list[dict[str, Any]], before: dict[str, str], after
                re.finditer(r'^radixkv_router_routed_total\{reason="([^"]+)"\} (\S+)$', routed, re.M)}
     served_by = [round(_finished(after[u]) - _finished(before[u])) for u in after]
     return {"name": name, "gpu_hit": hits / queries if queries else 0.0,
+            "preempted": round(delta("vllm:num_preemptions_total")),
             "all_hit": (hits + external) / queries if queries else 0.0,
             "p50": statistics.median(ttfts) if ttfts else float("nan"),
             "p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else float("nan"),
@@ -659,7 +662,8 @@ def _table(report: Report, rows: list[dict[str, Any]], bound: float | None = Non
         note = " (hit rates: the surviving instance)" if r["partial"] else ""
         report(f"{r['name']:<28} {r['gpu_hit']:>8.1%} {r['all_hit']:>8.1%} {r['p50'] * 1e3:>7.0f}ms "
                f"{r['p95'] * 1e3:>7.0f}ms {r['p99'] * 1e3:>7.0f}ms {r['rps']:>6.2f}  "
-               f"{o['served']}/{o['error']}/{o['lost']}  {'/'.join(map(str, r['served_by']))}  {reasons}{note}")
+               f"{o['served']}/{o['error']}/{o['lost']}  {'/'.join(map(str, r['served_by']))}  {reasons}  "
+               f"preempted {r['preempted']}{note}")
     base = {r["name"]: r for r in rows}
     for ref in ("round_robin", "radixkv:round_robin", "sglang:round_robin", "sglang:cache_aware"):
         if ref not in base:

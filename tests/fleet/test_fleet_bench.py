@@ -40,6 +40,34 @@ def test_the_reuse_bound_counts_whole_shared_blocks_once_seen() -> None:
     assert fleet.reuse_bound([(0.0, a), (0.1, a)], block=4) == pytest.approx(4 / 16), "never the last block"
 
 
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 9), st.integers(0, 9),
+                         st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=4))
+def test_a_row_counts_each_instances_counters_over_the_run_alone(deltas: list[tuple[int, ...]]) -> None:
+    """The row's hit rate, preemptions and requests served are each counter's change between the
+    snapshots, summed over the instances (not the counters since the instance started)."""
+    def metrics(queries: int, hits: int, preempted: int, served: int, aborted: int) -> str:
+        return "\n".join([
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+            f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {queries}.0',
+            f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {hits}.0',
+            f'vllm:num_preemptions_total{{engine="0",model_name="m"}} {preempted}.0',
+            f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="m"}} {served}.0',
+            f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="m"}} {aborted}.0'])
+
+    before, after = {}, {}
+    for i, (q0, dq, p0, dp, s0, ds) in enumerate(deltas):
+        url = f"http://127.0.0.1:{8000 + i}"
+        before[url] = metrics(q0 + 7, q0, p0 + 100, s0, 3)
+        after[url] = metrics(q0 + 7 + dq, q0 + dq // 2, p0 + 100 + dp, s0 + ds, 3 + ds)
+    results = [{"outcome": "served", "ttft": 0.01 * (k + 1), "_wall": 2.0} for k in range(4)]
+    row = fleet._row("cost", results, before, after, routed="")
+    queries = sum(d[1] for d in deltas)
+    assert row["preempted"] == sum(d[3] for d in deltas)
+    assert row["served_by"] == [d[5] for d in deltas], "aborted requests are not served"
+    assert row["gpu_hit"] == pytest.approx(sum(d[1] // 2 for d in deltas) / queries if queries else 0.0)
+    assert row["outcomes"] == {"served": 4, "error": 0, "lost": 0}
+
+
 @given(st.lists(st.integers(0, 255), min_size=1, max_size=64, unique=True), st.integers(1, 8),
        st.sampled_from(("auto", "on", "off")))
 def test_pinning_gives_each_instance_cores_of_its_own(available: list[int], instances: int, pin: str) -> None:
