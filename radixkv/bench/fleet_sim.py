@@ -67,7 +67,9 @@ spread, a fleet-wide prefix or none, question and output lengths, multi-turn ses
 arrivals switched on and off, the pool against the distinct prefix tokens), to test the policies on
 shapes no one chose.  ``--like-fleet ARGS`` instead runs the requests ``python -m radixkv.bench fleet
 ARGS`` sends (``like_fleet``: its arrivals in seconds, its prompts as 128-token blocks, its instances
-and pool; every request generating its ``--max-tokens``), to set the simulator beside a real fleet.
+and pool; every request generating its ``--max-tokens``), to set the simulator beside a real fleet;
+``--slower F`` then makes every prefill and decode step F times the profile's (``slower``), for a
+machine slower or faster than the one the profile was fit on.
 """
 
 from __future__ import annotations
@@ -1079,6 +1081,9 @@ def _main(argv: list[str] | None) -> int:
                     help="the workload 'python -m radixkv.bench fleet ARGS' sends, on its instances and pool: its "
                          "seeds, prompts and arrivals as sent, every request generating --max-tokens (instead of "
                          "--workloads, --instances, --loads, --seeds and --requests)")
+    ap.add_argument("--slower", type=float, default=None, metavar="F",
+                    help="with --like-fleet: every prefill and decode step F times the profile's (a slower machine, "
+                         "F > 1, or a faster one; the router's cost model the same); its arrivals are not rescaled")
     ap.add_argument("--pool-tokens", type=int, default=None,
                     help="KV pool per instance (default: SYNTHETIC_POOL for tenants, hot and fleetwide; a shape's "
                          "fraction of its distinct prefix tokens, at least two of its longest prompt; for mooncake "
@@ -1133,6 +1138,11 @@ def _main(argv: list[str] | None) -> int:
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r} (one of {', '.join(POLICIES)})")
+    if args.slower is not None and not (0 < args.slower < math.inf):
+        raise ValueError(f"--slower must be a positive finite number, got {args.slower}")
+    if args.slower is not None and args.like_fleet is None:
+        raise ValueError("--slower: only with --like-fleet (elsewhere arrivals are scaled to each load, "
+                         "whatever the steps cost)")
     if args.like_fleet is not None:
         for flag in ("workloads", "instances", "loads", "seeds", "trace"):
             if getattr(args, flag) is not None:
@@ -1165,15 +1175,32 @@ def _main(argv: list[str] | None) -> int:
     return _report(args, argv, policies, budget, cells())
 
 
-def _run_like_fleet(args: argparse.Namespace, argv: list[str] | None, policies: list[str]) -> int:
-    """``--like-fleet``: ``bench fleet``'s workload, as it arrives, on its instances and pool."""
+def slower(model: Any, factor: float) -> Any:
+    """``model`` (a ``CostModel``) with its prefill and decode step costs ``factor`` times as much:
+    a slower machine (``factor`` > 1) or a faster one.  Loads and the fixed cost unchanged.  O(1)."""
+    import dataclasses
+
+    return dataclasses.replace(model, prefill_s_per_token=model.prefill_s_per_token * factor,
+                               decode_step_s=model.decode_step_s * factor,
+                               decode_s_per_seq=model.decode_s_per_seq * factor,
+                               source=f"{model.source}, every step x{factor:g}")
+
+
+def _model(args: argparse.Namespace) -> Any:
+    """The run's cost model: ``--profile``'s, ``--slower`` times where given."""
     from radixkv.fleet.routing import PROFILES
 
+    model = PROFILES[args.profile]
+    return slower(model, args.slower) if getattr(args, "slower", None) is not None else model
+
+
+def _run_like_fleet(args: argparse.Namespace, argv: list[str] | None, policies: list[str]) -> int:
+    """``--like-fleet``: ``bench fleet``'s workload, as it arrives, on its instances and pool."""
     from radixkv.bench.fleet import BLOCK as bt
 
     instances, pool, runs = like_fleet(args.like_fleet)
     args.profile = args.profile or "vllm-cpu"
-    model = PROFILES[args.profile]
+    model = _model(args)
     budget = args.budget or (8192 if args.profile == "h100-8b" else 2048)
     pool = args.pool_tokens or pool
     for _, reqs in runs:
@@ -1188,9 +1215,8 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
     """Run every policy on every cell ``(workload, instances, load, seed, requests, block tokens,
     pool)``, print the table and the goals' check, write it to ``--out``."""
     from radixkv.bench import machine_line
-    from radixkv.fleet.routing import PROFILES
 
-    model = PROFILES[args.profile]
+    model = _model(args)
     out: list[str] = []
 
     def say(line: str = "") -> None:

@@ -784,17 +784,54 @@ def test_like_fleet_runs_the_requests_bench_fleet_sends(tenants: int, system: in
 
 
 def test_like_fleet_is_refused_in_one_line_as_bench_fleet_refuses(capsys: pytest.CaptureFixture[str]) -> None:
-    """A flag ``bench fleet`` refuses, or one ``--like-fleet`` sets, is one line and exit 2; a run
-    prints one row per seed and policy in one cell."""
+    """A flag ``bench fleet`` refuses, or one ``--like-fleet`` sets, is one line and exit 2, and so
+    is ``--slower`` without ``--like-fleet`` (whose arrivals are not rescaled to a load) or not a
+    positive finite number; a run prints one row per seed and policy in one cell."""
     from radixkv.bench import fleet_sim
 
     for argv in (["--like-fleet=--requests 0"], ["--like-fleet=--bogus 1"], ["--like-fleet=--requests 5", "--seeds", "1"],
-                 ["--like-fleet=--requests 5", "--workloads", "tenants"]):
+                 ["--like-fleet=--requests 5", "--workloads", "tenants"], ["--slower", "2"],
+                 *(["--like-fleet=--requests 5", "--slower", bad] for bad in ("0", "nan", "inf"))):
         assert fleet_sim.main(argv) == 2, argv
         out = capsys.readouterr()
-        assert out.err.count("\n") == 1 and "--" in out.err and not out.out, argv
+        named = "--slower" if "--slower" in argv else "--"
+        assert out.err.count("\n") == 1 and named in out.err and not out.out, argv
     argv = ["--like-fleet=--requests 12 --tenants 2 --system-tokens 300 --max-tokens 200 --pool-blocks 33 --seed 0,1",
             "--policies", "cost,round_robin", "--output-pages", "--preempt"]
     assert fleet_sim.main(argv) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fleet ")]
     assert len(rows) == 4 and len({line.split()[2] for line in rows}) == 1
+
+
+@given(st.floats(0.1, 10.0), st.integers(1, 4), st.integers(0, 5))
+@settings(max_examples=20, deadline=None)
+def test_a_slower_machine_takes_every_step_that_many_times_as_long(factor: float, requests: int, seed: int) -> None:
+    """``slower(model, F)``: prefill and decode steps F times the profile's, loads and the fixed cost
+    as they were; on requests that never wait for one another (spaced far apart) every TTFT is the
+    fixed cost plus F times its compute."""
+    from radixkv.bench.fleet_sim import slower
+
+    base = PROFILES["vllm-cpu"]
+    model = slower(base, factor)
+    assert model.prefill_s_per_token == pytest.approx(base.prefill_s_per_token * factor)
+    assert model.decode_step_s == pytest.approx(base.decode_step_s * factor)
+    assert model.decode_s_per_seq == pytest.approx(base.decode_s_per_seq * factor)
+    assert (model.fixed_s, model.load_s_per_token) == (base.fixed_s, base.load_s_per_token)
+    rng = random.Random(seed)
+    reqs = [SimRequest(i, 1000.0 * i, [rng.randrange(1 << 30) for _ in range(3)], 300, 4) for i in range(requests)]
+    plain, slow = (simulate(reqs, 128, instances=2, policy="cost", model=m, pool_tokens=1 << 16, cpu_tokens=0,
+                            budget=2048, check=True) for m in (base, model))
+    for a, b in zip(plain["ttft"], slow["ttft"]):
+        assert b - base.fixed_s == pytest.approx((a - base.fixed_s) * factor)
+
+
+def test_slower_is_named_in_the_profile_line_with_the_slower_costs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--slower F``: the table's profile line gives the costs it ran with, F times the profile's."""
+    from radixkv.bench import fleet_sim
+
+    argv = ["--like-fleet=--requests 6 --tenants 2 --system-tokens 300 --max-tokens 20 --pool-blocks 33 --seed 0",
+            "--policies", "cost", "--slower", "2"]
+    assert fleet_sim.main(argv) == 0
+    profile = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("# profile"))
+    base = PROFILES["vllm-cpu"]
+    assert f"prefill {base.prefill_s_per_token * 2e6:.1f} us/token" in profile and "every step x2" in profile
