@@ -67,9 +67,11 @@ spread, a fleet-wide prefix or none, question and output lengths, multi-turn ses
 arrivals switched on and off, the pool against the distinct prefix tokens), to test the policies on
 shapes no one chose.  ``--like-fleet ARGS`` instead runs the requests ``python -m radixkv.bench fleet
 ARGS`` sends (``like_fleet``: its arrivals in seconds, its prompts as 128-token blocks, its instances
-and pool; every request generating its ``--max-tokens``), to set the simulator beside a real fleet;
-``--slower F`` then makes every prefill and decode step F times the profile's (``slower``), for a
-machine slower or faster than the one the profile was fit on.
+and pool; every request generating its ``--max-tokens``), to set the simulator beside a real fleet.
+Its instances cost the ``vllm-cpu-fleet`` profile by default (the fit of the model ``bench fleet``
+serves), while its router estimates with ``vllm-cpu``, as ``bench fleet`` starts its router;
+``--slower F`` makes the instances' every prefill and decode step F times the profile's
+(``slower``), for a machine slower or faster than the one the profile was fit on.
 """
 
 from __future__ import annotations
@@ -789,7 +791,7 @@ class Fleet:
 
     def __init__(self, instances: int, policy: str, model: Any, block_tokens: int, *, pool_tokens: int,
                  cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False, affinity: float | None = None,
-                 seed: int = 0, output_pages: bool = False, preempt: bool = False) -> None:
+                 seed: int = 0, output_pages: bool = False, preempt: bool = False, router_model: Any = None) -> None:
         import simpy
 
         from radixkv.core.hashing import Namespace
@@ -811,7 +813,7 @@ class Fleet:
         self.index = Index()
         self._shared: set[Any] = set()
         self.chooser = Chooser(policy, block_size=block_tokens, lookup=self.index.lookup,
-                               spread=self.index.lookup_spread, model=model,
+                               spread=self.index.lookup_spread, model=router_model or model,
                                affinity=affinity, p2p=p2p, shared=self._shared_run if shared else None, seed=seed)
         self.instances = [_Instance(self, f"i{k}") for k in range(instances)]
         self.backends = [Backend(inst.name, inst.name, pool_blocks=self.pool_blocks) for inst in self.instances]
@@ -916,12 +918,13 @@ class Fleet:
 def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, policy: str, model: Any,
              pool_tokens: int, cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False,
              affinity: float | None = None, seed: int = 0, check: bool = False,
-             output_pages: bool = False, preempt: bool = False) -> dict[str, Any]:
-    """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary."""
+             output_pages: bool = False, preempt: bool = False, router_model: Any = None) -> dict[str, Any]:
+    """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary.  The
+    instances cost ``model``; the router estimates with ``router_model`` (default: ``model``)."""
     reqs = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output) for r in requests]
     fleet = Fleet(instances, policy, model, block_tokens, pool_tokens=pool_tokens, cpu_tokens=cpu_tokens,
                   budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed, output_pages=output_pages,
-                  preempt=preempt)
+                  preempt=preempt, router_model=router_model)
     fleet.run(reqs)
     if check:
         fleet.check()
@@ -1076,14 +1079,16 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--profile", choices=sorted(PROFILES), default=None,
-                    help="default h100-8b; vllm-cpu with --like-fleet")
+                    help="default h100-8b; with --like-fleet vllm-cpu-fleet (its router estimating with vllm-cpu, "
+                         "as bench fleet's does)")
     ap.add_argument("--like-fleet", default=None, metavar="ARGS",
                     help="the workload 'python -m radixkv.bench fleet ARGS' sends, on its instances and pool: its "
                          "seeds, prompts and arrivals as sent, every request generating --max-tokens (instead of "
                          "--workloads, --instances, --loads, --seeds and --requests)")
     ap.add_argument("--slower", type=float, default=None, metavar="F",
-                    help="with --like-fleet: every prefill and decode step F times the profile's (a slower machine, "
-                         "F > 1, or a faster one; the router's cost model the same); its arrivals are not rescaled")
+                    help="with --like-fleet: every prefill and decode step of the instances F times the profile's (a "
+                         "slower machine, F > 1, or a faster one; the router estimates as bench fleet's does, with "
+                         "vllm-cpu); its arrivals are not rescaled")
     ap.add_argument("--pool-tokens", type=int, default=None,
                     help="KV pool per instance (default: SYNTHETIC_POOL for tenants, hot and fleetwide; a shape's "
                          "fraction of its distinct prefix tokens, at least two of its longest prompt; for mooncake "
@@ -1199,7 +1204,8 @@ def _run_like_fleet(args: argparse.Namespace, argv: list[str] | None, policies: 
     from radixkv.bench.fleet import BLOCK as bt
 
     instances, pool, runs = like_fleet(args.like_fleet)
-    args.profile = args.profile or "vllm-cpu"
+    args.profile = args.profile or "vllm-cpu-fleet"     # the fit of the model bench fleet serves
+    args.router_profile = "vllm-cpu"      # as bench fleet starts its router: --cost-profile vllm-cpu
     model = _model(args)
     budget = args.budget or (8192 if args.profile == "h100-8b" else 2048)
     pool = args.pool_tokens or pool
@@ -1216,7 +1222,11 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
     pool)``, print the table and the goals' check, write it to ``--out``."""
     from radixkv.bench import machine_line
 
+    from radixkv.fleet.routing import PROFILES
+
     model = _model(args)
+    router = getattr(args, "router_profile", None)
+    router_model = PROFILES[router] if router is not None else None
     out: list[str] = []
 
     def say(line: str = "") -> None:
@@ -1234,7 +1244,8 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
         f"CPU tier {args.cpu_tokens if args.cpu_tokens is not None else 'as the pool'}, budget {budget}"
         f"{', p2p' if args.p2p else ''}{', shared tier' if args.shared else ''}"
         f"{', output pages' if args.output_pages else ''}{' taken as decoded, preempting' if args.preempt else ''}"
-        f", affinity {args.affinity}")
+        f", affinity {args.affinity}"
+        f"{f'; the router estimates with the {router} profile' if router_model not in (None, model) else ''}")
     started = time.perf_counter()
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
         f"{'p99 s':>8}  served min/max")
@@ -1243,7 +1254,7 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
         for policy in policies:
             s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,
                          budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
-                         output_pages=args.output_pages, preempt=args.preempt)
+                         output_pages=args.output_pages, preempt=args.preempt, router_model=router_model)
             say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
                 f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}"
                 f"{'  preempted ' + str(s['preempted']) if args.preempt else ''}")

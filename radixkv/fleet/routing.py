@@ -255,6 +255,12 @@ class CostModel:
 #: 1/2/4/8 within 1.4% of their medians).  Both measured on one quiet machine (load average below
 #: 2); an earlier decode fit under a load average of 9-13 read 177 ms + 18.5 ms: on 2 shared cores
 #: a decode step measured the machine's other work.
+#: ``vllm-cpu-fleet``: the same fit for the model ``python -m radixkv.bench fleet`` serves (2 layers,
+#: hidden 256, 4 query / 2 KV heads, MLP 512, vocab 1000; ``benchmarks/results/vllm_cpu_fleet_model.txt``
+#: at 1K/2K/3K + 256 tokens and ``vllm_cpu_fleet_model_decode.txt``): 8.3 ms + 23.8 us a computed
+#: token, a tenth of ``vllm-cpu``'s per token; every row within 17% but the CPU tier at 1K (162 ms
+#: where 2K and 3K took 41 and 52, the run's first load); a decode step 2.59 ms + 0.116 ms a
+#: sequence (batches of 1/2/4/8 within 1.3%).  ``fleet_sim --like-fleet`` runs its instances on it.
 #: ``h100-8b``: derived from published numbers for Llama-3-8B (8.0e9 parameters: 16 GFLOP a token;
 #: 128 KiB of KV a token in bf16) on one H100 SXM (989 TFLOPS dense bf16 at an assumed 50%
 #: utilisation -> 32 us a token; 3.35 TB/s HBM -> a decode step reads the 16 GB of weights in
@@ -265,6 +271,11 @@ PROFILES: dict[str, CostModel] = {
                           load_s_per_token={"GPU": 0.0, "CPU": 3.98e-6, "STORAGE": 0.73e-6, "SHARED": 22.20e-6,
                                             "PEER": 22.20e-6},
                           decode_step_s=3.66e-3, decode_s_per_seq=0.169e-3, source="fit of bench vllm on vLLM-CPU"),
+    "vllm-cpu-fleet": CostModel(prefill_s_per_token=23.79e-6, fixed_s=8.342e-3,
+                                load_s_per_token={"GPU": 0.0, "CPU": 13.43e-6, "STORAGE": 10.48e-6, "SHARED": 59.35e-6,
+                                                  "PEER": 59.35e-6},
+                                decode_step_s=2.593e-3, decode_s_per_seq=0.1164e-3,
+                                source="fit of bench vllm on bench fleet's model, vLLM-CPU"),
     "h100-8b": CostModel(prefill_s_per_token=32e-6, fixed_s=0.004,
                          load_s_per_token={"GPU": 0.0, "CPU": 2.6e-6, "PEER": 5.2e-6, "SHARED": 131e-6,
                                            "STORAGE": 13e-6},

@@ -150,6 +150,28 @@ def test_the_ttft_fit_never_gives_a_negative_constant(tmp_path_factory: Any, fix
     assert exact["prefill_s_per_token"] == pytest.approx(per, rel=1e-3)
 
 
+def test_the_fleet_models_profile_is_the_fit_of_its_committed_measurements() -> None:
+    """``vllm-cpu-fleet``: the fit of ``bench vllm`` on the model ``bench fleet`` serves, within the
+    error its comment states (17% on every row but the CPU tier's first load), and the committed
+    calibration table is what ``--calibrate`` prints for it."""
+    results = ROOT / "benchmarks" / "results"
+    fit = fit_vllm_cpu(results / "vllm_cpu_fleet_model.txt")
+    decode = fit_vllm_cpu_decode(results / "vllm_cpu_fleet_model_decode.txt")
+    profile = PROFILES["vllm-cpu-fleet"]
+    assert profile.fixed_s == pytest.approx(fit["fixed_s"], rel=0.01)
+    assert profile.prefill_s_per_token == pytest.approx(fit["prefill_s_per_token"], rel=0.01)
+    for medium, per in fit["load_s_per_token"].items():
+        assert profile.load_s_per_token[medium] == pytest.approx(per, rel=0.01), medium
+    assert profile.decode_step_s == pytest.approx(decode["decode_step_s"], rel=0.01)
+    assert profile.decode_s_per_seq == pytest.approx(decode["decode_s_per_seq"], rel=0.01)
+    worst = [(label, n) for label, n, measured, fitted in fit["rows"] if abs(fitted - measured) / measured > 0.17]
+    assert worst == [("cpu", 1024)], worst
+    assert decode["max_rel_error"] <= 0.013
+    text = calibration_text(str(results / "vllm_cpu_fleet_model.txt"), str(results / "vllm_cpu_fleet_model_decode.txt"))
+    committed = (results / "fleet_sim_calibration_fleet_model.txt").read_text()
+    assert text.split("\n", 1)[1] == committed.split("\n", 1)[1].rstrip("\n")
+
+
 def test_the_vllm_cpu_decode_costs_are_the_fit_of_the_committed_measurements() -> None:
     table = ROOT / "benchmarks" / "results" / "vllm_cpu_decode.txt"
     fit = fit_vllm_cpu_decode(table)
@@ -826,12 +848,27 @@ def test_a_slower_machine_takes_every_step_that_many_times_as_long(factor: float
 
 
 def test_slower_is_named_in_the_profile_line_with_the_slower_costs(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--slower F``: the table's profile line gives the costs it ran with, F times the profile's."""
+    """``--slower F``: the table's profile line gives the instances' costs, F times the profile's,
+    and says that the router estimates with ``vllm-cpu``, as ``bench fleet`` starts its router."""
     from radixkv.bench import fleet_sim
 
     argv = ["--like-fleet=--requests 6 --tenants 2 --system-tokens 300 --max-tokens 20 --pool-blocks 33 --seed 0",
             "--policies", "cost", "--slower", "2"]
     assert fleet_sim.main(argv) == 0
     profile = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("# profile"))
-    base = PROFILES["vllm-cpu"]
+    base = PROFILES["vllm-cpu-fleet"]           # --like-fleet's instances: the model bench fleet serves
     assert f"prefill {base.prefill_s_per_token * 2e6:.1f} us/token" in profile and "every step x2" in profile
+    assert profile.endswith("; the router estimates with the vllm-cpu profile"), profile
+
+
+def test_the_router_estimates_with_its_own_model_and_the_instances_run_on_theirs() -> None:
+    """``Fleet(router_model=...)``: the chooser's cost model is the router's, the instances' steps
+    the engine's; without it both are ``model``."""
+    engine, router = PROFILES["h100-8b"], PROFILES["vllm-cpu"]
+    assert Fleet(2, "cost", engine, 64, pool_tokens=1 << 14, cpu_tokens=0, budget=8192).chooser.model is engine
+    fleet = Fleet(2, "cost", engine, 64, pool_tokens=1 << 14, cpu_tokens=0, budget=8192, router_model=router)
+    assert fleet.chooser.model is router and fleet.model is engine
+    reqs = [SimRequest(0, 0.0, list(range(10)), 640, 1)]
+    fleet.run(reqs)
+    fleet.check()
+    assert reqs[0].ttft == pytest.approx(engine.fixed_s + engine.prefill(640)), "the step is the engine's"
