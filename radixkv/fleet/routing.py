@@ -105,8 +105,10 @@ Contract:
     prompt wait while the excess drains, and vLLM, which takes a decode's pages as it grows,
     preempts running requests and recomputes them ahead of new ones in proportion to it (in the
     simulator with vLLM's preemption, ``fleet_sim --preempt``, on the real fleet benchmark's
-    workload of long outputs, the default's p95 and p99 fell by a third and a quarter; the grids'
-    cells met stayed the same, but for 2 of 135 lost where outputs are reserved).  Ties go to the longer prefix, then fewer requests in
+    workload of long outputs, the default's p95 and p99 fell by a third and a quarter with the
+    instances on the ``vllm-cpu`` profile, and its p99 by half on the fleet model's own profile,
+    but rose by a fifth with every step 1.5x, where the preemptions come nearest vLLM's count; the
+    grids' cells met stayed the same, but for 2 of 135 lost where outputs are reserved).  Ties go to the longer prefix, then fewer requests in
     flight, then the instance whose oldest request still waiting for its first token was sent earliest
     (the queue counts tokens, not how far along they are: on the real fleet two instances each
     with one cold prompt queued tied, and the tie went to the one that had just been sent its
