@@ -540,7 +540,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="how to choose an instance (default cost: the least expected time to first token)")
     ap.add_argument("--cost-profile", choices=sorted(PROFILES), default="h100-8b",
                     help="the prefill and load costs the cost policy weighs (h100-8b: an 8B model on an H100; "
-                         "vllm-cpu: vLLM's CPU build)")
+                         "vllm-cpu: vLLM's CPU build serving a 2-layer model of hidden 512; vllm-cpu-fleet: the same "
+                         "build serving bench fleet's model, hidden 256)")
     ap.add_argument("--affinity", type=float, default=None,
                     help="the cost policy's weight (>= 1) of the work a choice adds over the queue it waits in "
                          "(default: by load, from 1 on an idle fleet to 4 when every instance has a queue)")
