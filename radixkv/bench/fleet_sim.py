@@ -1276,14 +1276,22 @@ def goals(lines: Sequence[str], default: str = "cost") -> list[str]:
     policy in the table) plus ``NOISE``, never above round-robin's, and its hit rate at least 90%
     of ``prefix``'s.  One line per miss, each problem with the number of seeds on which the
     default did worse than that policy (a miss on every seed is not one seed's noise), and a count.  Rows are kept apart by the run's
-    configuration (its ``# profile`` line: pool, CPU tier, budget, p2p, ...), so a table of several
-    runs checks each; a row repeated (same configuration, workload, size, load, seed and policy)
-    replaces the earlier one: tables concatenated, a rerun's rows win.  O(rows)."""
+    configuration (its ``# profile`` line: pool, CPU tier, budget, p2p, ...; and the ``--requests``
+    its command line gave, also inside ``--like-fleet``: runs of 96 and 400 requests at one rate
+    have the same load), so a table of several runs checks each; a row repeated (same
+    configuration, workload, size, load, seed and policy) replaces the earlier one: tables
+    concatenated, a rerun's rows win.  O(rows)."""
+    import re
+
     rows: dict[tuple[str, str, int, float], dict[str, dict[int, tuple[float, float, float, float]]]] = {}
-    config = ""
+    config, requests = "", ""
     for line in lines:
+        if line.startswith("# python -m radixkv.bench fleet_sim "):
+            m = re.search(r"--requests[= ](\d+)", line)
+            requests = f", {m.group(1)} requests" if m else ""
+            continue
         if line.startswith("# profile "):
-            config = line.split(";", 1)[-1].strip()
+            config = line.split(";", 1)[-1].strip() + requests
             continue
         f = line.split()
         if len(f) < 9 or line.startswith("#") or f[0] in ("workload", "goals:", "MISSED") or not f[1].isdigit():

@@ -250,6 +250,14 @@ hot          8  0.95    1 prefix         90.0%    0.300    0.900    1.000  10/12
     assert out[-1].startswith("goals: 1 of 2 (run, workload")
     assert out[0] == ("MISSED tenants n=4 load=0.50 [pool 32768, budget 8192]: p50 0.500 s > prefix's 0.200 s "
                       "(worse on 1 of 1 seeds)")
+    # so are runs whose commands ask for other numbers of requests (inside --like-fleet too): the
+    # same rate gives the same load
+    cmd = "# python -m radixkv.bench fleet_sim '--like-fleet=--requests {} --rate 2' --policies cost,prefix"
+    out = goals([cmd.format(96)] + first + [cmd.format(400)] + [first[0]] + second[1:])
+    assert out[-1].startswith("goals: 1 of 2 (run, workload")
+    assert out[0] == ("MISSED tenants n=4 load=0.50 [pool 8192, budget 8192, 400 requests]: p50 0.500 s > prefix's "
+                      "0.200 s (worse on 1 of 1 seeds)")
+    assert goals([cmd.format(96)] + first + [cmd.format(96)] + [first[0]] + second[1:])[-1].startswith("goals: 0 of 1")
 
 
 @pytest.mark.parametrize("where", ["p2p", "shared"])
