@@ -80,6 +80,7 @@ import argparse
 import json
 import math
 import random
+import re
 import statistics
 import time
 from collections import deque
@@ -1085,10 +1086,13 @@ def _main(argv: list[str] | None) -> int:
                     help="the workload 'python -m radixkv.bench fleet ARGS' sends, on its instances and pool: its "
                          "seeds, prompts and arrivals as sent, every request generating --max-tokens (instead of "
                          "--workloads, --instances, --loads, --seeds and --requests)")
+    ap.add_argument("--router-profile", choices=sorted(PROFILES), default=None,
+                    help="the profile the simulated router estimates with (default: --profile's; with --like-fleet "
+                         "vllm-cpu, as bench fleet starts its router)")
     ap.add_argument("--slower", type=float, default=None, metavar="F",
                     help="with --like-fleet: every prefill and decode step of the instances F times the profile's (a "
-                         "slower machine, F > 1, or a faster one; the router estimates as bench fleet's does, with "
-                         "vllm-cpu); its arrivals are not rescaled")
+                         "slower machine, F > 1, or a faster one; the router's estimates stay --router-profile's); "
+                         "its arrivals are not rescaled")
     ap.add_argument("--pool-tokens", type=int, default=None,
                     help="KV pool per instance (default: SYNTHETIC_POOL for tenants, hot and fleetwide; a shape's "
                          "fraction of its distinct prefix tokens, at least two of its longest prompt; for mooncake "
@@ -1119,6 +1123,11 @@ def _main(argv: list[str] | None) -> int:
         raise ValueError("--preempt: only with --output-pages")
     if args.decode_table is not None and not args.calibrate:
         raise ValueError("--decode-table: only with --calibrate")
+    if args.slower is not None and not (0 < args.slower < math.inf):
+        raise ValueError(f"--slower must be a positive finite number, got {args.slower}")
+    if args.slower is not None and args.like_fleet is None:
+        raise ValueError("--slower: only with --like-fleet (elsewhere arrivals are scaled to each load, "
+                         "whatever the steps cost)")
     if args.summarize:
         print("\n".join(goals([line for table in args.summarize.split(",")
                                 for line in _read_text("--summarize", table).splitlines()])))
@@ -1143,11 +1152,6 @@ def _main(argv: list[str] | None) -> int:
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r} (one of {', '.join(POLICIES)})")
-    if args.slower is not None and not (0 < args.slower < math.inf):
-        raise ValueError(f"--slower must be a positive finite number, got {args.slower}")
-    if args.slower is not None and args.like_fleet is None:
-        raise ValueError("--slower: only with --like-fleet (elsewhere arrivals are scaled to each load, "
-                         "whatever the steps cost)")
     if args.like_fleet is not None:
         for flag in ("workloads", "instances", "loads", "seeds", "trace"):
             if getattr(args, flag) is not None:
@@ -1196,7 +1200,7 @@ def _model(args: argparse.Namespace) -> Any:
     from radixkv.fleet.routing import PROFILES
 
     model = PROFILES[args.profile]
-    return slower(model, args.slower) if getattr(args, "slower", None) is not None else model
+    return slower(model, args.slower) if args.slower is not None else model
 
 
 def _run_like_fleet(args: argparse.Namespace, argv: list[str] | None, policies: list[str]) -> int:
@@ -1205,7 +1209,7 @@ def _run_like_fleet(args: argparse.Namespace, argv: list[str] | None, policies: 
 
     instances, pool, runs = like_fleet(args.like_fleet)
     args.profile = args.profile or "vllm-cpu-fleet"     # the fit of the model bench fleet serves
-    args.router_profile = "vllm-cpu"      # as bench fleet starts its router: --cost-profile vllm-cpu
+    args.router_profile = args.router_profile or "vllm-cpu"     # as bench fleet starts its router
     model = _model(args)
     budget = args.budget or (8192 if args.profile == "h100-8b" else 2048)
     pool = args.pool_tokens or pool
@@ -1221,11 +1225,10 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
     """Run every policy on every cell ``(workload, instances, load, seed, requests, block tokens,
     pool)``, print the table and the goals' check, write it to ``--out``."""
     from radixkv.bench import machine_line
-
     from radixkv.fleet.routing import PROFILES
 
     model = _model(args)
-    router = getattr(args, "router_profile", None)
+    router = args.router_profile
     router_model = PROFILES[router] if router is not None else None
     out: list[str] = []
 
@@ -1281,8 +1284,6 @@ def goals(lines: Sequence[str], default: str = "cost") -> list[str]:
     have the same load), so a table of several runs checks each; a row repeated (same
     configuration, workload, size, load, seed and policy) replaces the earlier one: tables
     concatenated, a rerun's rows win.  O(rows)."""
-    import re
-
     rows: dict[tuple[str, str, int, float], dict[str, dict[int, tuple[float, float, float, float]]]] = {}
     config, requests = "", ""
     for line in lines:

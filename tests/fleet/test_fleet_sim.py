@@ -821,7 +821,8 @@ def test_like_fleet_is_refused_in_one_line_as_bench_fleet_refuses(capsys: pytest
 
     for argv in (["--like-fleet=--requests 0"], ["--like-fleet=--bogus 1"], ["--like-fleet=--requests 5", "--seeds", "1"],
                  ["--like-fleet=--requests 5", "--workloads", "tenants"], ["--slower", "2"],
-                 *(["--like-fleet=--requests 5", "--slower", bad] for bad in ("0", "nan", "inf"))):
+                 *(["--like-fleet=--requests 5", "--slower", bad] for bad in ("0", "nan", "inf")),
+                 ["--summarize", "missing.txt", "--slower", "0"]):
         assert fleet_sim.main(argv) == 2, argv
         out = capsys.readouterr()
         named = "--slower" if "--slower" in argv else "--"
@@ -867,6 +868,10 @@ def test_slower_is_named_in_the_profile_line_with_the_slower_costs(capsys: pytes
     base = PROFILES["vllm-cpu-fleet"]           # --like-fleet's instances: the model bench fleet serves
     assert f"prefill {base.prefill_s_per_token * 2e6:.1f} us/token" in profile and "every step x2" in profile
     assert profile.endswith("; the router estimates with the vllm-cpu profile"), profile
+    # the router on the instances' own profile: nothing to say
+    assert fleet_sim.main(argv[:-2] + ["--router-profile", "vllm-cpu-fleet"]) == 0
+    profile = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("# profile"))
+    assert "the router estimates" not in profile, profile
 
 
 def test_the_router_estimates_with_its_own_model_and_the_instances_run_on_theirs() -> None:
