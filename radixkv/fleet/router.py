@@ -82,7 +82,9 @@ class Router:
     (``None``: no index, every prompt a miss); ``names``: the prompt's block names for the index
     (default: vLLM's block hashes of ``block_size`` tokens; a request on a LoRA adapter of
     ``lora_modules``, name -> path, is always named so); ``tokenize``: ``(body, chat) ->
-    token ids`` for text and chat prompts (``None``: token-id prompts only).
+    token ids`` for text and chat prompts (``None``: token-id prompts only);
+    ``max_num_batched_tokens``: the prompt tokens an instance's engine step computes (vLLM's flag of
+    that name; the cost policy counts by it the decode steps a prefill waits through).
     """
 
     def __init__(self, backends: Sequence[str], *, follower: Any = None, policy: str = "cost",
@@ -94,7 +96,7 @@ class Router:
                  request_timeout_s: float = 600.0, seed: int = 0, vocab_size: int | None = None,
                  max_model_len: int | None = None, profile: str = "h100-8b", affinity: float | None = None,
                  p2p: bool = False, lora_modules: dict[str, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_num_batched_tokens: int = 2048, clock: Callable[[], float] = time.monotonic) -> None:
         if not backends:
             raise ValueError("backends: give at least one instance URL")
         for url in backends:
@@ -108,6 +110,10 @@ class Router:
                              f"got {hash_algo!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if (isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int)
+                or max_num_batched_tokens < 1):
+            raise ValueError("max_num_batched_tokens must be a positive int (the instances' "
+                             f"--max-num-batched-tokens), got {max_num_batched_tokens!r}")
         for name, value in (("vocab_size", vocab_size), ("max_model_len", max_model_len)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -136,7 +142,7 @@ class Router:
                                lookup=None if follower is None else follower.lookup,
                                spread=getattr(follower, "lookup_spread", None), model=PROFILES[profile],
                                affinity=affinity, p2p=p2p, balance_abs=balance_abs, balance_rel=balance_rel,
-                               seed=seed)
+                               budget=max_num_batched_tokens, seed=seed)
         self._session: Any = None
         self._health_task: asyncio.Task[None] | None = None
         self._metrics = _Metrics([b.name for b in self.backends])
@@ -561,6 +567,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "a request whose model is NAME is routed by the block hashes vLLM gives it")
     ap.add_argument("--balance-abs", type=int, default=16)
     ap.add_argument("--balance-rel", type=float, default=1.5)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                    help="the prompt tokens an instance's engine step computes, as its vllm serve "
+                         "--max-num-batched-tokens (default 2048, vLLM's on CPU; 8192 on an H100 or H200): the "
+                         "cost policy counts the decode steps a prefill waits through by it")
 
 
 def build(args: argparse.Namespace) -> Router:
@@ -612,7 +622,8 @@ def build(args: argparse.Namespace) -> Router:
                       balance_rel=args.balance_rel,
                       vocab_size=args.vocab_size if args.vocab_size is not None else vocab,
                       max_model_len=args.max_model_len if args.max_model_len is not None else context,
-                      profile=args.cost_profile, affinity=args.affinity, p2p=args.p2p, lora_modules=lora)
+                      profile=args.cost_profile, affinity=args.affinity, p2p=args.p2p, lora_modules=lora,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
     except (TypeError, ValueError, OSError):
         if follower is not None:
             follower.close()

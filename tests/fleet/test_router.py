@@ -129,6 +129,34 @@ def test_bad_arguments_are_refused() -> None:
     for abs_, rel in ((-1, 1.5), (2, 0.5), (2, float("nan")), (2, float("inf")), (True, 1.5)):
         with pytest.raises(ValueError, match="balance_"):
             Router(URLS, balance_abs=abs_, balance_rel=rel)  # type: ignore[arg-type]
+    for step in (0, -1, True, 2048.0, "2048"):
+        with pytest.raises(ValueError, match="max_num_batched_tokens"):
+            Router(URLS, max_num_batched_tokens=step)  # type: ignore[arg-type]
+
+
+def test_the_engine_step_given_is_the_one_the_cost_policy_counts_decode_steps_by() -> None:
+    """``--max-num-batched-tokens`` reaches the chooser, and decides: both instances have 16,384
+    prompt tokens queued; ``a`` holds the 32-token prompt but decodes 94 sequences, ``b`` 71.  With
+    2,048-token steps the queue takes 8 steps on ``a`` and 9 on ``b``, each of ``a``'s 3.9 ms
+    longer: ``b`` gives the first token sooner despite computing the prompt.  With 8,192-token steps
+    it takes 2 and 3, and ``a`` does."""
+    from radixkv.fleet.router import add_arguments, build
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert build(ap.parse_args(["--backend", URLS[0]])).chooser.budget == 2048
+    firsts = []
+    for step in (2048, 8192):
+        router = build(ap.parse_args(["--backend", "http://a", "--backend", "http://b", "--cost-profile", "vllm-cpu",
+                                      "--affinity", "1", "--max-num-batched-tokens", str(step)]))
+        assert router.chooser.budget == step
+        router.chooser.lookup = FakeFollower({"http://a": Match(2, "GPU")}).lookup
+        for b, in_flight in zip(router.backends, (95, 72)):
+            b.in_flight, b.waiting, b.queued_tokens, b.active_tokens = in_flight, 1, 16384, 16384
+        order, why, _ = router.choose(list(range(32)))
+        assert why == "cost"
+        firsts.append(order[0].url)
+    assert firsts == ["http://b", "http://a"]
 
 
 def test_a_refused_command_line_leaves_no_follower_running(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +188,8 @@ def test_a_refused_command_line_leaves_no_follower_running(monkeypatch: pytest.M
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     for bad, says in ((["--hash-algo", "md5"], "hash_algo"), (["--vocab-size", "0"], "vocab_size"),
-                      (["--max-model-len", "0"], "max_model_len"), (["--balance-rel", "0"], "balance_rel")):
+                      (["--max-model-len", "0"], "max_model_len"), (["--balance-rel", "0"], "balance_rel"),
+                      (["--max-num-batched-tokens", "0"], "max_num_batched_tokens")):
         args = ap.parse_args(["--backend", URLS[0], "--events", "tcp://127.0.0.1:5999", *bad])
         with pytest.raises(ValueError, match=says):
             build(args)
