@@ -17,104 +17,119 @@ Contract:
 * **Policies.**
 
   - ``cost`` (the default): the instance where the request's expected time to first token is
-    least: ``queue + affinity x own``, where ``queue`` is the prefill time of the tokens the
-    router sent it that have not had their first token yet (``CostModel.prefill``, their
-    uncached tokens as estimated at routing), and ``own`` the request's own prefill on that
-    instance: loading the prefix from the fastest place it is (the instance's own medium; with
-    ``p2p``, any peer's that the index says holds it, not one the router only sent it to; with
-    ``shared``, a shared tier every instance reads) plus
-    computing the rest.  ``affinity`` >= 1 weighs the work a choice adds to the fleet above the
-    queue it waits in (1 is plain expected TTFT); by default it follows the load
-    (``Chooser.load``: the fraction of instances with prefill queued, averaged over the last
-    ``LOAD_ARRIVALS`` arrivals an instance; sampled at arrivals, so on Poisson arrivals the time
-    average), ``auto_affinity``: from 1 on an idle fleet to ``AUTO_MAX`` on one where every
-    instance always has a queue, and past two thirds of the load the queue's own growth,
-    ``1 / (1 - load)``, at most ``AUTO_CAP`` (a linear rule alone kept diverting a production
-    chat trace's long follow-up turns from their holders at 95% load, losing hits the saturated
-    fleet then queued behind): on a lightly loaded fleet a request goes where it starts soonest,
-    on a busy one the work it adds (which every later request waits behind) counts more, so a
-    prefix is computed once rather than on every instance.  The average, not the fraction at this
-    moment: on two instances that fraction is 1/2 whenever one of them works, so at 10% load a
-    request waited behind another tenant's cold prefill on its prefix's holder rather than compute
-    the prefix on the idle instance.  What another instance is computing for this prompt right now (the router sent it
-    there, the index does not show it yet: its KV events come after the engine step that computes
-    it) is weighed by the load at this moment, ``auto_affinity`` of the fraction busy now, if that
-    is more, divided by 1 + the instances idle beside the candidate: computing it again doubles
-    work already under way, so a burst follows its first request on a lightly loaded fleet too,
-    unless idle instances are there to absorb the copy.  Unless its requests are a stream
-    (``Chooser._stream``): the router began sending it there at least ``STREAM_AFTER`` of its
-    expected prefill ago and requests for it still arrive, and its share of the arrivals calls
-    for another holder (``Demand``, below); then computing it again is the copy the arrivals
-    call for, and not charged.  A burst's requests arrive at once; a stream's keep coming while
-    the first prefill runs, and on workload shapes drawn at random, a prompt every request
-    shared queued behind that prefill on one instance while others stood idle.
-    An instance with nothing in flight weighs its work at ``(1 + affinity) / 2``: work on an idle
-    instance delays only what arrives there while it runs, not a queue, so a hot prefix spreads to
-    idle instances instead of queueing on its holder; but at high load an idle instance does not
-    stay idle, and a tenant's prefix recomputed there is work the fleet then lacks (at weight 1,
-    16 instances at 95% load copied tenants onto whichever instance fell idle and queued more
-    than ``cache_aware``).  Yet an idle instance that gives the request its first token sooner
-    than every instance with requests in flight (the expected TTFT unweighted, with the charge for
-    copying work under way) goes first when a busy one has the least cost, unless that gives up a
-    prefix fewer than two healthy instances hold: the weight is for work later requests wait behind, and
-    while busy instances queue an idle one's work delays no one.  Without it, on workload shapes
-    drawn at random (``fleet_sim`` ``shapeK``), a prompt every request shares stayed on the
-    instances that first held it (half of 16 instances idle at 50% load, p50 7x round-robin's:
-    their pools full and their decodes long, which the queue of prefill tokens does not show);
-    the exception keeps a session's follow-up turn, held by one instance, there (without it a
-    production-style trace at 30% load lost hits).  And a prefix is *copied* (``why`` is
-    ``"copy"``): when the first choice holds the prompt's prefix, the index shows it computed, and
-    fewer instances hold it than its share of the arrivals calls for (``Demand``: the share of the
-    last ``LOAD_ARRIVALS`` arrivals an instance, decayed, whose prompt held it, times the instances,
-    rounded up once two instances hold it: ``_calls_for_another``), the instance that does not hold
-    it and gives the first token soonest among those that wait less than the first goes first. Each
-    length of that prefix that an instance holds is asked, longest first: a fleet-wide system prompt
-    before a tenant's, which instances hold alone, is shared by more arrivals than the whole, and
-    calls for more holders. The cost of computing a prefix again is paid once and repaid by every
-    later request that the new holder takes off the others: a prompt nearly every request shares
-    belongs on every instance, one tenant's among sixteen on one. Without it, on workload shapes
-    drawn at random, one system prompt that nearly every request shared stayed on the instances that
-    first held it while others served nothing (their pools filled with requests in flight, which no
-    queue of prefill tokens shows). (Asking the whole prefix alone, with the share's instances
-    rounded down, left one of 4, 8 or 16 instances serving nothing in 24 of 648 workload-shape runs:
-    a fleet-wide prompt before two tenants, 98% of arrivals on one, held by three of four.) What the
-    router has only sent is not copied (a burst still follows its first request), and a fresh
-    router's first arrivals each have a share of 1, so it copies freely until ``LOAD_ARRIVALS``
-    arrivals an instance have come.  Last, pools (``why`` is ``"fit"``): when the prompt does
-    not fit in the first choice's KV pool beside what its requests in flight hold (the blocks
-    they pin, and with their ``output`` given the pages they hold alone, ``pages``, plus the
-    prompt's others and its own are more than ``Backend.pool_blocks``; the HTTP router reads each
-    pool from the instance's metrics, the simulator knows it), the instance of least cost among
-    those where it fits and that reuse as much of it goes first.  A full pool makes the request
-    wait for pages, which no queue of prefill tokens shows: on a workload shape with a 5,312-token
-    prompt at 80% load, five of eight instances had no free page while three had, and the router
-    kept sending them requests.  A request's output takes pages too, as many as its tokens fill:
-    with their ``max_tokens`` counted the rule met 2 more cells where the simulator gives outputs
-    pages (``fleet_sim --output-pages``) and none fewer.  Where none that reuses as much has room,
-    the one of least cost where it fits goes first if that cost is below the first's with its
-    wait for pages in place of its queue where longer (``page_wait``: when enough of its requests
-    decoding a known ``max_tokens`` are expected to end, at the seconds a decode step their ends
-    there showed, or what those still decoding show, if longer; past all of them, where those are
-    every request decoding there and the rest wait for their first token, a decode more: on a real
-    fleet whose pools filled with such requests the wait read as unknown and nothing moved).  A
-    pool full of prompts is soon waited out, one full of long outputs is not: moving to any
-    instance with room, without the wait, met 2 fewer cells on the 36 workload shapes; with it, 6 more of the 135 where pools fill
-    with outputs and none fewer.  Where no instance that reuses as much has room and the wait
-    moves nothing, the one of those whose pool falls short by the fewest pages (``overcommit``)
-    goes first, if fewer than the first's: an engine that reserves a request's output makes the
-    prompt wait while the excess drains, and vLLM, which takes a decode's pages as it grows,
-    preempts running requests and recomputes them ahead of new ones in proportion to it (in the
-    simulator with vLLM's preemption, ``fleet_sim --preempt``, on the real fleet benchmark's
-    workload of long outputs, the default's p95 and p99 fell by a third and a quarter with the
-    instances on the ``vllm-cpu`` profile, and its p99 by half on the fleet model's own profile,
-    but rose by a fifth with every step 1.5x, where the preemptions come nearest vLLM's count; the
-    grids' cells met stayed the same, but for 2 of 135 lost where outputs are reserved).  Ties go to the longer prefix, then fewer requests in
-    flight, then the instance whose oldest request still waiting for its first token was sent earliest
-    (the queue counts tokens, not how far along they are: on the real fleet two instances each
-    with one cold prompt queued tied, and the tie went to the one that had just been sent its
-    prompt, 100 ms behind the other), then round-robin: a turn that moves on only when it broke a
-    tie (one that moved with every request gave every tie to the same instance when bursts were a
-    multiple of the instances: on two instances with bursts of 6, every new tenant).
+    least.  Each instance's cost is ``queue + decode + weight x own + dup``, and then three rules
+    (5 to 7) may put another instance first, each in turn.  In order:
+
+    1. **Queue and decode.**  ``queue`` is the prefill time (``CostModel.prefill``) of the tokens
+       the router sent the instance that have not had their first token yet (their uncached
+       tokens, as estimated at routing).  ``decode`` is what its decoding requests add to each
+       engine step (``budget`` prompt tokens a step) until this prefill ends.
+    2. **Own.**  ``own`` is the request's own prefill there: loading the prefix from the fastest
+       place it is (the instance's own medium; with ``p2p``, any peer's that the index says holds
+       it, not one the router only sent it to; with ``shared``, a tier every instance reads), plus
+       computing the rest.
+    3. **Weight.**  ``affinity`` >= 1 weighs the work a choice adds to the fleet above the queue it
+       waits in (1 is plain expected TTFT).  By default it follows the load: ``Chooser.load`` is
+       the fraction of instances with prefill queued, averaged over the last ``LOAD_ARRIVALS``
+       arrivals an instance (sampled at arrivals, so on Poisson arrivals the time average), and
+       ``auto_affinity`` maps it from 1 on an idle fleet to ``AUTO_MAX`` when every instance always
+       has a queue, and past two thirds of the load to the queue's own growth, ``1 / (1 -
+       load)``, at most ``AUTO_CAP``.  On a lightly loaded fleet a request goes where it starts
+       soonest; on a busy one the work it adds, which every later request waits behind, counts
+       more, so a prefix is computed once rather than on every instance.  Why the average, not the
+       fraction at this moment: on two instances that fraction is 1/2 whenever one of them works,
+       so at 10% load a request waited behind another tenant's cold prefill on its prefix's holder
+       rather than compute the prefix on the idle instance.  Why the ``1 / (1 - load)`` part: a
+       linear rule alone kept diverting a production chat trace's long follow-up turns from their
+       holders at 95% load, losing hits the saturated fleet then queued behind.
+       An instance with nothing in flight weighs its work at ``weight = (1 + affinity) / 2``:
+       work on an idle instance delays only what arrives there while it runs, not a queue, so a
+       hot prefix spreads to idle instances instead of queueing on its holder.  Not 1: at high
+       load an idle instance does not stay idle, and at weight 1, 16 instances at 95% load copied
+       tenants onto whichever instance fell idle and queued more than ``cache_aware``.
+    4. **Work under way.**  ``dup`` charges computing what another instance is computing for this
+       prompt right now (the router sent it there; the index does not show it yet, as KV events
+       come after the engine step that computes it): that prefill times the load at this moment
+       (``auto_affinity`` of the fraction busy now) less the instance's weight, divided by 1 + the
+       instances idle beside the candidate.  Computing it again doubles work already under way,
+       so a burst follows its first request on a lightly loaded fleet too, unless idle instances
+       are there to absorb the copy.  Not charged when the prompt's requests are a *stream*
+       (``Chooser._stream``): the router began sending it there at least ``STREAM_AFTER`` of its
+       expected prefill ago, requests for it still arrive, and its share of the arrivals calls
+       for another holder (``Demand``, rule 6).  A burst's requests arrive at once; a stream's
+       keep coming while the first prefill runs, and on workload shapes drawn at random, a prompt
+       every request shared queued behind that prefill on one instance while others stood idle.
+    5. **Sooner when idle.**  When a busy instance has the least cost, an idle instance that gives
+       the request its first token sooner than every instance with requests in flight (the
+       expected TTFT unweighted, with ``dup``) goes first, unless that gives up a prefix fewer
+       than two healthy instances hold.  The weight is for work later requests wait behind, and
+       while busy instances queue, an idle one's work delays no one.  Without it, on workload
+       shapes drawn at random (``fleet_sim`` ``shapeK``), a prompt every request shares stayed on
+       the instances that first held it: half of 16 instances idle at 50% load, p50 7x
+       round-robin's (their pools full and their decodes long, which the queue of prefill tokens
+       does not show).  The exception keeps a session's follow-up turn, held by one instance,
+       there: without it a production-style trace at 30% load lost hits.
+    6. **Copy** (``why`` is ``"copy"``).  When the first choice holds the prompt's prefix, the
+       index shows it computed, and fewer instances hold it than its share of the arrivals calls
+       for, the instance that does not hold it and gives the first token soonest, among those
+       that wait less than the first, goes first.  The share (``Demand``) is that of the last
+       ``LOAD_ARRIVALS`` arrivals an instance, decayed, whose prompt held the prefix; times the
+       instances, rounded up once two instances hold it, it is the holders the prefix calls for
+       (``_calls_for_another``).  Each length of the prefix that an instance holds is asked,
+       longest first: a fleet-wide system prompt before a tenant's, which instances hold alone,
+       is shared by more arrivals than the whole, and calls for more holders.  The cost of
+       computing a prefix again is paid once and repaid by every later request that the new
+       holder takes off the others: a prompt nearly every request shares belongs on every
+       instance, one tenant's among sixteen on one.  Without it, on workload shapes drawn at
+       random, one system prompt that nearly every request shared stayed on the instances that
+       first held it while others served nothing (their pools filled with requests in flight,
+       which no queue of prefill tokens shows).  Asking the whole prefix alone, with the share's
+       instances rounded down, left one of 4, 8 or 16 instances serving nothing in 24 of 648
+       workload-shape runs (a fleet-wide prompt before two tenants, 98% of arrivals on one, held
+       by three of four).  What the router has only sent is not copied (a burst still follows its
+       first request), and a fresh router's first arrivals each have a share of 1, so it copies
+       freely until ``LOAD_ARRIVALS`` arrivals an instance have come.
+    7. **Fit** (``why`` is ``"fit"``).  When the prompt does not fit in the first choice's KV pool
+       beside what its requests in flight hold (the blocks they pin, and, with their ``output``
+       given, the pages they hold alone, ``pages``; the prompt's other blocks and its own pages
+       more than ``Backend.pool_blocks``; the HTTP router reads each pool from the instance's
+       metrics, the simulator knows it), the instance of least cost among those where it fits and
+       that reuse as much of it goes first.  A full pool makes the request wait for pages, which
+       no queue of prefill tokens shows: on a workload shape with a 5,312-token prompt at 80%
+       load, five of eight instances had no free page while three had, and the router kept
+       sending them requests.  A request's output takes pages too, as many as its tokens fill:
+       with their ``max_tokens`` counted the rule met 2 more cells where the simulator gives
+       outputs pages (``fleet_sim --output-pages``) and none fewer.
+
+       - Where none that reuses as much has room, the one of least cost where it fits goes first
+         if that cost is below the first's with its wait for pages in place of its queue where
+         longer (``page_wait``: when enough of its requests decoding a known ``max_tokens`` are
+         expected to end, at the seconds a decode step their ends there showed, or what those
+         still decoding show, if longer; past all of them, where those are every request decoding
+         there and the rest wait for their first token, a decode more: on a real fleet whose
+         pools filled with such requests the wait read as unknown and nothing moved).  A pool full
+         of prompts is soon waited out, one full of long outputs is not: moving to any instance
+         with room, without the wait, met 2 fewer cells on the 36 workload shapes; with it, 6
+         more of the 135 where pools fill with outputs and none fewer.
+       - Where no instance that reuses as much has room and the wait moves nothing, the one of
+         those whose pool falls short by the fewest pages (``overcommit``) goes first, if fewer
+         than the first's.  An engine that reserves a request's output makes the prompt wait
+         while the excess drains, and vLLM, which takes a decode's pages as it grows, preempts
+         running requests and recomputes them ahead of new ones in proportion to it.  In the
+         simulator with vLLM's preemption (``fleet_sim --preempt``), on the real fleet benchmark's
+         workload of long outputs, the default's p95 and p99 fell by a third and a quarter with
+         the instances on the ``vllm-cpu`` profile, and its p99 by half on the fleet model's own
+         profile, but rose by a fifth with every step 1.5x, where the preemptions come nearest
+         vLLM's count; the grids' cells met stayed the same, but for 2 of 135 lost where outputs
+         are reserved.
+    8. **Ties** go to the longer prefix, then fewer requests in flight, then the instance whose
+       oldest request still waiting for its first token was sent earliest (the queue counts
+       tokens, not how far along they are: on the real fleet two instances each with one cold
+       prompt queued tied, and the tie went to the one that had just been sent its prompt, 100
+       ms behind the other), then round-robin: a turn that moves on only when it broke a tie (one
+       that moved with every request gave every tie to the same instance when bursts were a
+       multiple of the instances: on two instances with bursts of 6, every new tenant).
+
   - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
     imbalance first (``balance_abs``/``balance_rel``, on requests in flight); no match goes to
     the least loaded.
