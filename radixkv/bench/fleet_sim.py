@@ -27,9 +27,10 @@ at its end.  With ``--preempt`` (``preempt``) the pages are taken as vLLM's V1 s
 instead: at admission those of its prompt (and of the output a resumed request recomputes), then one
 page each time a decode reaches a new block; a decode that finds no page free (after evicting what
 no request holds) preempts the request admitted last (``Scheduler.schedule``: ``self.running.pop()``,
-then ``_preempt_request``), which frees its pages (its prompt's full blocks stay cached, unheld) and
-goes back to the head of the queue, to recompute its prompt and the tokens it had generated (the
-token in flight is lost; its output's blocks are not cached here, as they are in vLLM); a step that
+then ``_preempt_request``), which frees its pages (the full blocks of its prompt and of what it had
+generated stay cached, unheld, as vLLM's do; each generated block an id of its own) and goes back to
+the head of the queue, to recompute its prompt and the tokens it had generated past the blocks still
+cached when it resumes (the token in flight is lost); a step that
 preempted admits no new request (vLLM's scheduler admits none after a preemption); the router is
 not told (a real one is not).  TTFT is the end of the request's first prefill step less its
 arrival; a resumed prefill delays its later tokens, and the first tokens of the requests behind it.  Costs come from a ``CostModel``
@@ -133,6 +134,7 @@ class SimRequest:
     private: Any = None            # with ``output_pages``: its partial last block's and output's pages
     recompute: int = 0             # with ``preempt``: generated tokens its next prefill recomputes
     preempted: int = 0             # with ``preempt``: times it was preempted
+    seq_held: int = 0              # with ``preempt``: blocks past its prompt's full ones its match holds (resumed)
 
 
 def full_blocks(r: SimRequest, block_tokens: int) -> int:
@@ -576,9 +578,10 @@ class _Instance:
 
         f, bt, model = self.fleet, self.fleet.block_tokens, self.fleet.model
         full = full_blocks(r, bt)
-        own = self._admitted_private(r)
-        m = self.cache.match(r.blocks)
+        m = self.cache.match(self._sequence(r) if r.preempted else r.blocks)
         hit, below = m.num_tokens, m.tier_tokens
+        seq_held = max(0, hit - full)       # a resumed request's generated blocks, still cached
+        own = self._admitted_private(r) - seq_held
         load_s = model.load("CPU", below * bt)
         extra = 0
         peer = max((inst.held(r) for inst in f.instances if inst is not self), default=0) if f.p2p else 0
@@ -588,7 +591,8 @@ class _Instance:
         if best > hit:
             extra = best - hit
         try:
-            pages = self.cache.alloc(full - hit + own) if full - hit + own > 0 else None
+            need = max(0, full - hit) + own         # pages for the prompt's blocks it did not find, its own
+            pages = self.cache.alloc(need) if need > 0 else None
         except PoolExhausted:
             self.cache.release(m)
             return None
@@ -604,7 +608,7 @@ class _Instance:
             pages = pages[extra:]
             load_s += model.load(source, extra * bt)
             hit, below = best, below + extra
-        r.hold, r.pages = m, pages
+        r.hold, r.pages, r.seq_held = m, pages, seq_held
         if r.preempted == 0:                # a resumed request's hits were counted once, at its first prefill
             r.hit_tokens, r.below_tokens = hit * bt, below * bt
         r.remaining = r.tokens + r.recompute - hit * bt
@@ -624,8 +628,19 @@ class _Instance:
         return max(0, -(-(r.tokens + r.recompute) // bt) - full_blocks(r, bt))
 
     def _pages(self, r: SimRequest) -> int:
-        """Pages running ``r`` holds: its prompt's full blocks and its private pages.  O(1)."""
-        return full_blocks(r, self.fleet.block_tokens) + (len(r.private) if r.private is not None else 0)
+        """Pages running ``r`` holds: its prompt's full blocks, the blocks of its sequence past them
+        that its match found cached when it resumed (``seq_held``), and its private pages.  O(1)."""
+        return full_blocks(r, self.fleet.block_tokens) + r.seq_held + (len(r.private) if r.private is not None else 0)
+
+    def _sequence(self, r: SimRequest, positions: int | None = None) -> list[int]:
+        """Block ids of ``r``'s sequence (its prompt, then what it generated) over ``positions``
+        tokens (default: what a resumed prefill computes, its prompt and ``recompute``): its
+        prompt's full blocks, then a block of its own (``Fleet.sequence_block``) for every block
+        past them, the last one maybe partial.  O(blocks)."""
+        bt = self.fleet.block_tokens
+        n = r.tokens + r.recompute if positions is None else positions
+        full = full_blocks(r, bt)
+        return r.blocks[:full] + [self.fleet.sequence_block(r, j) for j in range(full, -(-n // bt))]
 
     def _grow(self) -> bool:
         """With ``preempt``, before a step: a page for every running request whose next position
@@ -656,17 +671,30 @@ class _Instance:
         return preempted
 
     def _preempt(self, r: SimRequest) -> None:
-        """Stop running ``r``: its pages go back (its prompt's full blocks stay cached, unheld),
-        the token in flight is lost, and it waits at the head of the queue (behind a prefill
-        already under way there) to recompute its prompt and what it generated.  O(pages)."""
+        """Stop running ``r``: its pages go back, the token in flight is lost, and it waits at the
+        head of the queue (behind a prefill already under way there) to recompute its prompt and
+        what it generated.  Every full block of its sequence whose KV exists stays cached, unheld
+        (its prompt's, and those of what it generated, as vLLM caches a request's full blocks as
+        they fill), so its resumed prefill reuses what of them is still there.  O(pages)."""
+        bt = self.fleet.block_tokens
+        full = full_blocks(r, bt)
+        r.left = float(math.ceil(r.left - _EPS))
+        generated = r.output - int(r.left)
+        # positions whose KV exists: its prompt and what it generated but the last token
+        kv_full = min((r.tokens + generated - 1) // bt, self._pages(r))
         self.running.remove(r)
         with self._held_writer():
+            private = r.private
+            cached = max(0, kv_full - full - r.seq_held)      # private pages that fill a block of it
+            if kv_full > full and private is not None and cached <= len(private):
+                self.cache.insert(self._sequence(r, kv_full * bt),
+                                  [*r.hold.pages.tolist(), *private[:cached].tolist()])
+                private = private[cached:]
             self.cache.release(r.hold)
-            if r.private is not None:
-                self.cache.free(r.private)
-        r.hold, r.private, r.started = None, None, False
-        r.left = float(math.ceil(r.left - _EPS))
-        r.recompute = r.output - int(r.left)
+            if private is not None and len(private):
+                self.cache.free(private)
+        r.hold, r.private, r.started, r.seq_held = None, None, False, 0
+        r.recompute = generated
         r.preempted += 1
         self.preemptions += 1
         self.waiting.insert(1 if self.waiting and self.waiting[0].started else 0, r)
@@ -695,8 +723,11 @@ class _Instance:
         with self._held_writer():
             if r.pages is not None and len(r.pages):
                 self.cache.insert(r.blocks[:full], [*m.pages.tolist(), *r.pages.tolist()])
-            r.hold, r.pages = self.cache.match(r.blocks[:full], leave_last=False), None
-            self.cache.release(m)
+            if r.seq_held:              # resumed: its match holds its prompt's blocks and more
+                r.pages = None
+            else:
+                r.hold, r.pages = self.cache.match(r.blocks[:full], leave_last=False), None
+                self.cache.release(m)
         if self.fleet.shared:                     # written through to the shared tier once computed
             self.fleet._shared.update(r.names)
 
@@ -709,7 +740,7 @@ class _Instance:
             self.cache.release(r.hold)
             if r.private is not None:
                 self.cache.free(r.private)
-        r.hold, r.private = None, None
+        r.hold, r.private, r.seq_held = None, None, 0
         self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens, r.names, self.fleet.told(r), self.fleet.env.now)
         self.served += 1
 
@@ -820,6 +851,10 @@ class Fleet:
         self.backends = [Backend(inst.name, inst.name, pool_blocks=self.pool_blocks) for inst in self.instances]
         self.backend = {b.name: b for b in self.backends}
         self.by_name = {inst.name: inst for inst in self.instances}
+        # with ``preempt``: the block ids of requests' sequences past their prompts' full blocks
+        # (``sequence_block``), counted down from the largest token id the cache takes
+        self._sequence_ids: dict[tuple[int, int], int] = {}
+        self._lowest_block = 0
 
     def _blob_bytes(self) -> int:
         """Bytes of one stored chunk (one block), to size the CPU tier in blocks."""
@@ -837,6 +872,19 @@ class Fleet:
             return encoded_size(probe.stack.shape, layout.dtype)
         finally:
             probe.close()
+
+    def sequence_block(self, r: SimRequest, j: int) -> int:
+        """The block id of block ``j`` of ``r``'s sequence, past its prompt's full blocks: one of
+        its own (its content is the prompt's tail and what ``r`` generated, which no other request
+        has), counted down from ``2**31 - 1`` and above every workload block id.  O(1)."""
+        key = (r.rid, j)
+        block = self._sequence_ids.get(key)
+        if block is None:
+            block = (1 << 31) - 1 - len(self._sequence_ids)
+            if block <= self._lowest_block:
+                raise ValueError("the workload's block ids leave no room for its requests' generated blocks")
+            self._sequence_ids[key] = block
+        return block
 
     def names(self, r: SimRequest) -> list[Any]:
         """The router's names of ``r``'s full blocks (what the instances' events name)."""
@@ -882,6 +930,7 @@ class Fleet:
         """Serve ``requests`` (arrival order) to the end.  A prompt whose full blocks outnumber
         the pool's pages could never start: ``ValueError`` before anything runs."""
         check_pool(requests, self.block_tokens, self.pool_blocks, self.output_pages)
+        self._lowest_block = max((b for r in requests for b in r.blocks), default=0)
         for inst in self.instances:
             self.env.process(inst.run())
 

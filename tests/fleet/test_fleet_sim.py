@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, settings, strategies as st
 
 pytest.importorskip("simpy")
 pytest.importorskip("msgspec")
@@ -762,6 +762,79 @@ def test_a_decode_that_finds_no_page_preempts_the_request_admitted_last_which_re
     assert computed[:2] == [(0, full * bt), (1, full * bt)]
     rid, again = computed[2]
     assert rid == 1 and bt < again <= bt + output and fleet.instances[0].served == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=long_outputs(), policy=st.sampled_from(["cost", "round_robin"]), instances=st.integers(1, 2),
+       room=st.integers(0, 6))
+def test_a_resumed_request_recomputes_what_of_its_sequence_the_pool_no_longer_holds(
+        trace: tuple, policy: str, instances: int, room: int) -> None:
+    """A preempted request's full blocks, its prompt's and those of what it generated, stay cached
+    as vLLM's do: when it resumes, its prefill computes exactly the positions of its prompt and
+    recomputed output past the leading blocks of that sequence its instance's pool still holds
+    (at least its last block's, as vLLM leaves a prompt's last token to compute), and its match
+    holds those blocks until it ends (``Fleet.check`` after every step)."""
+    from radixkv.bench.fleet_sim import _Instance, full_blocks, private_blocks
+    from radixkv.testing.machines import resident_tokens
+
+    reqs, bt = trace
+    need = max(full_blocks(r, bt) + private_blocks(r, bt) for r in reqs)
+    fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=(need + room) * bt, cpu_tokens=0, budget=8192,
+                  output_pages=True, preempt=True)
+    start, publish = _Instance._start, _Instance.publish
+    resumed: list[int] = []
+
+    def started(inst: _Instance, r: SimRequest) -> float | None:
+        if not r.preempted:
+            return start(inst, r)
+        sequence = inst._sequence(r)
+        positions = r.tokens + r.recompute
+        held = min(resident_tokens(inst.cache.tree, sequence), -(-positions // bt) - 1)
+        cost = start(inst, r)
+        if cost is not None:
+            assert r.remaining == positions - held * bt, (r.remaining, positions, held)
+            assert r.seq_held == max(0, held - full_blocks(r, bt))
+            resumed.append(r.seq_held)
+        return cost
+
+    def checked(inst: _Instance) -> None:
+        publish(inst)
+        fleet.check()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_Instance, "_start", started)
+        mp.setattr(_Instance, "publish", checked)
+        fleet.run(reqs)
+    event(f"resumed: {len(resumed)}, with generated blocks found: {sum(1 for k in resumed if k)}")
+    assert all(inst.cache.stats()["pages_engine"] == 0 for inst in fleet.instances)
+
+
+def test_a_preempted_request_whose_blocks_stay_cached_resumes_by_computing_one_token() -> None:
+    """One instance, two 32-token prompts generating 48 tokens each, a pool of 9 pages: the second
+    is preempted once, after generating 33 tokens; its prompt's 2 blocks and its output's 2 full
+    ones stay cached, nothing evicts them before it resumes, and its resumed prefill computes the
+    one token past them (it recomputed 49 when only its prompt's blocks were cached)."""
+    from radixkv.bench.fleet_sim import _Instance
+
+    bt, full, output = 16, 2, 48
+    reqs = [SimRequest(i, 0.0, [100 * (i + 1) + j for j in range(full)], full * bt, output) for i in range(2)]
+    fleet = Fleet(1, "cost", MODEL, bt, pool_tokens=9 * bt, cpu_tokens=0, budget=8192, output_pages=True, preempt=True)
+    computed: list[tuple[int, int, int]] = []
+    start = _Instance._start
+
+    def started(inst: _Instance, r: SimRequest) -> float | None:
+        cost = start(inst, r)
+        if cost is not None:
+            computed.append((r.rid, r.remaining, r.seq_held))
+        return cost
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_Instance, "_start", started)
+        fleet.run(reqs)
+    fleet.check()
+    assert [r.preempted for r in reqs] == [0, 1]
+    assert computed == [(0, full * bt, 0), (1, full * bt, 0), (1, 1, 2)]
+    assert fleet.instances[0].served == 2 and fleet.instances[0].cache.stats()["pages_engine"] == 0
 
 
 def test_preempt_needs_output_pages_and_is_named_in_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
