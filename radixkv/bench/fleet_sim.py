@@ -684,9 +684,9 @@ class _Instance:
         kv_full = min((r.tokens + generated - 1) // bt, self._pages(r))
         self.running.remove(r)
         with self._held_writer():
-            private = r.private
-            cached = max(0, kv_full - full - r.seq_held)      # private pages that fill a block of it
-            if kv_full > full and private is not None and cached <= len(private):
+            # its private pages that now fill a block of it (``_pages`` counts them: never more than it has)
+            private, cached = r.private, max(0, kv_full - full - r.seq_held)
+            if cached:
                 self.cache.insert(self._sequence(r, kv_full * bt),
                                   [*r.hold.pages.tolist(), *private[:cached].tolist()])
                 private = private[cached:]
@@ -723,11 +723,10 @@ class _Instance:
         with self._held_writer():
             if r.pages is not None and len(r.pages):
                 self.cache.insert(r.blocks[:full], [*m.pages.tolist(), *r.pages.tolist()])
-            if r.seq_held:              # resumed: its match holds its prompt's blocks and more
-                r.pages = None
-            else:
-                r.hold, r.pages = self.cache.match(r.blocks[:full], leave_last=False), None
+            if not r.seq_held:          # (resumed with more found: its match holds the prompt's blocks already)
+                r.hold = self.cache.match(r.blocks[:full], leave_last=False)
                 self.cache.release(m)
+            r.pages = None
         if self.fleet.shared:                     # written through to the shared tier once computed
             self.fleet._shared.update(r.names)
 
@@ -854,7 +853,7 @@ class Fleet:
         # with ``preempt``: the block ids of requests' sequences past their prompts' full blocks
         # (``sequence_block``), counted down from the largest token id the cache takes
         self._sequence_ids: dict[tuple[int, int], int] = {}
-        self._lowest_block = 0
+        self._highest_block = 0
 
     def _blob_bytes(self) -> int:
         """Bytes of one stored chunk (one block), to size the CPU tier in blocks."""
@@ -881,7 +880,7 @@ class Fleet:
         block = self._sequence_ids.get(key)
         if block is None:
             block = (1 << 31) - 1 - len(self._sequence_ids)
-            if block <= self._lowest_block:
+            if block <= self._highest_block:     # a workload's own block id
                 raise ValueError("the workload's block ids leave no room for its requests' generated blocks")
             self._sequence_ids[key] = block
         return block
@@ -930,7 +929,7 @@ class Fleet:
         """Serve ``requests`` (arrival order) to the end.  A prompt whose full blocks outnumber
         the pool's pages could never start: ``ValueError`` before anything runs."""
         check_pool(requests, self.block_tokens, self.pool_blocks, self.output_pages)
-        self._lowest_block = max((b for r in requests for b in r.blocks), default=0)
+        self._highest_block = max((b for r in requests for b in r.blocks), default=0)
         for inst in self.instances:
             self.env.process(inst.run())
 

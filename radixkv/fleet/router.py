@@ -110,10 +110,7 @@ class Router:
                              f"got {hash_algo!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if (isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int)
-                or max_num_batched_tokens < 1):
-            raise ValueError("max_num_batched_tokens must be a positive int (the instances' "
-                             f"--max-num-batched-tokens), got {max_num_batched_tokens!r}")
+        max_num_batched_tokens = check_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
         for name, value in (("vocab_size", vocab_size), ("max_model_len", max_model_len)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
