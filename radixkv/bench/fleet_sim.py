@@ -22,8 +22,10 @@ in ``Scheduler.update_from_output``, after the model ran), and a peer (``--p2p``
 only then, when their KV exists; it holds its pages until its last token.  Its pages are its
 prompt's full blocks; with ``--output-pages`` (``output_pages``) also a page for its prompt's
 partial last block and for every ``block_tokens`` tokens of its output, as vLLM allocates them,
-taken when it is admitted (it waits for pages until they are all free) and freed, never cached,
-at its end.  With ``--preempt`` (``preempt``) the pages are taken as vLLM's V1 scheduler takes them
+taken when it is admitted (it waits for pages until they are all free); at its end the full blocks
+of its prompt and of what it generated stay cached, unheld (each generated block an id of its own,
+which no other request's prompt has), as vLLM keeps a finished request's full blocks cached until
+their pages are taken, and the rest of its pages are freed.  With ``--preempt`` (``preempt``) the pages are taken as vLLM's V1 scheduler takes them
 instead: at admission those of its prompt (and of the output a resumed request recomputes), then one
 page each time a decode reaches a new block; a decode that finds no page free (after evicting what
 no request holds) preempts the request admitted last (``Scheduler.schedule``: ``self.running.pop()``,
@@ -676,24 +678,11 @@ class _Instance:
         what it generated.  Every full block of its sequence whose KV exists stays cached, unheld
         (its prompt's, and those of what it generated, as vLLM caches a request's full blocks as
         they fill), so its resumed prefill reuses what of them is still there.  O(pages)."""
-        bt = self.fleet.block_tokens
-        full = full_blocks(r, bt)
         r.left = float(math.ceil(r.left - _EPS))
         generated = r.output - int(r.left)
-        # positions whose KV exists: its prompt and what it generated but the last token
-        kv_full = min((r.tokens + generated - 1) // bt, self._pages(r))
         self.running.remove(r)
-        with self._held_writer():
-            # its private pages that now fill a block of it (``_pages`` counts them: never more than it has)
-            private, cached = r.private, max(0, kv_full - full - r.seq_held)
-            if cached:
-                self.cache.insert(self._sequence(r, kv_full * bt),
-                                  [*r.hold.pages.tolist(), *private[:cached].tolist()])
-                private = private[cached:]
-            self.cache.release(r.hold)
-            if private is not None and len(private):
-                self.cache.free(private)
-        r.hold, r.private, r.started, r.seq_held = None, None, False, 0
+        self._let_go(r, generated)
+        r.started = False
         r.recompute = generated
         r.preempted += 1
         self.preemptions += 1
@@ -734,12 +723,33 @@ class _Instance:
         """Decode steps before running ``r`` reaches a position its pages do not cover.  O(1)."""
         return max(0.0, self._pages(r) * self.fleet.block_tokens - _computed(r))
 
-    def end(self, r: SimRequest) -> None:
+    def _let_go(self, r: SimRequest, generated: int) -> None:
+        """``r`` gives back its pages, having generated ``generated`` tokens (preempted, or at its
+        end).  Every full block of its sequence whose KV exists (its prompt and what it generated
+        but the last token) stays cached, unheld: its prompt's, and with ``output_pages`` those of
+        what it generated, each an id of its own (``_sequence``), as vLLM caches a request's full
+        blocks as they fill and keeps them after it ends until their pages are taken; its other
+        private pages are freed.  Without ``output_pages`` the output has no pages, and nothing of
+        it is cached.  O(pages)."""
+        bt = self.fleet.block_tokens
+        full = full_blocks(r, bt)
+        # ``_pages`` counts the pages it holds: never more cached than it has
+        kv_full = min((r.tokens + generated - 1) // bt, self._pages(r))
         with self._held_writer():
+            private, cached = r.private, max(0, kv_full - full - r.seq_held)
+            if cached:
+                self.cache.insert(self._sequence(r, kv_full * bt),
+                                  [*r.hold.pages.tolist(), *private[:cached].tolist()])
+                private = private[cached:]
             self.cache.release(r.hold)
-            if r.private is not None:
-                self.cache.free(r.private)
+            if private is not None and len(private):
+                self.cache.free(private)
         r.hold, r.private, r.seq_held = None, None, 0
+
+    def end(self, r: SimRequest) -> None:
+        """``r`` decoded its last token: its blocks stay cached as it lets them go (``_let_go``),
+        and the router hears that it ended.  O(pages)."""
+        self._let_go(r, r.output)
         self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens, r.names, self.fleet.told(r), self.fleet.env.now)
         self.served += 1
 
@@ -850,7 +860,7 @@ class Fleet:
         self.backends = [Backend(inst.name, inst.name, pool_blocks=self.pool_blocks) for inst in self.instances]
         self.backend = {b.name: b for b in self.backends}
         self.by_name = {inst.name: inst for inst in self.instances}
-        # with ``preempt``: the block ids of requests' sequences past their prompts' full blocks
+        # with ``output_pages``: the block ids of requests' sequences past their prompts' full blocks
         # (``sequence_block``), counted down from the largest token id the cache takes
         self._sequence_ids: dict[tuple[int, int], int] = {}
         self._highest_block = 0

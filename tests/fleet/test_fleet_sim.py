@@ -6,6 +6,7 @@ measurements, within the error it states."""
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 from typing import Any
@@ -647,6 +648,24 @@ def test_output_pages_is_a_setting_of_the_run_that_the_goals_check_keeps_apart(t
     assert "does not fit" in out.err and out.err.count("\n") == 1 and not out.out
 
 
+def run_checked(fleet: Fleet, reqs: list[SimRequest], **patches: Any) -> None:
+    """Run ``reqs`` on ``fleet`` with ``Fleet.check`` after every engine step (as each instance
+    publishes its events) and ``_Instance``'s methods named in ``patches`` replaced."""
+    from radixkv.bench.fleet_sim import _Instance
+
+    publish = _Instance.publish
+
+    def checked(inst: _Instance) -> None:
+        publish(inst)
+        fleet.check()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_Instance, "publish", checked)
+        for name, method in patches.items():
+            mp.setattr(_Instance, name, method)
+        fleet.run(reqs)
+
+
 @st.composite
 def long_outputs(draw: st.DrawFn) -> tuple[list[SimRequest], int]:
     """``traces()`` with outputs of up to three blocks, arriving together or close together: decodes
@@ -781,7 +800,7 @@ def test_a_resumed_request_recomputes_what_of_its_sequence_the_pool_no_longer_ho
     need = max(full_blocks(r, bt) + private_blocks(r, bt) for r in reqs)
     fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=(need + room) * bt, cpu_tokens=0, budget=8192,
                   output_pages=True, preempt=True)
-    start, publish = _Instance._start, _Instance.publish
+    start = _Instance._start
     resumed: list[int] = []
 
     def started(inst: _Instance, r: SimRequest) -> float | None:
@@ -797,14 +816,7 @@ def test_a_resumed_request_recomputes_what_of_its_sequence_the_pool_no_longer_ho
             resumed.append(r.seq_held)
         return cost
 
-    def checked(inst: _Instance) -> None:
-        publish(inst)
-        fleet.check()
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_Instance, "_start", started)
-        mp.setattr(_Instance, "publish", checked)
-        fleet.run(reqs)
+    run_checked(fleet, reqs, _start=started)
     event(f"resumed: {len(resumed)}, with generated blocks found: {sum(1 for k in resumed if k)}")
     assert all(inst.cache.stats()["pages_engine"] == 0 for inst in fleet.instances)
 
@@ -835,6 +847,81 @@ def test_a_preempted_request_whose_blocks_stay_cached_resumes_by_computing_one_t
     assert [r.preempted for r in reqs] == [0, 1]
     assert computed == [(0, full * bt, 0), (1, full * bt, 0), (1, 1, 2)]
     assert fleet.instances[0].served == 2 and fleet.instances[0].cache.stats()["pages_engine"] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=long_outputs(), policy=st.sampled_from(["cost", "prefix", "round_robin"]), instances=st.integers(1, 2),
+       room=st.integers(0, 6), preempt=st.booleans())
+def test_a_finished_requests_full_blocks_stay_cached_unheld_and_its_other_pages_are_freed(
+        trace: tuple, policy: str, instances: int, room: int, preempt: bool) -> None:
+    """With ``output_pages``, reserved or taken as decoded: as a request ends, every full block of
+    its sequence whose KV exists (its prompt and its output but the last token) is in its
+    instance's pool, as vLLM keeps a finished request's blocks cached; no request holds those past
+    its prompt, they are cached pages, not the engine's, and its other pages are free
+    (``Fleet.check`` after every step).  Without ``output_pages`` nothing past its prompt is cached."""
+    from radixkv.bench.fleet_sim import _Instance, full_blocks, private_blocks
+    from radixkv.testing.machines import resident_tokens
+
+    reqs, bt = trace
+    again = copy.deepcopy(reqs)
+    need = max(full_blocks(r, bt) + private_blocks(r, bt) for r in reqs)
+    fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=(need + room) * bt, cpu_tokens=0, budget=8192,
+                  output_pages=True, preempt=preempt)
+    end = _Instance.end
+    generated: list[int] = []
+
+    def ended(inst: _Instance, r: SimRequest) -> None:
+        stats = inst.cache.stats()
+        before = stats["pages_cached"], stats["pages_free"], stats["pages_engine"]
+        kv_full = (r.tokens + r.output - 1) // bt
+        mine, full = inst._sequence(r, kv_full * bt), full_blocks(r, bt)
+        # the engine's pages it holds: its private ones (its prompt's blocks are the pool's, held)
+        alone = len(r.private) if r.private is not None else 0
+        # past its prompt, less what a resumed request found cached (the pool's already)
+        cached_past = kv_full - full - r.seq_held
+        end(inst, r)
+        assert resident_tokens(inst.cache.tree, mine) == kv_full, "a full block of its sequence was not kept"
+        stats = inst.cache.stats()
+        assert stats["pages_engine"] == before[2] - alone
+        assert stats["pages_cached"] == before[0] + cached_past
+        assert stats["pages_free"] == before[1] + alone - cached_past
+        generated.append(cached_past)
+
+    run_checked(fleet, reqs, end=ended)
+    assert len(generated) == len(reqs)
+    event(f"requests ending with generated blocks cached: {sum(1 for g in generated if g)}")
+    for inst in fleet.instances:
+        assert inst.cache.stats()["pages_engine"] == 0
+        inst.cache.check()
+    plain = Fleet(instances, policy, MODEL, bt, pool_tokens=(need + room) * bt, cpu_tokens=0, budget=8192)
+    plain.run(again)
+    assert all(inst.cache.stats()["pages_cached"] <= sum(full_blocks(r, bt) for r in again) for inst in plain.instances)
+    assert not plain._sequence_ids, "an output cached where outputs take no pages"
+
+
+def test_a_finished_requests_cached_output_takes_the_pages_an_older_prompt_is_evicted_from() -> None:
+    """One instance, a pool of 10 pages, requests one after another: request 0 (prompt P0 of 2
+    blocks, 1 token out) ends with P0 cached; request 1 (2 blocks, 80 out) ends with its prompt and
+    4 output blocks cached, 2 pages free; request 2 (a new 2-block prompt) needs 3 pages and evicts
+    the least recently used leaf, P0 (a finished output is cached as vLLM caches it, not freed);
+    request 3, P0 and a block more, finds none of it.  When a finished output's pages were freed, 6 were free after request 1 and request 3 found all
+    of P0."""
+    from radixkv.testing.machines import resident_tokens
+
+    bt = 16
+    p0 = [100, 101]
+    reqs = [SimRequest(0, 0.0, p0, 2 * bt, 1), SimRequest(1, 10.0, [200, 201], 2 * bt, 80),
+            SimRequest(2, 20.0, [300, 301], 2 * bt, 1), SimRequest(3, 30.0, p0 + [102], 3 * bt, 1)]
+    fleet = Fleet(1, "cost", MODEL, bt, pool_tokens=10 * bt, cpu_tokens=0, budget=8192, output_pages=True)
+    fleet.run(copy.deepcopy(reqs[:2]))
+    inst = fleet.instances[0]
+    stats = inst.cache.stats()
+    assert (stats["pages_cached"], stats["pages_free"], stats["pages_engine"]) == (2 + 6, 2, 0)
+    assert resident_tokens(inst.cache.tree, inst._sequence(reqs[1], 6 * bt)) == 6
+    fleet = Fleet(1, "cost", MODEL, bt, pool_tokens=10 * bt, cpu_tokens=0, budget=8192, output_pages=True)
+    fleet.run(reqs)
+    fleet.check()
+    assert [r.hit_tokens for r in reqs] == [0, 0, 0, 0]
 
 
 def test_preempt_needs_output_pages_and_is_named_in_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
