@@ -4,7 +4,7 @@ Why a simulator: a 2-core machine runs two ``vllm serve`` of a core each (``benc
 one load, and no more: no committed run can show 16 instances at 95% load.
 Here each instance is independent, with its own radixkv ``PrefixCache`` as the model of its KV
 pool and CPU tier (real matches, real LRU evictions, the CPU tier filled by what the pool lets
-go), and the router's own policy code (``radixkv.fleet.routing.Chooser``) chooses, fed by a real
+go: prompts' blocks only, as a tier below vLLM keeps them, ``_PromptsOnly``), and the router's own policy code (``radixkv.fleet.routing.Chooser``) chooses, fed by a real
 fleet ``Index`` that the instances' KV events (``radixkv.fleet.publish.KVEvents``, through the
 observer seam) keep up to date as each engine step ends.
 
@@ -92,6 +92,7 @@ from pathlib import Path
 from typing import Any, Generator, Iterable, Sequence
 
 from radixkv.bench import out_file
+from radixkv.core.policy import LRU
 from radixkv.tools._args import Parser, Refused
 
 __all__ = ["Fleet", "SimRequest", "default_pool", "fit_vllm_cpu", "fit_vllm_cpu_decode", "ideal_hits", "ideal_work",
@@ -486,6 +487,24 @@ def scale_to_load(requests: list[SimRequest], block_tokens: int, model: Any, ins
 # -- the fleet ---------------------------------------------------------------------------------
 
 
+class _PromptsOnly(LRU):
+    """A CPU tier's policy (least recently used first) that declines the chunks of what requests
+    generated (``declined``, which the fleet fills as it caches them): a tier below vLLM keeps
+    prompts, as radixkv's connector stores only a prompt's chunks and vLLM's own offloading
+    (``offload_prompt_only``) does by default, while the pool caches generated blocks too."""
+
+    name = "prompts_only"
+
+    def __init__(self, declined: set[bytes]) -> None:
+        super().__init__()
+        self.declined = declined
+
+    def admit(self, key: bytes) -> bool:
+        """Whether ``key`` is not a generated chunk's.  O(1)."""
+        return key not in self.declined
+
+
+
 class _Instance:
     def __init__(self, fleet: Fleet, name: str) -> None:
         import torch
@@ -497,7 +516,10 @@ class _Instance:
 
         self.fleet, self.name = fleet, name
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16, page_size=1)
-        tiers = [CpuTier(fleet.cpu_blocks * fleet.blob_bytes, slot_bytes=fleet.blob_bytes)] if fleet.cpu_blocks else []
+        # with outputs' pages the pool caches generated blocks, which the tier declines
+        policy = _PromptsOnly(fleet.generated_keys) if fleet.output_pages else None
+        tiers = [CpuTier(fleet.cpu_blocks * fleet.blob_bytes, slot_bytes=fleet.blob_bytes, policy=policy)
+                 ] if fleet.cpu_blocks else []
         self.cache = PrefixCache(layout, num_pages=fleet.pool_blocks, chunk_size=1, namespace=fleet.namespace,
                                  tiers=tiers)
         self.seq = 0
@@ -730,7 +752,8 @@ class _Instance:
         what it generated, each an id of its own (``_sequence``), as vLLM caches a request's full
         blocks as they fill and keeps them after it ends until their pages are taken; its other
         private pages are freed.  Without ``output_pages`` the output has no pages, and nothing of
-        it is cached.  O(pages)."""
+        it is cached.  The CPU tier declines the generated blocks when the pool lets them go
+        (``Fleet.decline``).  O(pages)."""
         bt = self.fleet.block_tokens
         full = full_blocks(r, bt)
         # ``_pages`` counts the pages it holds: never more cached than it has
@@ -738,6 +761,7 @@ class _Instance:
         with self._held_writer():
             private, cached = r.private, max(0, kv_full - full - r.seq_held)
             if cached:
+                self.fleet.decline(self._sequence(r, kv_full * bt), full)
                 self.cache.insert(self._sequence(r, kv_full * bt),
                                   [*r.hold.pages.tolist(), *private[:cached].tolist()])
                 private = private[cached:]
@@ -856,6 +880,8 @@ class Fleet:
         self.chooser = Chooser(policy, block_size=block_tokens, lookup=self.index.lookup,
                                spread=self.index.lookup_spread, model=router_model or model,
                                affinity=affinity, p2p=p2p, shared=self._shared_run if shared else None, seed=seed)
+        #: the CPU tiers' keys of the generated blocks cached so far, which the tiers decline
+        self.generated_keys: set[bytes] = set()
         self.instances = [_Instance(self, f"i{k}") for k in range(instances)]
         self.backends = [Backend(inst.name, inst.name, pool_blocks=self.pool_blocks) for inst in self.instances]
         self.backend = {b.name: b for b in self.backends}
@@ -894,6 +920,16 @@ class Fleet:
                 raise ValueError("the workload's block ids leave no room for its requests' generated blocks")
             self._sequence_ids[key] = block
         return block
+
+    def decline(self, sequence: Sequence[int], start: int) -> None:
+        """The CPU tiers decline blocks ``start`` on of ``sequence`` (a request's prompt and what it
+        generated, ``_Instance._sequence``): their keys join ``generated_keys``.  O(len(sequence))
+        hashing (none without a CPU tier)."""
+        from radixkv.core.hashing import chunk_keys
+
+        if self.cpu_blocks and start < len(sequence):
+            ns = self.instances[0].namespace
+            self.generated_keys.update(ns.id + k for k in chunk_keys(sequence, 1, ns)[start:])
 
     def names(self, r: SimRequest) -> list[Any]:
         """The router's names of ``r``'s full blocks (what the instances' events name)."""

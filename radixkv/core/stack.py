@@ -857,14 +857,23 @@ class TierStack:
     def _heard_store(self, i: int, writes: list[tuple[bytes, bytes]], stored: Any, seconds: float) -> None:
         """Tell the listeners of tier ``i``'s ``put_many`` of ``writes`` (``stored``: how many it took,
         ``None`` after a fault).  Which ones it took is not said by the protocol: all, when it took as
-        many as were written."""
-        name = self.tiers[i].name
+        many as were written; when it took fewer (an admission policy declined some, or it had no
+        room), a local tier is asked which it holds (one in-memory probe a write), and those are
+        told held and the rest dropped; a remote one is not asked (a round trip a write), and
+        nothing is told.  O(writes)."""
+        tier = self.tiers[i]
         nbytes = sum(len(b) for _, b in writes)
-        self.observers.io(name, "store", seconds, nbytes if stored is not None else 0, len(writes),
+        self.observers.io(tier.name, "store", seconds, nbytes if stored is not None else 0, len(writes),
                           "error" if stored is None else "ok")
-        if stored is not None and int(stored) == len(writes):
-            n = len(self._prefix)
-            self.observers.chunks(name, self._prefix, tuple(k[n:] for k, _ in writes), ())
+        if stored is None:
+            return
+        n = len(self._prefix)
+        if int(stored) == len(writes):
+            self.observers.chunks(tier.name, self._prefix, tuple(k[n:] for k, _ in writes), ())
+        elif tier.local:
+            held = {k for k, _ in writes if self._call(i, 0, tier.contains_prefix, [k]) == 1}
+            self.observers.chunks(tier.name, self._prefix, tuple(k[n:] for k, _ in writes if k in held),
+                                  tuple(k[n:] for k, _ in writes if k not in held))
 
     def _heard_evictions(self, i: int) -> None:
         """Tell the listeners what tier ``i`` dropped on its own (``Tier.take_evicted``), per

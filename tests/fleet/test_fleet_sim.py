@@ -648,9 +648,10 @@ def test_output_pages_is_a_setting_of_the_run_that_the_goals_check_keeps_apart(t
     assert "does not fit" in out.err and out.err.count("\n") == 1 and not out.out
 
 
-def run_checked(fleet: Fleet, reqs: list[SimRequest], **patches: Any) -> None:
-    """Run ``reqs`` on ``fleet`` with ``Fleet.check`` after every engine step (as each instance
-    publishes its events) and ``_Instance``'s methods named in ``patches`` replaced."""
+def run_checked(fleet: Fleet, reqs: list[SimRequest], also: Any = None, **patches: Any) -> None:
+    """Run ``reqs`` on ``fleet`` with ``Fleet.check`` (and ``also()``, given) after every engine
+    step (as each instance publishes its events) and ``_Instance``'s methods named in ``patches``
+    replaced."""
     from radixkv.bench.fleet_sim import _Instance
 
     publish = _Instance.publish
@@ -658,6 +659,8 @@ def run_checked(fleet: Fleet, reqs: list[SimRequest], **patches: Any) -> None:
     def checked(inst: _Instance) -> None:
         publish(inst)
         fleet.check()
+        if also is not None:
+            also()
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_Instance, "publish", checked)
@@ -897,6 +900,34 @@ def test_a_finished_requests_full_blocks_stay_cached_unheld_and_its_other_pages_
     plain.run(again)
     assert all(inst.cache.stats()["pages_cached"] <= sum(full_blocks(r, bt) for r in again) for inst in plain.instances)
     assert not plain._sequence_ids, "an output cached where outputs take no pages"
+
+
+@settings(max_examples=30, deadline=None)
+@given(trace=long_outputs(), policy=st.sampled_from(["cost", "round_robin"]), instances=st.integers(1, 2),
+       room=st.integers(0, 4), preempt=st.booleans())
+def test_the_cpu_tier_keeps_prompts_and_declines_the_generated_blocks_the_pool_lets_go(
+        trace: tuple, policy: str, instances: int, room: int, preempt: bool) -> None:
+    """With ``output_pages`` and a CPU tier, after every engine step: no tier holds a generated
+    block's chunk (they are offered as the pool lets them go, and declined, as a tier below vLLM
+    keeps prompts), while every prompt block a tier holds is one the requests sent; ``Fleet.check``
+    holds.  The CPU tier takes the prompt blocks the pool lets go as it did before."""
+    from radixkv.bench.fleet_sim import full_blocks, private_blocks
+
+    reqs, bt = trace
+    need = max(full_blocks(r, bt) + private_blocks(r, bt) for r in reqs)
+    fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=(need + room) * bt, cpu_tokens=(need + room) * bt,
+                  budget=8192, output_pages=True, preempt=preempt)
+
+    def tiers_keep_prompts() -> None:
+        prompts = {k for r in reqs for k in r.tier_keys}       # the tier keys of the prompts sent so far
+        for inst in fleet.instances:
+            tier = inst.cache.stack.tiers[0]  # type: ignore[union-attr]
+            assert not any(tier.contains_prefix([k]) for k in fleet.generated_keys), "a generated block stored"
+            assert {e.key for e in tier.entries()} <= prompts
+
+    run_checked(fleet, reqs, also=tiers_keep_prompts)
+    declined = sum(inst.cache.stack.tiers[0].stats()["not_admitted"] for inst in fleet.instances)  # type: ignore[union-attr]
+    event(f"generated blocks declined: {'some' if declined else 'none'}")
 
 
 def test_a_finished_requests_cached_output_takes_the_pages_an_older_prompt_is_evicted_from() -> None:

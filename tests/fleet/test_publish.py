@@ -77,18 +77,21 @@ family = st.lists(st.integers(0, 3), min_size=1, max_size=16).map(lambda xs: [x 
        steps=st.lists(st.one_of(st.tuples(st.just("req"), st.integers(0, 3)), st.tuples(st.just("evict"), st.integers(1, 8)),
                                 st.tuples(st.just("drop"), st.just(0))),
                       min_size=1, max_size=25),
-       cpu_chunks=st.integers(1, 6), with_lmdb=st.booleans(), sliding=st.booleans())
+       cpu_chunks=st.integers(1, 6), with_lmdb=st.booleans(), sliding=st.booleans(),
+       policy=st.sampled_from([None, "second_hit", "s3fifo"]))
 def test_the_index_fed_by_a_caches_events_holds_what_the_cache_holds(tmp_path: Path, prompts: list[list[int]],
                                                                       steps: list[Any],
                                                                       cpu_chunks: int, with_lmdb: bool,
-                                                                      sliding: bool) -> None:
+                                                                      sliding: bool, policy: str | None) -> None:
     """Also with a sliding-window layer (KV groups: its chunks in a namespace of their own, loads
-    landing through the groups' path); the full-attention group is the one told."""
+    landing through the groups' path); the full-attention group is the one told.  Also with a CPU
+    tier whose policy declines some of what it is given (``second_hit`` admits a chunk the second
+    time it comes): what it took of a write is told, what it declined is not."""
     layout = rk.KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=2,
                          windows=(0, 4)) if sliding else LAYOUT
     sink = IndexSink()
     chunk_bytes = 4096
-    tiers: list[Any] = [CpuTier(cpu_chunks * chunk_bytes, slot_bytes=chunk_bytes)]
+    tiers: list[Any] = [CpuTier(cpu_chunks * chunk_bytes, slot_bytes=chunk_bytes, policy=policy)]
     if with_lmdb:
         tiers.append(LmdbTier(str(tmp_path / f"db{time.monotonic_ns()}"), max_bytes=1 << 22))
     with rk.PrefixCache(layout, num_pages=12, chunk_size=CHUNK, tiers=tiers) as cache:
@@ -108,6 +111,30 @@ def test_the_index_fed_by_a_caches_events_holds_what_the_cache_holds(tmp_path: P
             sink.index.check()
             events.check()
             cache.check()
+
+
+def test_what_a_tier_takes_of_a_write_it_partly_declines_is_told() -> None:
+    """A CPU tier that admits a chunk the second time it comes (``second_hit``): prompt A spilled
+    once is declined; spilled again together with prompt B, A's chunks are taken and B's declined.
+    The index hears A's as held on the CPU (when any write of a batch was declined, nothing was
+    told before), and B's not."""
+    sink = IndexSink()
+    tiers = [CpuTier(8 * 4096, slot_bytes=4096, policy="second_hit")]
+    a, b = [1, 2, 3, 4, 1, 2, 3, 4, 9], [2, 2, 2, 2, 3, 3, 3, 3, 9]
+    with rk.PrefixCache(LAYOUT, num_pages=12, chunk_size=CHUNK, tiers=tiers) as cache:
+        events = cache.observers.add(KVEvents(sink, namespace=cache.stack.namespace, chunk_size=CHUNK))  # type: ignore[union-attr]
+        seen = {np.asarray(p, dtype="<i4").tobytes() for p in (a, b)}
+        for step in ("a", "evict", "a", "b", "evict"):
+            if step == "evict":
+                cache.evict(12)
+            else:
+                replay(cache, [a if step == "a" else b])
+            cache.flush()
+            assert held_by_medium(sink.index) == truth(cache, seen), step
+        assert tiers[0].stats()["not_admitted"] == 4 and len(held_by_medium(sink.index)["CPU"]) == 2
+        sink.index.check()
+        events.check()
+        cache.check()
 
 
 def test_vllm_names_chain_across_chunks_and_match_vllm_block_hashes() -> None:
