@@ -4,9 +4,10 @@ Why a simulator: a 2-core machine runs two ``vllm serve`` of a core each (``benc
 one load, and no more: no committed run can show 16 instances at 95% load.
 Here each instance is independent, with its own radixkv ``PrefixCache`` as the model of its KV
 pool and CPU tier (real matches, real LRU evictions, the CPU tier filled by what the pool lets
-go: prompts' blocks only, as a tier below vLLM keeps them, ``_PromptsOnly``), and the router's own policy code (``radixkv.fleet.routing.Chooser``) chooses, fed by a real
-fleet ``Index`` that the instances' KV events (``radixkv.fleet.publish.KVEvents``, through the
-observer seam) keep up to date as each engine step ends.
+go: prompts' blocks only, as a tier below vLLM keeps them, ``_PromptsOnly``), and the router's own
+policy code (``radixkv.fleet.routing.Chooser``) chooses, fed by a real fleet ``Index`` that the
+instances' KV events (``radixkv.fleet.publish.KVEvents``, through the observer seam) keep up to
+date as each engine step ends.
 
 The engine model (per instance, continuous batching as vLLM does it): a step takes the requests
 waiting for their prefill in arrival order, up to ``budget`` prompt tokens (chunked prefill: a long
@@ -25,8 +26,8 @@ partial last block and for every ``block_tokens`` tokens of its output, as vLLM 
 taken when it is admitted (it waits for pages until they are all free); at its end the full blocks
 of its prompt and of what it generated stay cached, unheld (each generated block an id of its own,
 which no other request's prompt has), as vLLM keeps a finished request's full blocks cached until
-their pages are taken, and the rest of its pages are freed.  With ``--preempt`` (``preempt``) the pages are taken as vLLM's V1 scheduler takes them
-instead: at admission those of its prompt (and of the output a resumed request recomputes), then one
+their pages are taken, and the rest of its pages are freed.  With ``--preempt`` (``preempt``) the
+pages are taken as vLLM's V1 scheduler takes them instead: at admission those of its prompt (and of the output a resumed request recomputes), then one
 page each time a decode reaches a new block; a decode that finds no page free (after evicting what
 no request holds) preempts the request admitted last (``Scheduler.schedule``: ``self.running.pop()``,
 then ``_preempt_request``), which frees its pages (the full blocks of its prompt and of what it had
@@ -504,7 +505,6 @@ class _PromptsOnly(LRU):
         return key not in self.declined
 
 
-
 class _Instance:
     def __init__(self, fleet: Fleet, name: str) -> None:
         import torch
@@ -761,9 +761,9 @@ class _Instance:
         with self._held_writer():
             private, cached = r.private, max(0, kv_full - full - r.seq_held)
             if cached:
-                self.fleet.decline(self._sequence(r, kv_full * bt), full)
-                self.cache.insert(self._sequence(r, kv_full * bt),
-                                  [*r.hold.pages.tolist(), *private[:cached].tolist()])
+                sequence = self._sequence(r, kv_full * bt)
+                self.fleet.decline(sequence, full)
+                self.cache.insert(sequence, [*r.hold.pages.tolist(), *private[:cached].tolist()])
                 private = private[cached:]
             self.cache.release(r.hold)
             if private is not None and len(private):
