@@ -564,6 +564,27 @@ def test_the_router_pins_what_each_instances_requests_in_flight_hold_and_sends_a
     assert any(moved), "the fit rule moved no prompt to where it fits: the check checked nothing"
 
 
+def run_checked(fleet: Fleet, reqs: list[SimRequest], also: Any = None, **patches: Any) -> None:
+    """Run ``reqs`` on ``fleet`` with ``Fleet.check`` (and ``also()``, given) after every engine
+    step (as each instance publishes its events) and ``_Instance``'s methods named in ``patches``
+    replaced."""
+    from radixkv.bench.fleet_sim import _Instance
+
+    publish = _Instance.publish
+
+    def checked(inst: _Instance) -> None:
+        publish(inst)
+        fleet.check()
+        if also is not None:
+            also()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_Instance, "publish", checked)
+        for name, method in patches.items():
+            mp.setattr(_Instance, name, method)
+        fleet.run(reqs)
+
+
 @settings(max_examples=30, deadline=None)
 @given(trace=traces(), policy=st.sampled_from(["cost", "prefix", "round_robin"]), instances=st.integers(1, 3),
        room=st.integers(0, 6), output_pages=st.booleans(), gap=st.sampled_from([0.0, 1e-4, 1.0]))
@@ -573,7 +594,7 @@ def test_the_pages_requests_take_are_the_pages_the_engine_holds_after_every_step
     requests wait for pages), after every engine step of every instance the pages its cache counts
     as the engine's are exactly those its requests took and have not given to the pool (``Fleet.check``),
     and at the end none is left: every private page came back."""
-    from radixkv.bench.fleet_sim import _Instance, full_blocks, private_blocks
+    from radixkv.bench.fleet_sim import full_blocks, private_blocks
 
     reqs, bt = trace
     for i, r in enumerate(reqs):
@@ -581,17 +602,8 @@ def test_the_pages_requests_take_are_the_pages_the_engine_holds_after_every_step
     need = max(full_blocks(r, bt) + (private_blocks(r, bt) if output_pages else 0) for r in reqs)
     fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=(need + room) * bt, cpu_tokens=0, budget=8192,
                   output_pages=output_pages)
-    publish = _Instance.publish
-    steps = []
-
-    def checked(inst: _Instance) -> None:
-        publish(inst)
-        fleet.check()
-        steps.append(inst.name)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_Instance, "publish", checked)
-        fleet.run(reqs)
+    steps: list[None] = []
+    run_checked(fleet, reqs, also=lambda: steps.append(None))
     assert steps and all(r.ttft == r.ttft for r in reqs), "a request was never served"
     assert all(inst.cache.stats()["pages_engine"] == 0 for inst in fleet.instances)
 
@@ -648,27 +660,6 @@ def test_output_pages_is_a_setting_of_the_run_that_the_goals_check_keeps_apart(t
     assert "does not fit" in out.err and out.err.count("\n") == 1 and not out.out
 
 
-def run_checked(fleet: Fleet, reqs: list[SimRequest], also: Any = None, **patches: Any) -> None:
-    """Run ``reqs`` on ``fleet`` with ``Fleet.check`` (and ``also()``, given) after every engine
-    step (as each instance publishes its events) and ``_Instance``'s methods named in ``patches``
-    replaced."""
-    from radixkv.bench.fleet_sim import _Instance
-
-    publish = _Instance.publish
-
-    def checked(inst: _Instance) -> None:
-        publish(inst)
-        fleet.check()
-        if also is not None:
-            also()
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_Instance, "publish", checked)
-        for name, method in patches.items():
-            mp.setattr(_Instance, name, method)
-        fleet.run(reqs)
-
-
 @st.composite
 def long_outputs(draw: st.DrawFn) -> tuple[list[SimRequest], int]:
     """``traces()`` with outputs of up to three blocks, arriving together or close together: decodes
@@ -696,13 +687,9 @@ def test_with_preemption_every_request_ends_and_its_pages_are_the_engines_after_
     need = max(full_blocks(r, bt) + private_blocks(r, bt) for r in reqs)
     fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=(need + room) * bt, cpu_tokens=0, budget=8192,
                   output_pages=True, preempt=True)
-    publish, end, grow, start = _Instance.publish, _Instance.end, _Instance._grow, _Instance.start
+    end, grow, start = _Instance.end, _Instance._grow, _Instance.start
     ends: list[int] = []
     preempting: set[str] = set()
-
-    def checked(inst: _Instance) -> None:
-        publish(inst)
-        fleet.check()
 
     def grown(inst: _Instance) -> bool:
         preempted = grow(inst)
@@ -718,12 +705,7 @@ def test_with_preemption_every_request_ends_and_its_pages_are_the_engines_after_
         ends.append(r.rid)
         end(inst, r)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_Instance, "publish", checked)
-        mp.setattr(_Instance, "end", ended)
-        mp.setattr(_Instance, "_grow", grown)
-        mp.setattr(_Instance, "start", started)
-        fleet.run(reqs)
+    run_checked(fleet, reqs, end=ended, _grow=grown, start=started)
     assert sorted(ends) == sorted(r.rid for r in reqs), "a request never ended"
     assert all(r.ttft == r.ttft for r in reqs)
     assert sum(r.preempted for r in reqs) == sum(inst.preemptions for inst in fleet.instances)
@@ -935,8 +917,8 @@ def test_a_finished_requests_cached_output_takes_the_pages_an_older_prompt_is_ev
     blocks, 1 token out) ends with P0 cached; request 1 (2 blocks, 80 out) ends with its prompt and
     4 output blocks cached, 2 pages free; request 2 (a new 2-block prompt) needs 3 pages and evicts
     the least recently used leaf, P0 (a finished output is cached as vLLM caches it, not freed);
-    request 3, P0 and a block more, finds none of it.  When a finished output's pages were freed, 6 were free after request 1 and request 3 found all
-    of P0."""
+    request 3, P0 and a block more, finds none of it.  When a finished output's pages were freed,
+    6 were free after request 1 and request 3 found all of P0."""
     from radixkv.testing.machines import resident_tokens
 
     bt = 16
