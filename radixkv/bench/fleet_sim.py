@@ -52,22 +52,29 @@ evictions and KV events are radixkv's own, which is what the policies are judged
 tier's writer is flushed after each step).
 
 Load: ``--loads`` are fractions of the fleet's capacity for the workload, the work of every request
-with the trace's infinite-cache hits (``ideal`` below) over ``instances x`` the trace's span: a
-policy that loses hits is past 100% at a load of 95%.
+with the trace's infinite-cache hits (``ideal_hits``: with ``--output-pages`` they count the
+answers later turns hold) over ``instances x`` the trace's span: a policy that loses hits is past
+100% at a load of 95%.  A turn held back until its answer ends (``chat``) arrives later than the
+workload says, so the load it meets is at most the load named.
 
 Workloads: ``mooncake`` (a trace in the Mooncake FAST'25 format, ``--trace``: timestamps in any
 unit (the load sets the time scale), ``input_length``, ``output_length``, chained ``hash_ids``, each
 id one fixed block of 512 tokens as in that release, or of ``--trace-block`` tokens, or of the size
 its rows' lengths say (``trace_block``: the 16-token blocks of other published traces); a seed takes
-another window of ``--requests``), and three synthetic ones of 64-token blocks, each with
-``TENANTS`` tenants whose prefixes are three times a ``SYNTHETIC_POOL`` pool: ``tenants`` (the
-fleet benchmark's shape: 1,536-token system prompts and a 64-token question, Poisson arrivals),
-``hot`` (768-2,048-token prompts, one tenant with half the requests, arriving in bursts of 6 at
-once), ``fleetwide`` (every request shares a 2,048-token fleet-wide system prompt, then one of the
-tenants' 1,024-token documents, then a question: a longest-match rule can send all of it to the
-first instance that holds the shared block); and ``shapeK``, for any number K, a workload of a
+another window of ``--requests``), and four synthetic ones of 64-token blocks, each with
+``TENANTS`` tenants: ``tenants`` (the fleet benchmark's shape: 1,536-token system prompts and a
+64-token question, Poisson arrivals), ``hot`` (768-2,048-token prompts, one tenant with half the
+requests, arriving in bursts of 6 at once), ``fleetwide`` (every request shares a 2,048-token
+fleet-wide system prompt, then one of the tenants' 1,024-token documents, then a question: a
+longest-match rule can send all of it to the first instance that holds the shared block), their
+prefixes three times a ``SYNTHETIC_POOL`` pool, and ``chat`` (conversations on 512-2,048-token
+system prompts: each turn's prompt is the last turn's prompt, its answer and a new question, token
+for token, sent once that answer has ended, so that with ``--output-pages`` a turn reuses the
+blocks the last one generated, which vLLM cached: ``_chat``, ``SimRequest.answer``,
+``SimRequest.after``; a ``CHAT_POOL`` pool); and ``shapeK``, for any number K, a workload of a
 shape drawn from K (``SHAPE_CHOICES``: tenants and their popularity, system prompts and their
-spread, a fleet-wide prefix or none, question and output lengths, multi-turn sessions, bursts,
+spread, a fleet-wide prefix or none, question and output lengths, multi-turn sessions (a turn's
+answer in the next prompt is a run of blocks of its own, not the blocks it generated), bursts,
 arrivals switched on and off, the pool against the distinct prefix tokens), to test the policies on
 shapes no one chose.  ``--like-fleet ARGS`` instead runs the requests ``python -m radixkv.bench fleet
 ARGS`` sends (``like_fleet``: its arrivals in seconds, its prompts as 128-token blocks, its instances
@@ -99,7 +106,7 @@ from radixkv.tools._args import Parser, Refused
 __all__ = ["Fleet", "SimRequest", "default_pool", "fit_vllm_cpu", "fit_vllm_cpu_decode", "ideal_hits", "ideal_work",
            "scale_to_load", "shape_number", "shape_params", "shape_pool", "simulate", "workload"]
 
-WORKLOADS = ("mooncake", "tenants", "hot", "fleetwide")
+WORKLOADS = ("mooncake", "tenants", "hot", "fleetwide", "chat")
 #: Tenants (or documents) of the synthetic workloads: about 48K tokens of prefixes, three times
 #: the synthetic workloads' default pool (``SYNTHETIC_POOL``): one instance cannot hold them all,
 #: the fleet can.
@@ -113,13 +120,19 @@ _EPS = 1e-6
 @dataclass
 class SimRequest:
     """One request: arrival (s), its prompt as block ids (``tokens`` tokens, the last block maybe
-    partial), ``output`` tokens to generate; filled by the run: instance, TTFT, tokens reused."""
+    partial), ``output`` tokens to generate; ``answer``: the ids of its sequence's full blocks past
+    its prompt's full ones, where a later turn's prompt holds what it generated (none: each such
+    block an id of its own, ``Fleet.sequence_block``); ``after``: the request whose answer its
+    prompt holds (-1: none), which it arrives no sooner than the end of, as a client sends the next
+    turn once it has the answer.  Filled by the run: instance, TTFT, tokens reused, its end."""
 
     rid: int
     arrival: float
     blocks: list[int]
     tokens: int
     output: int
+    answer: list[int] = field(default_factory=list)
+    after: int = -1
     instance: str = ""
     ttft: float = math.nan
     hit_tokens: int = 0            # reused: the pool's, the CPU tier's, a peer's, a shared tier's
@@ -139,6 +152,8 @@ class SimRequest:
     recompute: int = 0             # with ``preempt``: generated tokens its next prefill recomputes
     preempted: int = 0             # with ``preempt``: times it was preempted
     seq_held: int = 0              # with ``preempt``: blocks past its prompt's full ones its match holds (resumed)
+    ended: float = math.nan        # when it decoded its last token
+    deferred: float = 0.0          # how much later than the workload says it arrived (``after``)
 
 
 def full_blocks(r: SimRequest, block_tokens: int) -> int:
@@ -173,10 +188,12 @@ def private_blocks(r: SimRequest, block_tokens: int) -> int:
     return pages_alone(r.tokens, full_blocks(r, block_tokens), r.output, block_tokens)
 
 
-def ideal_hits(requests: Sequence[SimRequest], block_tokens: int) -> list[int]:
+def ideal_hits(requests: Sequence[SimRequest], block_tokens: int, outputs: bool = False) -> list[int]:
     """Each request's reused tokens with one unbounded cache that holds every full block of every
-    earlier request (arrival order): the trace's infinite-cache hits.  At least the last block of
-    a prompt is always computed.  O(blocks)."""
+    earlier request's prompt (arrival order) and, with ``outputs`` (the engine caches what requests
+    generate: ``output_pages``), of its ``answer`` whose KV exists (not the last token's): the
+    trace's infinite-cache hits.  At least the last block of a prompt is always computed.
+    O(blocks)."""
     seen: set[tuple[int, ...]] = set()
     out = []
     for r in sorted(requests, key=lambda r: (r.arrival, r.rid)):
@@ -184,8 +201,12 @@ def ideal_hits(requests: Sequence[SimRequest], block_tokens: int) -> list[int]:
         while n < len(r.blocks) - 1 and tuple(r.blocks[:n + 1]) in seen:
             n += 1
         out.append(n * block_tokens)
-        for j in range(full_blocks(r, block_tokens)):
-            seen.add(tuple(r.blocks[:j + 1]))
+        full = full_blocks(r, block_tokens)
+        sequence = r.blocks[:full]
+        if outputs:
+            sequence += r.answer[:max(0, (r.tokens + r.output - 1) // block_tokens - full)]
+        for j in range(len(sequence)):
+            seen.add(tuple(sequence[:j + 1]))
     order = {r.rid: i for i, r in enumerate(sorted(requests, key=lambda r: (r.arrival, r.rid)))}
     return [out[order[r.rid]] for r in requests]
 
@@ -302,6 +323,64 @@ def _synthetic(kind: str, n: int, seed: int) -> tuple[list[SimRequest], int]:
     return reqs, bt
 
 
+#: The longest prompt of the ``chat`` workload: a conversation ends before its next turn would pass it.
+CHAT_MAX_TOKENS = 8192
+#: The ``chat`` workload's default pool per instance: about a third of the 400K distinct tokens of
+#: 1,000 of its requests (prompts and answers), as ``SYNTHETIC_POOL`` is of the other synthetic
+#: workloads' prefixes; a smaller one (16K) leaves no room for the requests running at once.
+CHAT_POOL = 131_072
+
+
+def _chat(n: int, seed: int) -> tuple[list[SimRequest], int]:
+    """The first ``n`` requests (by arrival) of conversations: each starts (Poisson, one a time
+    unit) with one of ``TENANTS`` system prompts (512-2,048 tokens) and a question (16-256 tokens),
+    and has 1 + a geometric number of turns (4 on average); each later turn's prompt is the last
+    one's, its answer (64-512 tokens, drawn per conversation) and a new question, token for token,
+    sent a pause (10 time units on average) after the last one was sent and no sooner than its
+    answer ended (``after``).  Its blocks past the last prompt's full ones are that request's
+    ``answer`` (the full blocks of its sequence), then the sequence's partial tail with the
+    question.  64-token blocks.  O(n x prompt blocks)."""
+    rng = random.Random(f"radixkv-chat:{seed}")
+    bt = 64
+    ids = iter(range(1, 1 << 40))
+
+    def block_run(tokens: int) -> list[int]:
+        return [next(ids) for _ in range(-(-tokens // bt))]
+
+    sizes = [rng.choice((512, 1024, 1536, 2048)) for _ in range(TENANTS)]
+    systems = [block_run(size) for size in sizes]
+    reqs: list[SimRequest] = []
+    start = 0.0
+
+    def enough() -> bool:
+        # every conversation that sends one of the first ``n`` requests (by arrival) has started
+        return len(reqs) >= n and sorted(r.arrival for r in reqs)[n - 1] < start
+
+    while not enough():
+        start += rng.expovariate(1.0)
+        tenant, output = rng.randrange(TENANTS), rng.choice((64, 128, 256, 512))
+        turns = 1 + int(rng.expovariate(1.0 / 3.0))
+        q = rng.randint(16, 256)
+        blocks, tokens, now, last = systems[tenant] + block_run(q), sizes[tenant] + q, start, -1
+        for _ in range(turns):
+            r = SimRequest(len(reqs), now, blocks, tokens, output, after=last)
+            reqs.append(r)
+            sequence = tokens + output
+            full = tokens // bt
+            r.answer = block_run(sequence // bt * bt - full * bt)
+            q = rng.randint(16, 256)
+            if sequence + q > CHAT_MAX_TOKENS:
+                break
+            blocks, tokens = blocks[:full] + r.answer + block_run(sequence % bt + q), sequence + q
+            now, last = now + rng.expovariate(1.0 / 10.0), r.rid
+    reqs.sort(key=lambda r: (r.arrival, r.rid))
+    reqs = reqs[:n]
+    rid = {r.rid: i for i, r in enumerate(reqs)}
+    for r in reqs:
+        r.rid, r.after = rid[r.rid], rid.get(r.after, -1)
+    return reqs, bt
+
+
 # -- shapes: workloads drawn from a number ------------------------------------------------------
 
 
@@ -411,6 +490,8 @@ def workload(kind: str, n: int, seed: int, trace: str | None = None,
     k = shape_number(kind)
     if k is not None:
         return _shape(k, n, seed)
+    if kind == "chat":
+        return _chat(n, seed)
     return _synthetic(kind, n, seed)
 
 
@@ -443,11 +524,12 @@ def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]
     return args.instances, args.pool_blocks * bt, out
 
 
-def fleet_load(requests: Sequence[SimRequest], block_tokens: int, model: Any, instances: int) -> float:
+def fleet_load(requests: Sequence[SimRequest], block_tokens: int, model: Any, instances: int,
+               outputs: bool = False) -> float:
     """The load of ``requests`` as they arrive (``scale_to_load``'s measure: their work with the
     trace's infinite-cache hits over ``instances x`` their span).  O(blocks)."""
     span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
-    return ideal_work(requests, block_tokens, model) / (instances * span) if span > 0 else math.inf
+    return ideal_work(requests, block_tokens, model, outputs) / (instances * span) if span > 0 else math.inf
 
 
 def shape_number(kind: str) -> int | None:
@@ -459,26 +541,28 @@ def shape_number(kind: str) -> int | None:
 
 def default_pool(kind: str, requests: Sequence[SimRequest], block_tokens: int) -> int:
     """The pool per instance a workload runs with unless ``--pool-tokens`` says: 470,000 tokens
-    for a trace, ``shape_pool`` for a shape, ``SYNTHETIC_POOL`` for the others.  O(blocks) for a
-    shape, O(1) otherwise."""
+    for a trace, ``shape_pool`` for a shape, ``CHAT_POOL`` for ``chat``, ``SYNTHETIC_POOL`` for the
+    others.  O(blocks) for a shape, O(1) otherwise."""
     k = shape_number(kind)
     if k is not None:
         return shape_pool(k, requests, block_tokens)
-    return 470_000 if kind == "mooncake" else SYNTHETIC_POOL
+    return {"mooncake": 470_000, "chat": CHAT_POOL}.get(kind, SYNTHETIC_POOL)
 
 
-def ideal_work(requests: Sequence[SimRequest], block_tokens: int, model: Any) -> float:
-    """Seconds of engine work the requests need with their infinite-cache hits."""
-    hits = ideal_hits(requests, block_tokens)
+def ideal_work(requests: Sequence[SimRequest], block_tokens: int, model: Any, outputs: bool = False) -> float:
+    """Seconds of engine work the requests need with their infinite-cache hits (``ideal_hits``,
+    with ``outputs``).  O(blocks)."""
+    hits = ideal_hits(requests, block_tokens, outputs)
     return sum(model.fixed_s + model.prefill(r.tokens - h) + (r.output - 1) * model.decode_s_per_seq
                for r, h in zip(requests, hits))
 
 
-def scale_to_load(requests: list[SimRequest], block_tokens: int, model: Any, instances: int, load: float) -> float:
-    """Stretch the arrival times so that the ideal work is ``load`` of ``instances``' time over
-    the span; returns the span (s)."""
+def scale_to_load(requests: list[SimRequest], block_tokens: int, model: Any, instances: int, load: float,
+                  outputs: bool = False) -> float:
+    """Stretch the arrival times so that the ideal work (``ideal_work``, with ``outputs``) is
+    ``load`` of ``instances``' time over the span; returns the span (s).  O(blocks)."""
     span0 = max(r.arrival for r in requests) - min(r.arrival for r in requests) or 1.0
-    span = ideal_work(requests, block_tokens, model) / (instances * load)
+    span = ideal_work(requests, block_tokens, model, outputs) / (instances * load)
     t0 = min(r.arrival for r in requests)
     for r in requests:
         r.arrival = (r.arrival - t0) * span / span0
@@ -774,6 +858,7 @@ class _Instance:
         """``r`` decoded its last token: its blocks stay cached as it lets them go (``_let_go``),
         and the router hears that it ended.  O(pages)."""
         self._let_go(r, r.output)
+        self.fleet.ended(r)
         self.fleet.chooser.ended(self.fleet.backend[self.name], r.tokens, r.names, self.fleet.told(r), self.fleet.env.now)
         self.served += 1
 
@@ -890,6 +975,10 @@ class Fleet:
         # (``sequence_block``), counted down from the largest token id the cache takes
         self._sequence_ids: dict[tuple[int, int], int] = {}
         self._highest_block = 0
+        # with ``output_pages`` and a CPU tier: the tier keys of the prompts that arrived
+        self._prompt_keys: set[bytes] = set()
+        # a request's end, for the requests that arrive after it (``SimRequest.after``)
+        self._ends: dict[int, Any] = {}
 
     def _blob_bytes(self) -> int:
         """Bytes of one stored chunk (one block), to size the CPU tier in blocks."""
@@ -909,9 +998,13 @@ class Fleet:
             probe.close()
 
     def sequence_block(self, r: SimRequest, j: int) -> int:
-        """The block id of block ``j`` of ``r``'s sequence, past its prompt's full blocks: one of
-        its own (its content is the prompt's tail and what ``r`` generated, which no other request
-        has), counted down from ``2**31 - 1`` and above every workload block id.  O(1)."""
+        """The block id of block ``j`` of ``r``'s sequence, past its prompt's full blocks: the
+        workload's (``r.answer``: a later turn's prompt holds it), or else one of its own (its
+        content is the prompt's tail and what ``r`` generated, which no other request has), counted
+        down from ``2**31 - 1`` and above every workload block id.  O(1)."""
+        i = j - full_blocks(r, self.block_tokens)
+        if 0 <= i < len(r.answer):
+            return r.answer[i]
         key = (r.rid, j)
         block = self._sequence_ids.get(key)
         if block is None:
@@ -923,13 +1016,15 @@ class Fleet:
 
     def decline(self, sequence: Sequence[int], start: int) -> None:
         """The CPU tiers decline blocks ``start`` on of ``sequence`` (a request's prompt and what it
-        generated, ``_Instance._sequence``): their keys join ``generated_keys``.  O(len(sequence))
-        hashing (none without a CPU tier)."""
+        generated, ``_Instance._sequence``): their keys join ``generated_keys``, but those a prompt
+        that arrived holds (a later turn's: the connector stores a prompt's chunks).
+        O(len(sequence)) hashing (none without a CPU tier)."""
         from radixkv.core.hashing import chunk_keys
 
         if self.cpu_blocks and start < len(sequence):
             ns = self.instances[0].namespace
-            self.generated_keys.update(ns.id + k for k in chunk_keys(sequence, 1, ns)[start:])
+            keys = (ns.id + k for k in chunk_keys(sequence, 1, ns)[start:])
+            self.generated_keys.update(k for k in keys if k not in self._prompt_keys)
 
     def names(self, r: SimRequest) -> list[Any]:
         """The router's names of ``r``'s full blocks (what the instances' events name)."""
@@ -962,6 +1057,9 @@ class Fleet:
     def arrive(self, r: SimRequest) -> None:
         now = self.env.now
         r.names = self.names(r)
+        if self.output_pages and self.cpu_blocks:       # what it holds of an answer is a prompt's now
+            self._prompt_keys.update(r.tier_keys)
+            self.generated_keys.difference_update(r.tier_keys)
         choice = self.chooser.choose(self.backends, r.tokens, r.names, now, output=self.told(r))
         backend = choice.order[0]
         r.instance, r.why = backend.name, choice.why
@@ -972,21 +1070,44 @@ class Fleet:
             inst.wake.succeed()
 
     def run(self, requests: Sequence[SimRequest]) -> None:
-        """Serve ``requests`` (arrival order) to the end.  A prompt whose full blocks outnumber
-        the pool's pages could never start: ``ValueError`` before anything runs."""
+        """Serve ``requests`` (arrival order) to the end; one whose previous turn (``after``) has
+        not ended arrives when it ends.  A prompt whose full blocks outnumber the pool's pages could
+        never start, and a request after one that is not an earlier request of the run could never
+        arrive: ``ValueError`` before anything runs."""
         check_pool(requests, self.block_tokens, self.pool_blocks, self.output_pages)
-        self._highest_block = max((b for r in requests for b in r.blocks), default=0)
+        by_rid = {r.rid: r for r in requests}
+        for r in requests:
+            first = by_rid.get(r.after)
+            if r.after != -1 and (first is None or (first.arrival, first.rid) >= (r.arrival, r.rid)):
+                raise ValueError(f"after: request {r.rid} follows {r.after}, not an earlier request of the run")
+        self._ends = {r.after: self.env.event() for r in requests if r.after != -1}
+        self._highest_block = max((b for r in requests for b in (*r.blocks, *r.answer)), default=0)
         for inst in self.instances:
             self.env.process(inst.run())
+
+        def deferred(r: SimRequest) -> Generator[Any, Any, None]:
+            yield self._ends[r.after]
+            r.deferred, r.arrival = self.env.now - r.arrival, self.env.now
+            self.arrive(r)
 
         def arrivals() -> Generator[Any, Any, None]:
             for r in sorted(requests, key=lambda r: (r.arrival, r.rid)):
                 if r.arrival > self.env.now:
                     yield self.env.timeout(r.arrival - self.env.now)
-                self.arrive(r)
+                if r.after != -1 and not self._ends[r.after].triggered:
+                    self.env.process(deferred(r))
+                else:
+                    self.arrive(r)
 
         self.env.process(arrivals())
         self.env.run()
+
+    def ended(self, r: SimRequest) -> None:
+        """``r`` decoded its last token: the requests after it may arrive.  O(1)."""
+        r.ended = self.env.now
+        end = self._ends.get(r.rid)
+        if end is not None:
+            end.succeed()
 
     def check(self) -> None:
         """Every instance's cache and the index pass their ``check()``; the router's counters; the
@@ -1014,16 +1135,22 @@ def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, p
              pool_tokens: int, cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False,
              affinity: float | None = None, seed: int = 0, check: bool = False,
              output_pages: bool = False, preempt: bool = False, router_model: Any = None) -> dict[str, Any]:
-    """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary.  The
-    instances cost ``model``; the router estimates with ``router_model`` (default: ``model``)."""
-    reqs = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output) for r in requests]
+    """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary (with
+    ``deferred``, the requests that arrived later than the workload says because their previous
+    turn had not ended, and ``met_load``, the load they met as they arrived, ``fleet_load``, when
+    any did).  The instances cost ``model``; the router estimates with ``router_model`` (default:
+    ``model``)."""
+    reqs = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output, r.answer, r.after) for r in requests]
     fleet = Fleet(instances, policy, model, block_tokens, pool_tokens=pool_tokens, cpu_tokens=cpu_tokens,
                   budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed, output_pages=output_pages,
                   preempt=preempt, router_model=router_model)
     fleet.run(reqs)
     if check:
         fleet.check()
-    return summary(reqs, fleet)
+    out = summary(reqs, fleet)
+    # the load the requests met as they arrived, when a turn waited for its answer (``after``)
+    out["met_load"] = fleet_load(reqs, block_tokens, model, instances, output_pages) if out["deferred"] else None
+    return out
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -1038,7 +1165,8 @@ def summary(reqs: Sequence[SimRequest], fleet: Fleet) -> dict[str, Any]:
             "p50": _pct(ttft, 0.50), "p95": _pct(ttft, 0.95), "p99": _pct(ttft, 0.99),
             "mean": statistics.fmean(ttft), "served": served, "ttft": ttft,
             "busy": [round(inst.busy_s, 3) for inst in fleet.instances],
-            "preempted": sum(inst.preemptions for inst in fleet.instances)}
+            "preempted": sum(inst.preemptions for inst in fleet.instances),
+            "deferred": sum(1 for r in reqs if r.deferred > 0)}
 
 
 # -- calibration -------------------------------------------------------------------------------
@@ -1164,7 +1292,8 @@ def _main(argv: list[str] | None) -> int:
 
     ap = Parser(prog="python -m radixkv.bench fleet_sim", description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default=None,
-                    help="mooncake, tenants, hot, fleetwide, or shapeK (K a number: a shape drawn from it)")
+                    help="mooncake, tenants, hot, fleetwide, chat, or shapeK (K a number: a shape drawn from it); "
+                         "default the first four")
     ap.add_argument("--trace", default=None, help="a Mooncake-format trace (JSON lines) for the mooncake workload")
     ap.add_argument("--trace-block", type=int, default=None,
                     help="tokens a trace's hash id stands for (default: as its rows' lengths say; 512 in Mooncake's)")
@@ -1188,7 +1317,8 @@ def _main(argv: list[str] | None) -> int:
                          "slower machine, F > 1, or a faster one; the router's estimates stay --router-profile's); "
                          "its arrivals are not rescaled")
     ap.add_argument("--pool-tokens", type=int, default=None,
-                    help="KV pool per instance (default: SYNTHETIC_POOL for tenants, hot and fleetwide; a shape's "
+                    help="KV pool per instance (default: SYNTHETIC_POOL for tenants, hot and fleetwide; CHAT_POOL for "
+                         "chat; a shape's "
                          "fraction of its distinct prefix tokens, at least two of its longest prompt; for mooncake "
                          "470,000, an 8B model's KV in an H100 beside its weights, and above the trace's longest "
                          "prompt, 134K tokens)")
@@ -1272,7 +1402,7 @@ def _main(argv: list[str] | None) -> int:
         for kind, n, load, seed in _grid(args):
             reqs, bt = workload(kind, args.requests, seed, args.trace, args.trace_block)
             pool = args.pool_tokens or default_pool(kind, reqs, bt)
-            scale_to_load(reqs, bt, model, n, load)
+            scale_to_load(reqs, bt, model, n, load, args.output_pages)
             yield kind, n, load, seed, reqs, bt, pool
 
     return _report(args, argv, policies, budget, cells())
@@ -1309,7 +1439,7 @@ def _run_like_fleet(args: argparse.Namespace, argv: list[str] | None, policies: 
     pool = args.pool_tokens or pool
     for _, reqs in runs:
         check_pool(reqs, bt, max(2, pool // bt), args.output_pages)
-    load = statistics.fmean(fleet_load(reqs, bt, model, instances) for _, reqs in runs)   # one cell, its seeds
+    load = statistics.fmean(fleet_load(reqs, bt, model, instances, args.output_pages) for _, reqs in runs)   # one cell, its seeds
     cells = (("fleet", instances, load, seed, reqs, bt, pool) for seed, reqs in runs)
     return _report(args, argv, policies, budget, cells)
 
@@ -1352,9 +1482,10 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
             s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,
                          budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
                          output_pages=args.output_pages, preempt=args.preempt, router_model=router_model)
+            met = f"  deferred {s['deferred']}, met load {s['met_load']:.2f}" if s["deferred"] else ""
             say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
                 f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}"
-                f"{'  preempted ' + str(s['preempted']) if args.preempt else ''}")
+                f"{'  preempted ' + str(s['preempted']) if args.preempt else ''}{met}")
     say(f"# {time.perf_counter() - started:.0f} s")
     for line in goals(out):
         say(line)

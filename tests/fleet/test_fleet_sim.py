@@ -1058,3 +1058,128 @@ def test_the_router_estimates_with_its_own_model_and_the_instances_run_on_theirs
     fleet.run(reqs)
     fleet.check()
     assert reqs[0].ttft == pytest.approx(engine.fixed_s + engine.prefill(640)), "the step is the engine's"
+
+
+# -- conversations: a turn's prompt holds the last turn's answer --------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 120))
+def test_a_chat_turns_prompt_is_the_last_turns_prompt_its_answer_and_a_question(seed: int, n: int) -> None:
+    """``chat``: deterministic per seed; every later turn arrives after the turn it follows, and
+    its prompt is that turn's prompt, its answer and a question, token for token: its blocks begin
+    with that turn's full blocks and its ``answer`` (the full blocks of its sequence); no prompt
+    passes ``CHAT_MAX_TOKENS``; an answer's ids are no other request's."""
+    from radixkv.bench.fleet_sim import CHAT_MAX_TOKENS, full_blocks
+
+    reqs, bt = workload("chat", n, seed)
+    again, _ = workload("chat", n, seed)
+    assert [(r.arrival, r.blocks, r.tokens, r.output, r.answer, r.after) for r in reqs] == \
+        [(r.arrival, r.blocks, r.tokens, r.output, r.answer, r.after) for r in again]
+    assert len(reqs) == n and [r.rid for r in reqs] == list(range(n))
+    assert [r.arrival for r in reqs] == sorted(r.arrival for r in reqs)
+    answers = [b for r in reqs for b in r.answer]
+    assert len(answers) == len(set(answers))
+    for r in reqs:
+        assert r.tokens <= CHAT_MAX_TOKENS and len(r.blocks) == -(-r.tokens // bt)
+        full = full_blocks(r, bt)
+        assert len(r.answer) == (r.tokens + r.output) // bt - full
+        assert not set(r.answer) & set(r.blocks)
+        if r.after == -1:
+            continue
+        last = reqs[r.after]
+        assert last.rid < r.rid and last.arrival < r.arrival
+        assert last.tokens + last.output + 16 <= r.tokens <= last.tokens + last.output + 256
+        head = last.blocks[:full_blocks(last, bt)] + last.answer
+        assert r.blocks[:len(head)] == head and not set(r.blocks[len(head):]) & set(answers)
+    event(f"later turns: {'some' if any(r.after != -1 for r in reqs) else 'none'}")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 40), policy=st.sampled_from(POLICIES),
+       output_pages=st.booleans())
+def test_one_unbounded_instance_reuses_a_conversations_answers_only_when_the_engine_caches_outputs(
+        seed: int, n: int, policy: str, output_pages: bool) -> None:
+    """One unbounded instance, requests far apart: every request reuses exactly its infinite-cache
+    hits, which with ``output_pages`` count the answers the last turns generated (the engine
+    caches them) and without do not; with answers in the prompts, caching outputs gains at least
+    the later turns' answers."""
+    reqs, bt = workload("chat", n, seed)
+    for i, r in enumerate(reqs):
+        r.arrival = 1000.0 * i
+    out = run(reqs, bt, policy=policy, output_pages=output_pages)
+    hits = ideal_hits(reqs, bt, outputs=output_pages)
+    assert out["hit"] == sum(hits) / sum(r.tokens for r in reqs)
+    assert out["deferred"] == 0
+    later = [r for r in reqs if r.after != -1]
+    gain = sum(ideal_hits(reqs, bt, outputs=True)) - sum(ideal_hits(reqs, bt))
+    assert gain >= sum(len(reqs[r.after].answer) * bt for r in later if reqs[r.after].answer) - \
+        sum(bt for r in later if reqs[r.after].answer and (reqs[r.after].tokens + reqs[r.after].output) % bt == 0)
+    event(f"answers reused: {'some' if gain else 'none'}")
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(2, 60), instances=st.integers(1, 3), load=st.sampled_from([0.5, 0.95, 3.0]),
+       policy=st.sampled_from(["cost", "prefix", "round_robin"]), output_pages=st.booleans())
+def test_a_later_turn_arrives_no_sooner_than_the_answer_it_holds_ended(
+        seed: int, n: int, instances: int, load: float, policy: str, output_pages: bool) -> None:
+    """Whatever the load: no request arrives before the request it follows (``after``) ended; one
+    that the workload sent sooner arrives the moment it ended, later by ``deferred``; every request
+    ends; ``Fleet.check`` holds after every step."""
+    reqs, bt = workload("chat", n, seed)
+    scale_to_load(reqs, bt, MODEL, instances, load, output_pages)
+    sent = {r.rid: r.arrival for r in reqs}
+    fleet = Fleet(instances, policy, MODEL, bt, pool_tokens=20_000, cpu_tokens=20_000, budget=8192,
+                  output_pages=output_pages)
+    run_checked(fleet, reqs)
+    for r in reqs:
+        assert r.ended >= r.arrival + r.ttft
+        assert r.arrival == pytest.approx(sent[r.rid] + r.deferred)
+        if r.after != -1:
+            assert r.arrival >= reqs[r.after].ended
+            assert r.deferred == 0 or r.arrival == reqs[r.after].ended
+    event(f"deferred: {'some' if any(r.deferred for r in reqs) else 'none'}")
+
+
+def test_a_request_after_one_that_is_not_an_earlier_request_of_the_run_is_refused() -> None:
+    for first, after in ((-1, 1), (-1, 7), (-1, -2), (1, -1)):        # itself, none such, not a rid, a later one
+        reqs = [SimRequest(0, 0.0, [1], 10, 1, after=first), SimRequest(1, 1.0, [2], 10, 1, after=after)]
+        fleet = Fleet(1, "cost", MODEL, 16, pool_tokens=1024, cpu_tokens=0, budget=8192)
+        with pytest.raises(ValueError, match="after"):
+            fleet.run(reqs)
+        assert fleet.env.now == 0 and all(inst.served == 0 for inst in fleet.instances)
+
+
+def test_the_cpu_tier_keeps_an_answer_once_a_later_turns_prompt_holds_it() -> None:
+    """One instance, 16-token blocks, a pool of 8 pages and a CPU tier: A (a 2-block prompt)
+    generates 33 tokens, 2 full blocks of answer; B, its next turn, holds both in its prompt and
+    reuses all 4 blocks; C's 7-block prompt pushes everything into the CPU tier; D, B's prompt
+    again, loads all 4 blocks from the tier.  Were the answer still declined as a generated block
+    once B's prompt held it, D would load only A's prompt from the tier."""
+    bt = 16
+    a = SimRequest(0, 0.0, [1, 2], 2 * bt, 33, answer=[3, 4])
+    b_blocks = [1, 2, 3, 4, 5]
+    b = SimRequest(1, 0.001, b_blocks, 4 * bt + 1 + 10, 1, after=0)
+    c = SimRequest(2, 10.0, [20, 21, 22, 23, 24, 25, 26, 27], 7 * bt + 5, 1)
+    d = SimRequest(3, 20.0, b_blocks, 4 * bt + 1 + 10, 1)
+    reqs = [a, b, c, d]
+    fleet = Fleet(1, "cost", MODEL, bt, pool_tokens=9 * bt, cpu_tokens=64 * bt, budget=8192, output_pages=True)
+    run_checked(fleet, reqs)
+    assert b.deferred > 0 and b.hit_tokens == 4 * bt and b.below_tokens == 0
+    assert (d.hit_tokens, d.below_tokens) == (4 * bt, 4 * bt)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(2, 80), instances=st.integers(1, 4), load=st.sampled_from([0.3, 0.95, 3.0]))
+def test_a_run_whose_turns_waited_for_their_answers_reports_the_load_they_met(
+        seed: int, n: int, instances: int, load: float) -> None:
+    """Turns held back for their answers only ever arrive later: the load the run met
+    (``met_load``, over the arrivals as they happened) is at most the load named, and is reported
+    exactly when some turn waited."""
+    reqs, bt = workload("chat", n, seed)
+    scale_to_load(reqs, bt, MODEL, instances, load, True)
+    out = run(reqs, bt, instances=instances, pool_tokens=20_000, output_pages=True)
+    assert (out["met_load"] is None) == (out["deferred"] == 0)
+    if out["deferred"]:
+        assert out["met_load"] <= load * (1 + 1e-9)
+    event(f"deferred: {'some' if out['deferred'] else 'none'}")
