@@ -23,8 +23,11 @@ structs, under ``kv_events`` in the output (each with the index of the step it a
 ``wait_for`` (a path) waits, before the step, until another process created that file (at most
 ``wait_s``, default 300 s); ``signal`` (a path) creates that file after it: two engines taking
 turns (peer-to-peer sharing).  ``until_loaded`` (a number) repeats the step, after a second's pause, until the connector loaded
-tokens for it or that many tries are done (a tier that comes up while the engine runs).  The output
-has per step the tokens, logprobs (top 3 of each generated token), ``num_cached_tokens``,
+tokens for it or that many tries are done (a tier that comes up while the engine runs).
+``ignore_eos`` generates all ``max_tokens``; ``after`` (an earlier step's name) makes the prompt
+that step's prompt, what it generated (or, with ``filler``, as many tokens of id 5) and then
+``prompt``'s tokens: a conversation's next turn.  The output has the engine's ``block_size`` and
+per step the tokens, logprobs (top 3 of each generated token), ``num_cached_tokens``,
 ``kv_transfer_params`` and the wall time of the step.  ``"in_process": true`` runs vLLM's engine
 and its one worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor, as
 on one GPU), where the connector answers the CPU tier's lookups in the scheduler's step.
@@ -192,7 +195,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     log = EventLog(spec["kv_events"]) if spec.get("kv_events") else None
     llm = build_llm(spec)
-    results: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}
+    results: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": [],
+                               "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+    sent: dict[str, tuple[list[int], list[int]]] = {}      # a step's prompt and what it generated
     for i, step in enumerate(spec["steps"]):
         if log is not None:
             log.step = i
@@ -205,11 +210,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         names = step.get("batch") or [step["prompt"]]
         prompts = []
         for name in names:
-            prompt: dict[str, Any] = {"prompt_token_ids": spec["prompts"][name]}
+            ids = list(spec["prompts"][name])
+            if step.get("after"):           # the next turn: the last prompt, its answer, this prompt
+                last, answer = sent[step["after"]]
+                ids = last + ([5] * len(answer) if step.get("filler") else answer) + ids
+            prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if step.get("salt"):
                 prompt["cache_salt"] = step["salt"]
             prompts.append(TokensPrompt(**prompt))    # type: ignore[typeddict-item]
-        params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=3)
+        params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=3,
+                                ignore_eos=bool(step.get("ignore_eos")))
         _WRONG_KV[:] = [step["wrong_kv"]] if step.get("wrong_kv") else []
         for tries in range(1, int(step.get("until_loaded", 1)) + 1):
             if step.get("reset"):
@@ -224,6 +234,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         for name, out in zip(names, outs):
             gen = out.outputs[0]
             label = step.get("name", step.get("prompt"))
+            sent[label] = (list(prompts[0]["prompt_token_ids"]), list(gen.token_ids))
             results["steps"].append({
                 "name": f"{label}:{name}" if step.get("batch") else label, "tokens": list(gen.token_ids),
                 "logprobs": [sorted([int(k), float(v.logprob)] for k, v in d.items()) for d in gen.logprobs or []],

@@ -47,7 +47,9 @@ CONSUMER_TIMEOUT = 6.0
 # Max |logprob with loaded KV - logprob of vLLM without a cache| (fp32).  Seen: up to ~5e-7 between
 # kernel shapes and CPUs; wrong KV moves them by more than 100x this (the control test).
 TOL = 1e-4
-PROMPT_LENGTHS = {"p1": 700, "p2": 600, "p3": 650, "p4": 900, "b1": 1020, "b2": 1020, "b3": 700}
+PROMPT_LENGTHS = {"p1": 700, "p2": 600, "p3": 650, "p4": 900, "b1": 1020, "b2": 1020, "b3": 700, "q": 40}
+#: Tokens the producer generates for p2 before a conversation's next turn (more than two blocks).
+ANSWER = 300
 # vLLM blocks of 128 tokens in the kv_both engine: b1 and b2 take 8 each, and both need a 9th after
 # 4 generated tokens, when one block is left: one of them is preempted (vLLM then resumes it from
 # its own prefix cache, which still holds the blocks, so the tiers are not asked again).
@@ -374,7 +376,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         first = {
             "base": spec([{"prompt": p} for p in PROMPT_LENGTHS], None, prefix_caching=False, in_process=True),
             "producer": spec([{"prompt": "p1"}, {"prompt": "p2"}, {"prompt": "p3"},
-                              {"name": "p1 again", "prompt": "p1", "reset": True}],
+                              {"name": "p1 again", "prompt": "p1", "reset": True},
+                              # a conversation: a turn's answer, the next turn, and one with another answer
+                              {"name": "answer", "prompt": "p2", "reset": True, "max_tokens": ANSWER,
+                               "ignore_eos": True},
+                              {"name": "next turn", "prompt": "q", "after": "answer"},
+                              {"name": "another answer", "prompt": "q", "after": "answer", "filler": True}],
                              conn("kv_producer", **remote), in_process=True),
             "both": spec([{"name": "cold", "prompt": "p4"},
                           {"name": "cpu tier", "prompt": "p4", "reset": True},
@@ -484,6 +491,24 @@ def test_a_producer_stores_without_loading_and_a_restarted_consumer_loads_lmdb_a
     assert _loaded(consumer["lmdb"]) == (900 // CHUNK) * CHUNK
     _same(consumer["s3"], base["p1"])                                # written by the producer
     assert _loaded(consumer["s3"]) == (700 // CHUNK) * CHUNK
+
+
+@needs_vllm
+def test_the_next_turn_reuses_the_blocks_vllm_cached_as_the_last_turn_generated_its_answer(
+        engines: dict[str, Any]) -> None:
+    """What ``fleet_sim``'s ``chat`` workload assumes of vLLM with ``--output-pages``: the blocks a
+    request generated stay in the prefix cache after it ends, so the next turn, whose prompt is the
+    last turn's prompt, its answer and a question, reuses every full block of that sequence whose KV
+    exists (all but the last token's: (600 + 300 - 1) // 128 blocks); with another answer in their
+    place it reuses only the prompt's blocks."""
+    steps = {s["name"]: s for s in engines["producer"]["steps"]}
+    block = engines["producer"]["block_size"]
+    assert len(steps["answer"]["tokens"]) == ANSWER
+    prompt = PROMPT_LENGTHS["p2"]
+    assert steps["next turn"]["num_cached_tokens"] == (prompt + ANSWER - 1) // block * block
+    assert steps["another answer"]["num_cached_tokens"] == prompt // block * block
+    assert (prompt + ANSWER - 1) // block - prompt // block >= 2       # the answer's full blocks count
+    assert _loaded(steps["next turn"]) == 0 and _loaded(steps["another answer"]) == 0
 
 
 @needs_vllm
