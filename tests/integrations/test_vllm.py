@@ -382,7 +382,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                                "ignore_eos": True},
                               {"name": "next turn", "prompt": "q", "after": "answer"},
                               {"name": "another answer", "prompt": "q", "after": "answer", "filler": True}],
-                             conn("kv_producer", **remote), in_process=True),
+                             conn("kv_producer", **remote), in_process=True, kv_events=f"tcp://127.0.0.1:{free_port()}"),
             "both": spec([{"name": "cold", "prompt": "p4"},
                           {"name": "cpu tier", "prompt": "p4", "reset": True},
                           {"name": "salted", "prompt": "p4", "reset": True, "salt": "tenant-b"},
@@ -500,9 +500,19 @@ def test_the_next_turn_reuses_the_blocks_vllm_cached_as_the_last_turn_generated_
     request generated stay in the prefix cache after it ends, so the next turn, whose prompt is the
     last turn's prompt, its answer and a question, reuses every full block of that sequence whose KV
     exists (all but the last token's: (600 + 300 - 1) // 128 blocks); with another answer in their
-    place it reuses only the prompt's blocks."""
+    place it reuses only the prompt's blocks.  vLLM's KV events tell those blocks, named as the
+    router names the next turn's prompt (``vllm_block_hashes``), so the router sees where the answer
+    is."""
+    from radixkv.fleet.hashing import vllm_block_hashes
+
     steps = {s["name"]: s for s in engines["producer"]["steps"]}
     block = engines["producer"]["block_size"]
+    next_turn = _prompts()["p2"] + steps["answer"]["tokens"] + _prompts()["q"]
+    names = [str(h) for h in vllm_block_hashes(next_turn, block, as_int=True)]
+    told = {h for e in engines["producer"]["kv_events"] if e["type"] == "BlockStored" and e["medium"] == "GPU"
+            for h in e["hashes"]}
+    answered = (PROMPT_LENGTHS["p2"] + ANSWER - 1) // block       # full blocks whose KV exists
+    assert answered > PROMPT_LENGTHS["p2"] // block and set(names[:answered]) <= told
     assert len(steps["answer"]["tokens"]) == ANSWER
     prompt = PROMPT_LENGTHS["p2"]
     assert steps["next turn"]["num_cached_tokens"] == (prompt + ANSWER - 1) // block * block
