@@ -513,6 +513,9 @@ def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]
         fleet.refuse(args)
     except ValueError as exc:
         raise ValueError(f"--like-fleet: {exc}") from None
+    if args.turns > 1:
+        raise ValueError("--like-fleet: --turns is not simulated (its next prompts hold the answers the "
+                         "instances generate; fleet_sim's chat workload is its like)")
     bt, out = fleet.BLOCK, []
     for seed in args.seed:
         work, _ = fleet._work(args, seed)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -104,6 +105,23 @@ def test_a_pinned_server_runs_under_a_pinned_python_and_bad_cores_are_refused() 
             VllmServer("model", cpus=bad)
 
 
+async def _drive_against(completions: Any, work: list, max_tokens: int, **kw: Any) -> list[dict]:
+    """``fleet._drive`` against a server on 127.0.0.1 whose ``/v1/completions`` is ``completions``."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        return await fleet._drive(f"http://127.0.0.1:{port}", "m", work, max_tokens, None, None, **kw)
+    finally:
+        await runner.cleanup()
+
+
 def test_ttft_is_timed_to_the_first_data_event_not_the_first_bytes() -> None:
     """A server that sends a keep-alive comment at once and its first token 0.3 s later: the
     bench's TTFT is the token's, and the request counts as served."""
@@ -124,17 +142,7 @@ def test_ttft_is_timed_to_the_first_data_event_not_the_first_bytes() -> None:
             await resp.write_eof()
             return resp
 
-        app = aiohttp_web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = aiohttp_web.AppRunner(app)
-        await runner.setup()
-        site = aiohttp_web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            return await fleet._drive(f"http://127.0.0.1:{port}", "m", [(0.0, [1, 2])], 1, None, None)
-        finally:
-            await runner.cleanup()
+        return await _drive_against(completions, [(0.0, [1, 2])], 1)
 
     [res] = asyncio.run(main())
     assert res["outcome"] == "served" and res["ttft"] >= 0.3, res
@@ -149,6 +157,8 @@ def test_ttft_is_timed_to_the_first_data_event_not_the_first_bytes() -> None:
     (["--out", "/no/such/folder/t.txt"], "--out"), (["--requests", "x"], "--requests"),
     (["--routers", "vllm:cost"], "--routers"), (["--no-such-flag"], "--no-such-flag"),
     (["--trace", "/no/such/trace.jsonl"], "--trace"), (["--pool-blocks", "32"], "--pool-blocks"),
+    (["--turns", "0"], "--turns"), (["--turns", "2", "--routers", "radixkv:cost"], "--turns"),
+    (["--turns", "3", "--max-tokens", "900"], "context"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2_before_any_server_starts(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,3 +354,57 @@ def test_a_server_that_fails_to_start_is_one_line_naming_its_cause_and_log(
     assert "vllm serve exited (1): ValueError: To serve at least one request (4096)" in last, last
     log = last.split("(its log: ")[1].split(")")[0]
     assert "Engine core initialization failed" in Path(log).read_text()
+
+
+def test_a_conversations_next_turn_is_its_last_prompt_its_answer_and_a_question_sent_once_answered() -> None:
+    """``--turns 3`` against a server that answers each prompt with 4 token ids after 0.1 s: each
+    conversation sends 3 turns, each next prompt the last one, the ids it generated and the turn's
+    question, sent after the last answer ended, asking for the ids, greedy, every max_tokens; the
+    results list the first turns, then the later ones; a conversation whose turn failed ends."""
+    import asyncio
+    import json
+
+    aiohttp_web = pytest.importorskip("aiohttp.web")
+    seen: list[tuple[float, dict]] = []
+    ended: dict[tuple[int, ...], float] = {}
+
+    async def main() -> list[dict]:
+        loop = asyncio.get_running_loop()
+
+        async def completions(request: "aiohttp_web.Request") -> "aiohttp_web.StreamResponse":
+            body = await request.json()
+            seen.append((loop.time(), body))
+            if body["prompt"][0] == 99:                 # a conversation the server fails
+                return aiohttp_web.Response(status=500)
+            resp = aiohttp_web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await asyncio.sleep(0.1)
+            answer = [len(body["prompt"]) % 997 + k for k in range(4)]
+            for t in answer:
+                await resp.write(b"data: " + json.dumps({"choices": [{"index": 0, "text": "", "token_ids": [t]}]}).encode() + b"\n\n")
+            usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"])}}
+            await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+            ended[tuple(body["prompt"])] = loop.time()
+            await resp.write_eof()
+            return resp
+
+        return await _drive_against(completions, [(0.0, [1, 2]), (0.05, [5]), (0.06, [99])], 4, turns=3,
+                                    question=lambda i, turn: [500 + 10 * i + turn])
+
+    results = asyncio.run(main())
+    assert [r.get("turn", 0) for r in results] == [0, 0, 0, 1, 1, 2, 2]
+    assert [r["outcome"] for r in results] == ["served", "served", "error", "served", "served", "served", "served"]
+    bodies = {tuple(b["prompt"]): (at, b) for at, b in seen}
+    assert len(bodies) == 7
+    for i, first in ((0, [1, 2]), (1, [5])):
+        prompt = first
+        for turn in (1, 2):
+            answer = [len(prompt) % 997 + k for k in range(4)]
+            nxt = prompt + answer + [500 + 10 * i + turn]
+            at, body = bodies[tuple(nxt)]
+            assert at >= ended[tuple(prompt)], "sent before the last answer ended"
+            assert body["return_token_ids"] and body["ignore_eos"] and body["temperature"] == 0.0
+            prompt = nxt
+    assert fleet.reuse_bound([(r["arrival"], r["_prompt"]) for r in results if "_prompt" in r], block=2,
+                             answers=[r.get("_answer", []) for r in results if "_prompt" in r]) > \
+        fleet.reuse_bound([(r["arrival"], r["_prompt"]) for r in results if "_prompt" in r], block=2)

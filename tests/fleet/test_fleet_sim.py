@@ -995,7 +995,7 @@ def test_like_fleet_is_refused_in_one_line_as_bench_fleet_refuses(capsys: pytest
     for argv in (["--like-fleet=--requests 0"], ["--like-fleet=--bogus 1"], ["--like-fleet=--requests 5", "--seeds", "1"],
                  ["--like-fleet=--requests 5", "--workloads", "tenants"], ["--slower", "2"],
                  *(["--like-fleet=--requests 5", "--slower", bad] for bad in ("0", "nan", "inf")),
-                 ["--summarize", "missing.txt", "--slower", "0"]):
+                 ["--summarize", "missing.txt", "--slower", "0"], ["--like-fleet=--requests 5 --turns 2"]):
         assert fleet_sim.main(argv) == 2, argv
         out = capsys.readouterr()
         named = "--slower" if "--slower" in argv else "--"
