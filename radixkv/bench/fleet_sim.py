@@ -349,12 +349,15 @@ def _chat(n: int, seed: int) -> tuple[list[SimRequest], int]:
 
     sizes = [rng.choice((512, 1024, 1536, 2048)) for _ in range(TENANTS)]
     systems = [block_run(size) for size in sizes]
+    import heapq
+
     reqs: list[SimRequest] = []
     start = 0.0
+    earliest: list[float] = []          # the n earliest arrivals so far, negated (a max-heap)
 
     def enough() -> bool:
         # every conversation that sends one of the first ``n`` requests (by arrival) has started
-        return len(reqs) >= n and sorted(r.arrival for r in reqs)[n - 1] < start
+        return len(earliest) == n and -earliest[0] < start
 
     while not enough():
         start += rng.expovariate(1.0)
@@ -365,6 +368,7 @@ def _chat(n: int, seed: int) -> tuple[list[SimRequest], int]:
         for _ in range(turns):
             r = SimRequest(len(reqs), now, blocks, tokens, output, after=last)
             reqs.append(r)
+            (heapq.heappush if len(earliest) < n else heapq.heappushpop)(earliest, -now)
             sequence = tokens + output
             full = tokens // bt
             r.answer = block_run(sequence // bt * bt - full * bt)
