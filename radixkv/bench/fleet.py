@@ -332,7 +332,8 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
                 usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
                 bad = any("error" in e for e in events) or not text.rstrip().endswith("[DONE]")
                 res.update(outcome="error" if bad else "served", ttft=first, usage=usage)
-                generated = [t for e in events for c in e.get("choices") or () for t in c.get("token_ids") or ()]
+                if not bad:             # an answer cut short by an error ends its conversation
+                    generated = [t for e in events for c in e.get("choices") or () for t in c.get("token_ids") or ()]
                 if talk:
                     res["_answer"] = generated
         except Exception as exc:  # noqa: BLE001 - a lost request is what this run counts

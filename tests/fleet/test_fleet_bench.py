@@ -360,7 +360,8 @@ def test_a_conversations_next_turn_is_its_last_prompt_its_answer_and_a_question_
     """``--turns 3`` against a server that answers each prompt with 4 token ids after 0.1 s: each
     conversation sends 3 turns, each next prompt the last one, the ids it generated and the turn's
     question, sent after the last answer ended, asking for the ids, greedy, every max_tokens; the
-    results list the first turns, then the later ones; a conversation whose turn failed ends."""
+    results list the first turns, then the later ones; a conversation whose turn failed (answered
+    500, or an error event after its answer) ends."""
     import asyncio
     import json
 
@@ -382,20 +383,22 @@ def test_a_conversations_next_turn_is_its_last_prompt_its_answer_and_a_question_
             answer = [len(body["prompt"]) % 997 + k for k in range(4)]
             for t in answer:
                 await resp.write(b"data: " + json.dumps({"choices": [{"index": 0, "text": "", "token_ids": [t]}]}).encode() + b"\n\n")
+            if body["prompt"][0] == 98:                 # a whole answer, then an error
+                await resp.write(b'data: {"error": {"message": "engine died"}}\n\n')
             usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"])}}
             await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
             ended[tuple(body["prompt"])] = loop.time()
             await resp.write_eof()
             return resp
 
-        return await _drive_against(completions, [(0.0, [1, 2]), (0.05, [5]), (0.06, [99])], 4, turns=3,
+        return await _drive_against(completions, [(0.0, [1, 2]), (0.05, [5]), (0.06, [99]), (0.07, [98])], 4, turns=3,
                                     question=lambda i, turn: [500 + 10 * i + turn])
 
     results = asyncio.run(main())
-    assert [r.get("turn", 0) for r in results] == [0, 0, 0, 1, 1, 2, 2]
-    assert [r["outcome"] for r in results] == ["served", "served", "error", "served", "served", "served", "served"]
+    assert [r.get("turn", 0) for r in results] == [0, 0, 0, 0, 1, 1, 2, 2]
+    assert [r["outcome"] for r in results] == ["served", "served", "error", "error"] + ["served"] * 4
     bodies = {tuple(b["prompt"]): (at, b) for at, b in seen}
-    assert len(bodies) == 7
+    assert len(bodies) == 8
     for i, first in ((0, [1, 2]), (1, [5])):
         prompt = first
         for turn in (1, 2):
