@@ -33,8 +33,9 @@ when the last one's answer ended, its prompt the last prompt, the token ids that
 (``return_token_ids``; greedy and all ``--max-tokens`` of them, so every router is sent the same
 prompts) and a new question of ``--question-tokens`` drawn from the seed, the request and the
 turn.  vLLM caches the blocks an answer generated, so the next turn reuses them where the last one
-ran; the reuse bound counts them (``reuse_bound`` with ``answers``).  Token-id prompts only (not
-with ``--routers`` or ``--trace``).
+ran; the reuse bound counts them (``reuse_bound`` with ``answers``).  Not with ``--trace``.  With
+``--routers`` the answer's ids come back the same way through either router, and the answer may not
+use id 0 (``logit_bias``: the word tokenizer's unknown word, which no text prompt can say).
 
 Side by side with sglang-router (commands that produced ``benchmarks/results/fleet_cpu_sglang_*.txt``)::
 
@@ -167,8 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=1,
                    help="each request opens a conversation of this many turns: the next sent when the last "
                         "one's answer (all --max-tokens of it, greedy) ended, its prompt the last prompt, that "
-                        "answer and a new --question-tokens question (token-id prompts: not with --routers or "
-                        "--trace)")
+                        "answer and a new --question-tokens question (not with --trace)")
     p.add_argument("--trace", default=None, help="a Mooncake-format trace (JSON lines) instead of the tenants")
     p.add_argument("--trace-block", type=int, default=None,
                    help="tokens a trace's hash id stands for in the trace (default: as its rows' lengths say)")
@@ -312,6 +312,8 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
                                 "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
         if talk:        # the answer's ids, all max_tokens of them, the same for every router (greedy)
             body.update(return_token_ids=True, ignore_eos=True, temperature=0.0)
+            if as_text:     # id 0 is the word tokenizer's unknown word, which no prompt can say
+                body["logit_bias"] = {"0": -100}
         generated: list[int] = []
         try:
             async with session.post(f"{router_url}/v1/completions", json=body) as r:
@@ -345,7 +347,7 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
         the last prompt, that answer and ``question(i, turn)``; a turn that failed ends it."""
         answer = await one(results[i], prompt, session)
         for turn in range(1, turns):
-            if len(answer) != max_tokens:
+            if len(answer) != max_tokens or (as_text and 0 in answer):
                 return
             prompt = prompt + answer + question(i, turn)
             res = {"conversation": i, "turn": turn}
@@ -505,7 +507,7 @@ def _measure(args: argparse.Namespace, model: str, servers: list[Any], events: l
                                     "outcome": res.get("outcome"), "ttft": res.get("ttft"),
                                     "instance": res.get("instance"), "turn": res.get("turn", 0)}) + "\n")
     if text:
-        _check_prompt_tokens(work, results)
+        _check_prompt_tokens(results)
     row = _row(spec.name if text else spec.policy + (" (instance killed)" if kill else ""),
                results, before, after, routed)
     if args.turns > 1:          # what these conversations sent, with the answers they were sent after
@@ -516,14 +518,14 @@ def _measure(args: argparse.Namespace, model: str, servers: list[Any], events: l
     return row
 
 
-def _check_prompt_tokens(work: list[tuple[float, list[int]]], results: list[dict[str, Any]]) -> None:
-    """Every served request's ``usage.prompt_tokens`` is its drawn prompt's length: the text
-    reached the instance as exactly the drawn tokens."""
-    for i, ((_, prompt), res) in enumerate(zip(work, results)):
+def _check_prompt_tokens(results: list[dict[str, Any]]) -> None:
+    """Every served request's ``usage.prompt_tokens`` is its prompt's length (a conversation's
+    later turns included): the text reached the instance as exactly the tokens sent."""
+    for i, res in enumerate(results):
         if res.get("outcome") == "served":
             got = (res.get("usage") or {}).get("prompt_tokens")
-            if got != len(prompt):
-                raise AssertionError(f"request {i}: the instance counted {got} prompt tokens, drawn {len(prompt)}")
+            if got != res["tokens"]:
+                raise AssertionError(f"request {i}: the instance counted {got} prompt tokens, sent {res['tokens']}")
 
 
 def refuse(args: argparse.Namespace) -> None:
@@ -541,6 +543,8 @@ def refuse(args: argparse.Namespace) -> None:
     if args.pool_blocks * BLOCK <= CONTEXT:          # vLLM refuses to start a pool that holds no whole context
         raise ValueError(f"--pool-blocks must be at least {CONTEXT // BLOCK + 1} (vLLM needs a pool that holds one "
                          f"request of the model's {CONTEXT}-token context and a block more), got {args.pool_blocks}")
+    if args.turns > 1 and args.trace is not None:
+        raise ValueError("--turns: a trace's rows are not conversations, so not with --trace")
     if not 0.0 < args.rate < float("inf"):
         raise ValueError(f"--rate must be a finite number above 0, got {args.rate}")
     if not 0.0 <= args.cpu_tier_mb < float("inf"):
@@ -561,8 +565,6 @@ def refuse(args: argparse.Namespace) -> None:
         raise ValueError(f"--system-tokens + --turns x (--question-tokens + --max-tokens) must fit the model's "
                          f"context of {CONTEXT} tokens, got "
                          f"{args.system_tokens + args.turns * (args.question_tokens + args.max_tokens)}")
-    if args.turns > 1 and (args.trace is not None or args.routers is not None):
-        raise ValueError(f"--turns: a conversation sends token ids, so not with --{'trace' if args.trace else 'routers'}")
     if any(seed < 0 for seed in args.seed):
         raise ValueError(f"--seed: seeds are at least 0, got {args.seed}")
     # the router's own checks (the one it will run), named by this command's flags
@@ -666,7 +668,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, pinned: list[list[int
             report()
             ups = ", ".join(f"{r['up']:.0f}" for r in rows)
             report(f"## seed {seed}: servers up in {ups} s")
-            _table(report, rows, reuse_bound(work))
+            _table(report, rows, _bound(report, rows, work))
         report.save(args.out)
         return 0
     for seed in args.seed:
@@ -687,12 +689,19 @@ def _run(args: argparse.Namespace, argv: list[str] | None, pinned: list[list[int
                 _stop_all(servers)
         report()
         report(f"## seed {seed}: servers up in {', '.join(f'{u:.0f}' for u in times)} s")
-        bounds = sorted({round(r["bound"], 4) for r in rows if "bound" in r})
-        if len(bounds) > 1:         # greedy answers differed between runs: each run's own bound
-            report("# the runs' conversations differed: reuse bounds " + ", ".join(f"{b:.1%}" for b in bounds))
-        _table(report, rows, max(bounds) if bounds else reuse_bound(work))
+        _table(report, rows, _bound(report, rows, work))
     report.save(args.out)
     return 0
+
+
+def _bound(report: Report, rows: list[dict[str, Any]], work: list[tuple[float, list[int]]]) -> float:
+    """The seed's reuse bound: the prompts' (``reuse_bound``), or with ``--turns`` what the runs'
+    conversations sent (the largest where greedy answers differed between runs, which is said).
+    O(rows)."""
+    bounds = sorted({round(r["bound"], 4) for r in rows if "bound" in r})
+    if len(bounds) > 1:
+        report("# the runs' conversations differed: reuse bounds " + ", ".join(f"{b:.1%}" for b in bounds))
+    return max(bounds) if bounds else reuse_bound(work)
 
 
 def _row(name: str, results: list[dict[str, Any]], before: dict[str, str], after: dict[str, str],

@@ -157,7 +157,7 @@ def test_ttft_is_timed_to_the_first_data_event_not_the_first_bytes() -> None:
     (["--out", "/no/such/folder/t.txt"], "--out"), (["--requests", "x"], "--requests"),
     (["--routers", "vllm:cost"], "--routers"), (["--no-such-flag"], "--no-such-flag"),
     (["--trace", "/no/such/trace.jsonl"], "--trace"), (["--pool-blocks", "32"], "--pool-blocks"),
-    (["--turns", "0"], "--turns"), (["--turns", "2", "--routers", "radixkv:cost"], "--turns"),
+    (["--turns", "0"], "--turns"), (["--turns", "2", "--trace", "/no/such/trace.jsonl"], "--turns"),
     (["--turns", "3", "--max-tokens", "900"], "context"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2_before_any_server_starts(
@@ -411,3 +411,34 @@ def test_a_conversations_next_turn_is_its_last_prompt_its_answer_and_a_question_
     assert fleet.reuse_bound([(r["arrival"], r["_prompt"]) for r in results if "_prompt" in r], block=2,
                              answers=[r.get("_answer", []) for r in results if "_prompt" in r]) > \
         fleet.reuse_bound([(r["arrival"], r["_prompt"]) for r in results if "_prompt" in r], block=2)
+
+
+def test_a_conversation_through_a_text_router_sends_its_answers_as_words_and_ends_at_an_unknown_word() -> None:
+    """``--turns`` with ``--routers`` (text prompts): the next prompt is the words of the last one,
+    its answer's ids and the question; the answer may not use id 0 (``logit_bias``), and one that
+    does (the word tokenizer's unknown word, which no prompt can say) ends its conversation."""
+    import asyncio
+    import json
+
+    aiohttp_web = pytest.importorskip("aiohttp.web")
+    prompts: list[list[int]] = []
+
+    async def completions(request: "aiohttp_web.Request") -> "aiohttp_web.StreamResponse":
+        body = await request.json()
+        ids = [int(w[1:]) for w in body["prompt"].split()]
+        prompts.append(ids)
+        assert body["logit_bias"] == {"0": -100} and body["return_token_ids"]
+        resp = aiohttp_web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        answer = [0, 7] if ids[0] == 9 else [len(ids), 3]
+        event = {"choices": [{"index": 0, "text": "", "token_ids": answer}], "usage": {"prompt_tokens": len(ids)}}
+        await resp.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    results = asyncio.run(_drive_against(completions, [(0.0, [1, 2]), (0.01, [9])], 2, as_text=True, turns=3,
+                                         question=lambda i, turn: [40 + turn]))
+    assert [p for p in prompts if p[0] == 1] == [[1, 2], [1, 2, 2, 3, 41], [1, 2, 2, 3, 41, 5, 3, 42]]
+    assert [p for p in prompts if p[0] == 9] == [[9]]
+    assert [r["outcome"] for r in results] == ["served"] * 4
+    fleet._check_prompt_tokens(results)
