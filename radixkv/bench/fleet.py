@@ -342,6 +342,8 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
             res.update(outcome="lost", error=type(exc).__name__)
         return generated
 
+    later: list[dict[str, Any]] = []        # the later turns' results, as they are sent
+
     async def conversation(i: int, prompt: list[int], session: aiohttp.ClientSession) -> None:
         """Request ``i``'s turns: each next one sent when the last one's answer ended, its prompt
         the last prompt, that answer and ``question(i, turn)``; a turn that failed ends it."""
@@ -354,7 +356,6 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
             later.append(res)
             answer = await one(res, prompt, session)
 
-    later: list[dict[str, Any]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         tasks = []
         for i, (at, prompt) in enumerate(work):

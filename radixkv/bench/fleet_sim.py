@@ -88,6 +88,7 @@ serves), while its router estimates with ``vllm-cpu``, as ``bench fleet`` starts
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import math
 import random
@@ -349,8 +350,6 @@ def _chat(n: int, seed: int) -> tuple[list[SimRequest], int]:
 
     sizes = [rng.choice((512, 1024, 1536, 2048)) for _ in range(TENANTS)]
     systems = [block_run(size) for size in sizes]
-    import heapq
-
     reqs: list[SimRequest] = []
     start = 0.0
     earliest: list[float] = []          # the n earliest arrivals so far, negated (a max-heap)
@@ -581,19 +580,20 @@ def scale_to_load(requests: list[SimRequest], block_tokens: int, model: Any, ins
 
 class _PromptsOnly(LRU):
     """A CPU tier's policy (least recently used first) that declines the chunks of what requests
-    generated (``declined``, which the fleet fills as it caches them): a tier below vLLM keeps
+    generated (``declined``, which the fleet fills as it caches them) unless a prompt that arrived
+    holds them (``held``: a later turn's, with its last turn's answer): a tier below vLLM keeps
     prompts, as radixkv's connector stores only a prompt's chunks and vLLM's own offloading
     (``offload_prompt_only``) does by default, while the pool caches generated blocks too."""
 
     name = "prompts_only"
 
-    def __init__(self, declined: set[bytes]) -> None:
+    def __init__(self, declined: set[bytes], held: set[bytes]) -> None:
         super().__init__()
-        self.declined = declined
+        self.declined, self.held = declined, held
 
     def admit(self, key: bytes) -> bool:
-        """Whether ``key`` is not a generated chunk's.  O(1)."""
-        return key not in self.declined
+        """Whether ``key`` is not a generated chunk's, or is a prompt's too.  O(1)."""
+        return key not in self.declined or key in self.held
 
 
 class _Instance:
@@ -608,7 +608,7 @@ class _Instance:
         self.fleet, self.name = fleet, name
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16, page_size=1)
         # with outputs' pages the pool caches generated blocks, which the tier declines
-        policy = _PromptsOnly(fleet.generated_keys) if fleet.output_pages else None
+        policy = _PromptsOnly(fleet.generated_keys, fleet.prompt_keys) if fleet.output_pages else None
         tiers = [CpuTier(fleet.cpu_blocks * fleet.blob_bytes, slot_bytes=fleet.blob_bytes, policy=policy)
                  ] if fleet.cpu_blocks else []
         self.cache = PrefixCache(layout, num_pages=fleet.pool_blocks, chunk_size=1, namespace=fleet.namespace,
@@ -974,6 +974,9 @@ class Fleet:
                                affinity=affinity, p2p=p2p, shared=self._shared_run if shared else None, seed=seed)
         #: the CPU tiers' keys of the generated blocks cached so far, which the tiers decline
         self.generated_keys: set[bytes] = set()
+        #: with ``output_pages`` and a CPU tier: the tier keys of the prompts that arrived, which the
+        #: tiers keep even where they are generated blocks too (a later turn holds its last answer)
+        self.prompt_keys: set[bytes] = set()
         self.instances = [_Instance(self, f"i{k}") for k in range(instances)]
         self.backends = [Backend(inst.name, inst.name, pool_blocks=self.pool_blocks) for inst in self.instances]
         self.backend = {b.name: b for b in self.backends}
@@ -982,8 +985,6 @@ class Fleet:
         # (``sequence_block``), counted down from the largest token id the cache takes
         self._sequence_ids: dict[tuple[int, int], int] = {}
         self._highest_block = 0
-        # with ``output_pages`` and a CPU tier: the tier keys of the prompts that arrived
-        self._prompt_keys: set[bytes] = set()
         # a request's end, for the requests that arrive after it (``SimRequest.after``)
         self._ends: dict[int, Any] = {}
 
@@ -1023,15 +1024,13 @@ class Fleet:
 
     def decline(self, sequence: Sequence[int], start: int) -> None:
         """The CPU tiers decline blocks ``start`` on of ``sequence`` (a request's prompt and what it
-        generated, ``_Instance._sequence``): their keys join ``generated_keys``, but those a prompt
-        that arrived holds (a later turn's: the connector stores a prompt's chunks).
-        O(len(sequence)) hashing (none without a CPU tier)."""
+        generated, ``_Instance._sequence``): their keys join ``generated_keys`` (kept where a prompt
+        holds them too, ``prompt_keys``).  O(len(sequence)) hashing (none without a CPU tier)."""
         from radixkv.core.hashing import chunk_keys
 
         if self.cpu_blocks and start < len(sequence):
             ns = self.instances[0].namespace
-            keys = (ns.id + k for k in chunk_keys(sequence, 1, ns)[start:])
-            self.generated_keys.update(k for k in keys if k not in self._prompt_keys)
+            self.generated_keys.update(ns.id + k for k in chunk_keys(sequence, 1, ns)[start:])
 
     def names(self, r: SimRequest) -> list[Any]:
         """The router's names of ``r``'s full blocks (what the instances' events name)."""
@@ -1065,8 +1064,7 @@ class Fleet:
         now = self.env.now
         r.names = self.names(r)
         if self.output_pages and self.cpu_blocks:       # what it holds of an answer is a prompt's now
-            self._prompt_keys.update(r.tier_keys)
-            self.generated_keys.difference_update(r.tier_keys)
+            self.prompt_keys.update(r.tier_keys)
         choice = self.chooser.choose(self.backends, r.tokens, r.names, now, output=self.told(r))
         backend = choice.order[0]
         r.instance, r.why = backend.name, choice.why
