@@ -75,7 +75,7 @@ lint: $(STAMP)
 
 # The docs pages; --strict fails on a broken link or a page missing from the navigation.
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict -q -f docs/mkdocs.yml -d ../build/site
+	$(VENV)/bin/mkdocs build --strict -f docs/mkdocs.yml -d ../build/site
 
 # What the tests need besides the venv, CPU-bound work beside vLLM's network-bound install (`make
 # test` runs them at once): the contracts, the docs and the extension.

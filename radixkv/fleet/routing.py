@@ -125,7 +125,7 @@ Contract:
          prompt.  With a request's generated blocks cached when it is preempted or ends, as vLLM
          caches them, and its CPU tier keeping prompts, the default's p95 and p99 on that workload
          on ``vllm-cpu`` are the least of every policy, and at 1.5x within a tenth of the best and
-         below round-robin's: docs/pages/fleet.md.)
+         below round-robin's: docs/pages/fleet-pages.md.)
     8. **Ties** go to the longer prefix, then fewer requests in flight, then the instance whose
        oldest request still waiting for its first token was sent earliest (the queue counts
        tokens, not how far along they are: on the real fleet two instances each with one cold
