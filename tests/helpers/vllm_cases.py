@@ -23,7 +23,9 @@ structs, under ``kv_events`` in the output (each with the index of the step it a
 ``wait_for`` (a path) waits, before the step, until another process created that file (at most
 ``wait_s``, default 300 s); ``signal`` (a path) creates that file after it: two engines taking
 turns (peer-to-peer sharing).  ``until_loaded`` (a number) repeats the step, after a second's pause, until the connector loaded
-tokens for it or that many tries are done (a tier that comes up while the engine runs).
+tokens for it (at least ``until_tokens``, default 1: a tier's writes land one chunk at a time, so
+a try can load the leading chunks only) or that many tries are done (a tier that comes up while
+the engine runs); each try's loaded tokens and generated tokens are in the step's ``each_try``.
 ``ignore_eos`` generates all ``max_tokens``; ``after`` (an earlier step's name) makes the prompt
 that step's prompt, what it generated (or, with ``filler``, as many tokens of id 5) and then
 ``prompt``'s tokens: a conversation's next turn.  The output has the engine's ``block_size`` and
@@ -221,13 +223,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=3,
                                 ignore_eos=bool(step.get("ignore_eos")))
         _WRONG_KV[:] = [step["wrong_kv"]] if step.get("wrong_kv") else []
+        each_try: list[dict[str, Any]] = []
         for tries in range(1, int(step.get("until_loaded", 1)) + 1):
             if step.get("reset"):
                 llm.reset_prefix_cache()
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t
-            if (outs[0].kv_transfer_params or {}).get("radixkv_loaded_tokens") or tries == step.get("until_loaded", 1):
+            loaded = int((outs[0].kv_transfer_params or {}).get("radixkv_loaded_tokens") or 0)
+            each_try.append({"loaded": loaded, "tokens": list(outs[0].outputs[0].token_ids)})
+            if loaded >= int(step.get("until_tokens", 1)) or tries == step.get("until_loaded", 1):
                 break
             time.sleep(1.0)
         _WRONG_KV.clear()
@@ -239,7 +244,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 "name": f"{label}:{name}" if step.get("batch") else label, "tokens": list(gen.token_ids),
                 "logprobs": [sorted([int(k), float(v.logprob)] for k, v in d.items()) for d in gen.logprobs or []],
                 "num_cached_tokens": int(out.num_cached_tokens or 0),
-                "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed, "tries": tries})
+                "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed, "tries": tries,
+                "each_try": each_try})
         if step.get("signal"):        # tell another process this step is done
             with open(step["signal"], "w") as f:
                 f.write("done")

@@ -63,7 +63,7 @@ def test_b_serves_a_prefix_a_computed_from_as_cpu_tier(tmp_path: Path) -> None:
                            p2p_address="tcp://127.0.0.1:0")),
             # B has no tier of its own and stores nothing: whatever it loads comes from A.
             "b": spec([{"name": "from a", "prompt": "p", "wait_for": a_done, "reset": True, "until_loaded": 20,
-                        "signal": b_done}],
+                        "until_tokens": 512, "signal": b_done}],
                       conn("kv_consumer", "b")),
         }
         results = _wait({name: _launch(tmp_path, name, s) for name, s in jobs.items()}, timeout=400)
@@ -71,6 +71,9 @@ def test_b_serves_a_prefix_a_computed_from_as_cpu_tier(tmp_path: Path) -> None:
     cold, served = results["a"]["steps"][0], results["b"]["steps"][0]
     assert (served["kv_transfer_params"] or {}).get("radixkv_loaded_tokens", 0) >= 512, served
     assert served["tokens"] == cold["tokens"]
+    # A try before every chunk of A's was told (A's tier writes and events come after its step)
+    # loads the leading chunks only, and gives the same tokens.
+    assert all(t["tokens"] == cold["tokens"] for t in served["each_try"]), served["each_try"]
     for got, want in zip(served["logprobs"], cold["logprobs"]):
         assert [t for t, _ in got] == [t for t, _ in want]
         assert max(abs(g - w) for (_, g), (_, w) in zip(got, want)) < TOL
