@@ -19,7 +19,7 @@ MKDOCS = Path(sys.executable).parent / "mkdocs"
 def docs_command(config: Path, site: Path) -> list[str]:
     """The Makefile's ``docs`` recipe as argv, its config and site directory replaced."""
     lines = (ROOT / "Makefile").read_text().splitlines()
-    start = lines.index(next(line for line in lines if line.startswith("docs:")))
+    start = next(i for i, line in enumerate(lines) if line.startswith("docs:"))
     recipe = next(line for line in lines[start + 1:] if "mkdocs" in line)
     args = shlex.split(recipe.split("mkdocs", 1)[1])
     for flag, value in (("-f", config), ("-d", site)):

@@ -244,8 +244,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 "name": f"{label}:{name}" if step.get("batch") else label, "tokens": list(gen.token_ids),
                 "logprobs": [sorted([int(k), float(v.logprob)] for k, v in d.items()) for d in gen.logprobs or []],
                 "num_cached_tokens": int(out.num_cached_tokens or 0),
-                "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed, "tries": tries,
-                "each_try": each_try})
+                "kv_transfer_params": out.kv_transfer_params, "seconds": elapsed, "each_try": each_try})
         if step.get("signal"):        # tell another process this step is done
             with open(step["signal"], "w") as f:
                 f.write("done")

@@ -587,7 +587,7 @@ def test_a_prefix_from_a_remote_tier_with_a_lossy_codec_gives_raw_greedy_tokens(
     coded = steps["from s3"]
     # The cold step's chunks reach S3 from the writer thread: the step is repeated until a load
     # took some, whole chunks of what the cold step stored.
-    assert _loaded(coded) in range(CHUNK, (650 // CHUNK) * CHUNK + 1, CHUNK), (_loaded(coded), coded["tries"])
+    assert _loaded(coded) in range(CHUNK, (650 // CHUNK) * CHUNK + 1, CHUNK), (_loaded(coded), coded["each_try"])
     deviation = _deviation(coded, base["p3"])
     print(f"int8 chunks from S3: top-3 logprob deviation {deviation:.2e} over {len(coded['tokens'])} tokens")
     assert coded["tokens"] == base["p3"]["tokens"] and deviation < 0.05
