@@ -14,6 +14,10 @@ _MODULES = {"copy": "block_copy"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench NAME [options]``: import benchmark ``NAME`` and run its ``main`` on the
+    options; its exit status.  No name or an unknown one prints the usage line and returns 2; a refused
+    flag or value is one line on stderr and 2, never a usage block.  Cost: one import, then the
+    benchmark's run."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in BENCHMARKS:
         print(f"usage: python -m radixkv.bench {{{','.join(BENCHMARKS)}}} [options]  (--help on each)")

@@ -68,6 +68,10 @@ class Variant(NamedTuple):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench copy``: the block copies timed beside memcpy and the torch idioms (see the
+    module docstring); 0, or 2 for ``--device cuda`` without a GPU.  Cost: ``--repeat`` interleaved
+    rounds of every variant, each timing a burst of ``--burst`` one-chunk copies after a cache flush,
+    over a pool of ``--pool-gib`` GiB; ``--quick`` is a smoke test on a tiny pool."""
     p = Parser(prog="python -m radixkv.bench copy", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--pool-gib", type=float, default=2.5, help="pool size in GiB (default 2.5)")

@@ -128,6 +128,10 @@ def draw(rng: random.Random) -> Workload:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench capacity``: the two claims (not below the pool alone, monotone) checked on
+    ``--cases`` drawn workloads in every mode, with the table of failures (see the module docstring);
+    0 when the default modes pass every case, else 1.  Cost: three replays per workload and mode
+    (``check_case``), fifteen per workload."""
     ap = Parser(prog="python -m radixkv.bench capacity", description=__doc__.split("\n")[0])
     ap.add_argument("--cases", type=int, default=60, help="drawn workloads (each checked in every mode)")
     ap.add_argument("--seed", type=int, default=0)

@@ -391,6 +391,10 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench codec``: the five parts of the module docstring, less those in ``--skip``;
+    0.  Cost: part 3 trains its model on a machine's first run (``--steps`` steps, then loaded from
+    ``~/.cache/radixkv``); parts 4 and 5 start moto's S3 server, a throttled proxy and a serving peer,
+    and time ``--repeat`` cold loads of a ``--prefix``-token prefix per codec and link."""
     parser = Parser(prog="python -m radixkv.bench codec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunk", type=int, default=256, help="tokens per chunk (default 256)")

@@ -38,6 +38,8 @@ from radixkv.tools._args import Parser
 
 
 def stored(hashes: list[int], parent: int | None, medium: str) -> EventBatch:
+    """One ``BlockStored`` batch of ``hashes`` (block size 16, no token ids) after ``parent`` on
+    ``medium``, as vLLM's events carry it.  O(len(hashes))."""
     hs: list[bytes | int] = list(hashes)
     return EventBatch(ts=0.0, events=[BlockStored(block_hashes=hs, parent_block_hash=parent, token_ids=[],
                                                   block_size=16, lora_id=None, medium=medium, lora_name=None)])
@@ -83,6 +85,11 @@ def rss() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench fleet_index``: the index of a fleet built from events, then the lookup,
+    events/s, hashing and memory rows (see the module docstring); 0.  ``--blocks`` below
+    ``--prompt-blocks`` is refused.  Cost: ``--instances`` x ``--blocks`` blocks applied as events,
+    ``--repeat`` timed lookups per row, and two more indexes of ``--memory-blocks`` blocks under
+    tracemalloc."""
     ap = Parser(prog="python -m radixkv.bench fleet_index", description=__doc__.split("\n")[0])
     ap.add_argument("--instances", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=100_000, help="distinct blocks per instance (1000000: the headline)")

@@ -158,6 +158,8 @@ class SimRequest:
 
 
 def full_blocks(r: SimRequest, block_tokens: int) -> int:
+    """The full blocks of ``r``'s prompt at ``block_tokens`` tokens a block (no more than its block ids).
+    O(1)."""
     return min(r.tokens // block_tokens, len(r.blocks))
 
 
@@ -1061,6 +1063,10 @@ class Fleet:
         return r.output if self.output_pages else None
 
     def arrive(self, r: SimRequest) -> None:
+        """``r`` arrives now: the router chooses its instance (``Chooser.choose``) and is told it was sent
+        there, and the instance queues it (and wakes).  With ``output_pages`` and a CPU tier, its prompt's
+        tier keys join ``prompt_keys``.  O(its blocks + instances): its full blocks hashed once, one index
+        lookup."""
         now = self.env.now
         r.names = self.names(r)
         if self.output_pages and self.cpu_blocks:       # what it holds of an answer is a prompt's now
@@ -1164,6 +1170,10 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 
 def summary(reqs: Sequence[SimRequest], fleet: Fleet) -> dict[str, Any]:
+    """The run's results over ``reqs``: the hit rate (reused tokens / prompt tokens), TTFT p50, p95, p99,
+    mean and every request's, requests served and busy seconds per instance, preemptions, and the
+    requests that arrived later than the workload says (``deferred``).  O(n log n) in the requests
+    (each percentile sorts them)."""
     ttft = [r.ttft for r in reqs]
     served = [inst.served for inst in fleet.instances]
     return {"hit": sum(r.hit_tokens for r in reqs) / max(1, sum(r.tokens for r in reqs)),

@@ -222,6 +222,10 @@ def kv_pages(windows: tuple[int, ...] | None, full: int, sliding: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench hybrid``: the pages each layout holds (Gemma-3's 5:1, all sliding, full
+    attention) under the ``chat`` and ``sessions`` workloads for each pool of ``--pools``, a tier's
+    bytes per token, and the target (see the module docstring); 0.  Cost: per workload, one replay per
+    layout and pool, and one per layout over a tier at the last pool; no model runs."""
     ap = Parser(prog="python -m radixkv.bench hybrid", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=2000, help="chat requests")
     ap.add_argument("--pools", default="4194304,131072", help="pool sizes in tokens (the first should not evict)")

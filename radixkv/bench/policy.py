@@ -110,6 +110,10 @@ def _sweep_job(job: tuple[str, int, tuple[int, ...], str, str]) -> dict[str, lis
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench policy``: hit rate against pool size for every tiering mode and CPU-tier
+    policy on three workloads, then the checks (see the module docstring); 0.  Cost: per workload, tier
+    set and write policy, one replay of ``--requests`` requests per pool size for the pool alone, each
+    mode and the bound, in ``--jobs`` processes side by side; no model runs."""
     ap = Parser(prog="python -m radixkv.bench policy", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=400, help="requests per workload")
     ap.add_argument("--pools", default=",".join(map(str, POOLS)), help="pool sizes in tokens")

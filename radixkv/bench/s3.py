@@ -192,6 +192,11 @@ def _multi_chunk(say: Callable[[str], None], server: MotoServer, tier_cls: Any, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench s3``: ``S3Tier`` against raw boto3, lookups with the endpoint up and
+    paused, and multi-chunk loads behind a slow proxy (see the module docstring); 0.  Cost: moto's S3
+    server started in a subprocess; ``--repeat`` puts and gets per object size and path,
+    ``--namespace-objects`` puts to fill the large namespace, and one read timeout waited out while
+    the server is paused."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = Parser(prog="python -m radixkv.bench s3", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes-kib", default="256,4096,32768", help="object sizes, comma-separated KiB")

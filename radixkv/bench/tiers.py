@@ -49,6 +49,11 @@ def _rate(nbytes: int, fn: Callable[[], object], repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench tiers``: put/get MB/s of every tier and of the chunk format beside their
+    raw baselines in the same run, and the targets (see the module docstring); 0.  Cost: each row moves
+    ``--chunks`` chunks of 1 MiB, ``--repeat`` times (medians); the LMDB rows without and with fsync in
+    a temporary directory; ``--redis`` starts a ``redis-server``, ``--s3`` moto's server (the rows of
+    ``python -m radixkv.bench s3``)."""
     ap = Parser(prog="python -m radixkv.bench tiers", description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, default=32, help="chunks per measurement (1 MiB of KV each)")
     ap.add_argument("--repeat", type=int, default=7)

@@ -145,6 +145,10 @@ def evict_cost_ns(num_leaves: int, evict_nodes: int = 2000, page_size: int = 16,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench tree``: index throughput and per-call latencies under ``--requests`` chat
+    requests per token form, API and page size, the cost of evicting a node in two trees 10x apart,
+    and the targets (see the module docstring); 0.  Cost: ``--repeat`` rounds of every row, each a
+    replay of the whole workload (generated once, untimed), and two trees of ``--evict-sizes`` leaves."""
     ap = Parser(prog="python -m radixkv.bench tree", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--pool-tokens", type=int, default=4_000_000)

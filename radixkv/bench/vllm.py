@@ -221,6 +221,11 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv.bench vllm``: time to first token on vLLM-CPU for each configuration of the
+    module docstring, or with ``--decode`` the plain engine's decode steps; 0.  ``--child SPEC OUT``
+    runs one spec's rounds in this process instead (what each configuration's process runs).  Cost:
+    one vLLM engine process per configuration (and moto's S3 server for the S3 row), ``--repeat``
+    rounds per prefix in each; minutes."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
         return _child(argv[1], argv[2])

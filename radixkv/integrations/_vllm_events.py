@@ -79,9 +79,15 @@ class RadixKVEvents(_EventsBase):  # type: ignore[misc]
         self._aggregator = _kv.KVEventAggregator(num_workers)
 
     def add_events(self, events: list[Any]) -> None:
+        """Add ``events`` (vLLM's structs) as one or more workers reported them.  vLLM's
+        ``KVOutputAggregator`` calls it to gather every worker's events into the first worker's, and the
+        scheduler side (``take_from_output``) to add each step's to those it holds.  O(len(events))."""
         self._aggregator.add_events(events)
 
     def aggregate(self) -> RadixKVEvents:
+        """Keep only the events every worker reported, each once, and count one worker again: with tensor
+        parallelism a block is told stored once every rank stored its shard.  Returns ``self``.  The
+        connector's ``take_events`` calls it before it hands the events to vLLM.  O(distinct events)."""
         common = self._aggregator.get_common_events()
         self._aggregator.clear_events()
         self._aggregator.add_events(common)
@@ -89,15 +95,25 @@ class RadixKVEvents(_EventsBase):  # type: ignore[misc]
         return self
 
     def increment_workers(self, count: int = 1) -> None:
+        """Count ``count`` more workers (``ValueError`` unless positive); ``aggregate`` keeps an event only
+        when that many reported it.  vLLM's ``KVOutputAggregator`` calls it with 1 for each worker whose
+        events it adds, ``take_from_output`` with the workers of each step's events.  O(1)."""
         self._aggregator.increment_workers(count)
 
     def get_all_events(self) -> list[Any]:
+        """Every event held, once per worker that reported it (once each after ``aggregate``).  vLLM's
+        ``KVOutputAggregator`` calls it to move a worker's events into the first worker's, and the
+        connector's ``take_events`` to hand them to vLLM.  O(events)."""
         return self._aggregator.get_all_events()
 
     def get_number_of_workers(self) -> int:
+        """How many workers these events came from (1 after ``aggregate`` or ``clear_events``).
+        ``take_from_output`` calls it to add a step's workers to those it holds.  O(1)."""
         return self._aggregator.get_number_of_workers()
 
     def clear_events(self) -> None:
+        """Drop every event and count one worker again (vLLM's ``KVConnectorKVEvents`` interface; the
+        connector lets a taken batch go instead of clearing it).  O(distinct events)."""
         self._aggregator.clear_events()
         self._aggregator.reset_workers()
 

@@ -36,6 +36,8 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def import_transformers() -> Any:
+    """The ``transformers`` module; ``ImportError`` naming the extra to install (``radixkv[hf]``) when it
+    is missing.  O(1) once imported (the first call imports it)."""
     try:
         import transformers  # the real package: imports are absolute, this module is radixkv's
     except ImportError as exc:
@@ -273,6 +275,9 @@ def check_blendable(model: Any) -> None:
 
 
 def new_dynamic_cache(config: Any) -> Any:
+    """An empty ``DynamicCache`` for a model of ``config``: built from the config where transformers takes
+    one (5.x: a full or sliding layer per layer), else plain (4.x).  It holds no KV until the model's
+    first forward.  O(layers)."""
     dynamic = import_transformers().DynamicCache
     try:
         return dynamic(config=config)

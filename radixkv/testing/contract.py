@@ -610,6 +610,11 @@ class TierContract(RuleBasedStateMachine):
 
     @rule(name=_key_names, size=_sizes, form=_forms)
     def put(self, name: str, size: int, form: str) -> None:
+        """Put a blob of ``size`` bytes under ``name``, passed as ``form`` (``bytes``, ``bytearray`` or
+        ``memoryview``, overwritten right after): a put that returns ``True`` is held right after and
+        evicts only least recently used keys (``lru``) and no more than it needs
+        (``used_bytes_exact``); one that returns ``False`` leaves no older blob.  Cost: one ``put``,
+        then a one-key ``contains_prefix`` per key of the universe."""
         self.step = f"put({name})"
         self._put(self.names[name], size, form)
 
@@ -654,11 +659,15 @@ class TierContract(RuleBasedStateMachine):
 
     @rule(name=_held_names)
     def get(self, name: str) -> None:
+        """Get ``name`` (biased toward held keys): a held key reads back as its last blob, byte for
+        byte, any other is a miss.  Cost: one ``get``."""
         self.step = f"get({name})"
         self._get(self.names[name])
 
     @rule(names=st.lists(st.one_of(_held_names, _key_names), max_size=5))
     def get_many(self, names: list[str]) -> None:
+        """Get up to five keys in one call: one answer per key, in order, each what ``get`` must answer.
+        Cost: one ``get_many``."""
         self.step = f"get_many({names})"
         keys = [self.names[n] for n in names]
         now = self._now()
@@ -670,6 +679,8 @@ class TierContract(RuleBasedStateMachine):
 
     @rule(name=_held_names)
     def read(self, name: str) -> None:
+        """Read ``name`` through ``consume``: ``read`` returns what ``consume`` returned, and the bytes
+        it saw are the key's last blob (a miss: ``None``).  Cost: one ``read``."""
         self.step = f"read({name})"
         key, marker = self.names[name], object()
         now = self._now()
@@ -680,6 +691,9 @@ class TierContract(RuleBasedStateMachine):
 
     @rule(name=_held_names)
     def read_lets_exceptions_through(self, name: str) -> None:
+        """Read ``name`` with a ``consume`` that raises: the exception reaches the caller when the tier
+        holds the key, and a miss returns ``None``.  Hits and misses are not checked in this step (a
+        tier may count the read before or after ``consume``).  Cost: one ``read``."""
         self.step = f"read({name}) with a consume that raises"
         key = self.names[name]
         held = key in self.held and self._expiry(key) == "live"
@@ -741,6 +755,10 @@ class TierContract(RuleBasedStateMachine):
     @precondition(lambda self: self._tier is not None and self.capacity is not None)
     @rule(name=_key_names)
     def refused_put_drops_the_old_blob(self, name: str) -> None:
+        """Put a ``min_blob`` blob under ``name``, then, where ``should_store`` says it must be
+        refused, one of ``capacity + 1`` bytes: refused, and the first blob gone too.  Only for a
+        bounded tier.  Cost: two ``put`` calls, each followed by a one-key ``contains_prefix`` per key
+        of the universe."""
         self.step = f"refused put({name})"
         key = self.names[name]
         self._put(key, self.min_blob)
@@ -755,6 +773,8 @@ class TierContract(RuleBasedStateMachine):
 
     @rule(names=st.lists(st.one_of(_held_names, _key_names), max_size=6, unique=True))
     def contains_prefix(self, names: list[str]) -> None:
+        """Look up up to six keys: the answer is the leading run of them the tier holds (a range where
+        some may have expired); not an access.  Cost: one ``contains_prefix``."""
         self.step = f"contains_prefix({names})"
         keys = [self.names[n] for n in names]
         self._now()
@@ -769,11 +789,16 @@ class TierContract(RuleBasedStateMachine):
 
     @rule(name=_held_names)
     def delete(self, name: str) -> None:
+        """Delete ``name``: returns whether the tier held it, which it no longer does.  Cost: one
+        ``delete``, then a one-key ``contains_prefix`` per key of the universe."""
         self.step = f"delete({name})"
         self._delete(self.names[name])
 
     @rule(n=st.integers(0, 8))
     def drop_namespace(self, n: int) -> None:
+        """Drop one namespace: returns how many of its keys the tier held (a remote tier may answer 0),
+        and none is left; the other namespaces, whose ids differ in one byte, keep theirs.  Cost: one
+        ``drop_namespace``, then a one-key ``contains_prefix`` per key of the universe."""
         ns_id = self.ns_ids[n % len(self.ns_ids)]
         self.step = f"drop_namespace(ns{n % len(self.ns_ids)})"
         tier = self.tier
@@ -805,6 +830,9 @@ class TierContract(RuleBasedStateMachine):
 
     @rule(names=st.lists(st.one_of(_held_names, _key_names), min_size=1, max_size=6, unique=True))
     def unpin(self, names: list[str]) -> None:
+        """Unpin up to six keys (held ones or not): returns an int between the keys surely pinned
+        among them and their count; from then on they may be evicted.  Cost: one ``unpin``, then a
+        one-key ``contains_prefix`` per key of the universe."""
         self.step = f"unpin({names})"
         keys = [self.names[n] for n in names]
         surely = len(self.pinned & set(keys))
@@ -974,6 +1002,12 @@ class TierContract(RuleBasedStateMachine):
 
     @invariant()
     def agrees_with_the_model(self) -> None:
+        """After every step (once the tier is built): the tier's ``check()`` passes; it holds what the
+        model says (observed again unless the step ended by observing); ``used_bytes`` is an int within
+        ``capacity_bytes`` (with ``used_bytes_exact``, the bytes of the entries held); the counters of
+        ``stats()`` grew as the model counts, and ``entries`` and ``used_bytes`` agree.  Cost: the
+        tier's ``check()``, one ``stats()`` and at most a one-key ``contains_prefix`` per key of the
+        universe."""
         if self._tier is None:
             return
         tier = self._tier

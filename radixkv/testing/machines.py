@@ -221,6 +221,8 @@ class EvictionModel:
         self._maybe.update(self.prefixes(tokens, n))
 
     def locked(self, held: Held) -> set[Prefix]:
+        """The page-aligned prefixes ``held`` holds (each item: tokens and how many of them are held):
+        what no eviction may take.  O(pages x tokens) of what is held."""
         out: set[Prefix] = set()
         for tokens, n in held:
             out.update(self.prefixes(tokens, n))
@@ -366,6 +368,9 @@ class RadixTreeMachine(RuleBasedStateMachine):
 
     @rule(tokens=token_sequences())
     def insert(self, tokens: Any) -> None:
+        """Insert ``tokens`` with fresh page ids, in the tree and in the model: the tree says as many
+        leading tokens were cached already as the model.  Cost: one ``insert``, and O(pages x tokens)
+        in the model."""
         toks = list(map(int, tokens))
         pages = [next(self.page_ids) for _ in range(len(toks) // self.tree.page_size)]
         expected = self.model.insert(toks, pages) * self.tree.page_size
@@ -377,6 +382,9 @@ class RadixTreeMachine(RuleBasedStateMachine):
 
     @rule(tokens=token_sequences(), lock=st.booleans())
     def match(self, tokens: Any, lock: bool) -> None:
+        """Match ``tokens`` (and maybe lock its node): the pages, the token count, the node's tokens
+        and its path's pages are the model's longest cached prefix, which it touches.  Cost: one
+        ``match_prefix``, and O(pages x tokens) in the model."""
         self._match(tokens, lock)
 
     @precondition(lambda self: self.seen)
@@ -402,12 +410,16 @@ class RadixTreeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.locked)
     @rule(data=st.data())
     def unlock(self, data: st.DataObject) -> None:
+        """Unlock one of the nodes a match locked.  Cost: one ``unlock``, O(depth)."""
         i = data.draw(st.integers(0, len(self.locked) - 1))
         node, _ = self.locked.pop(i)
         self.tree.unlock(node)
 
     @rule(num_pages=st.integers(0, 6))
     def evict(self, num_pages: int) -> None:
+        """Evict ``num_pages`` pages: at least as many as asked or every evictable one, no page twice,
+        least recently used unlocked leaves first and no more than needed (the model checks).  Cost:
+        one ``evict``, and O(pages x tokens) in the model."""
         evictable = self.tree.evictable_size // self.tree.page_size
         freed = self.tree.evict(num_pages)
         if not (freed.size >= min(num_pages, evictable) or freed.size == evictable):
@@ -418,6 +430,8 @@ class RadixTreeMachine(RuleBasedStateMachine):
 
     @rule()
     def unlock_unlocked_is_an_error(self) -> None:
+        """Unlock a child of the root that nobody holds: ``ValueError``, and the sizes unchanged.
+        Cost: one ``unlock``, O(children of the root)."""
         node = self.tree.root
         for child in node.children.values():
             if child.lock_ref == 0:
@@ -454,6 +468,10 @@ class RadixTreeMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
+        """After every step: the tree's ``check()``; ``total_size`` is the model's pages; every node's
+        lock count is the number of held paths through it; and the whole LRU order holds (a copy of the
+        tree evicted a page at a time, each eviction checked by the model).  Cost: a copy of the tree
+        and O(pages^2 x tokens) in the model (the trees here are a few pages)."""
         if hasattr(self, "tree"):
             self.tree.check()
             if self.tree.total_size != len(self.model.entries) * self.tree.page_size:
@@ -512,11 +530,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     max_len = 14
 
     def make_cache(self, page_size: int, num_pages: int) -> PrefixCache:
+        """The cache under test: ``num_pages`` pages of ``page_size`` tokens, one layer with one KV
+        head of two values (a token's id and position), chunks of two pages, no tiers.  Override it to
+        drive another configuration.  O(num_pages)."""
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=page_size)
         return PrefixCache(layout, num_pages=num_pages, chunk_size=page_size * 2)
 
     @initialize(page_size=st.integers(1, 4), num_pages=st.integers(4, 16))
     def setup(self, page_size: int, num_pages: int) -> None:
+        """The run's cache (``make_cache``), with an empty ``EvictionModel`` and tally and no request in
+        flight.  Cost: ``make_cache``'s."""
         self.cache = self.make_cache(page_size, num_pages)
         self.ps = page_size
         self.requests: list[tuple[list[int], Match, torch.Tensor]] = []   # in flight: tokens, match, new pages
@@ -650,6 +673,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), leave_last=st.booleans())
     def start_request(self, data: st.DataObject, leave_last: bool) -> None:
+        """Start a request on fresh tokens or on a seen sequence cut anywhere and extended: match
+        (leaving the last token or not), allocate the pages it lacks and write their KV; it stays in
+        flight, holding its pages, until ``finish_request``.  A refused ``alloc`` releases the match.
+        Each call is checked against the ``EvictionModel``.  Cost: one ``match`` and one ``alloc``, and
+        O(pages x tokens) in the model."""
         tokens = self._tokens(data)
         m = self._match(tokens, leave_last)
         need = -(-len(tokens) // self.ps) - len(m.pages)
@@ -771,6 +799,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @rule(num_pages=st.integers(0, 8))
     def evict(self, num_pages: int) -> None:
+        """Evict ``num_pages`` pages: it frees at least that many (or every evictable page) and no more
+        than are evictable, least recently used unheld leaves first and no more than needed
+        (``EvictionModel``), and its count is the pages the tree lost.  Cost: one ``evict`` and one
+        ``flush``, and O(pages x tokens) in the model."""
         evictable = self.model.evictable(self.holds.values())
         freed = self._evict(num_pages)
         if not min(num_pages, evictable) <= freed <= evictable:
@@ -779,6 +811,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=token_lists(max_len=14))
     def release_twice_is_an_error(self, tokens: list[int]) -> None:
+        """Match ``tokens`` and release the match, then release it again: ``ValueError``, and ``stats()``
+        unchanged.  Cost: one ``match``, two ``release`` calls and one ``flush``."""
         m = self._match(tokens)
         self._release(m)
         self.cache.flush()          # a match may evict, and evictions queue tier work: let it finish
@@ -794,6 +828,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def free_twice_is_an_error(self) -> None:
+        """Allocate a page and free it, then free it again: ``ValueError``, and the free page count
+        unchanged (nothing when the pool has no page to give).  Cost: one ``alloc`` and two ``free``
+        calls."""
         try:
             new = self._alloc(1)
         except PoolExhausted:
@@ -827,6 +864,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting(self) -> None:
+        """After every step: the cache's ``check()``; nothing changed the tree since the step's last
+        call, and ``evictable_size`` and ``protected_size`` agree with what the requests in flight hold
+        (``EvictionModel``); free, cached and engine pages add up to the pool; the engine's pages and
+        the live matches are the requests in flight's; the hit counters are the tally of the matches
+        made and add up over the pool and the tiers.  Cost: ``check()``, one ``stats()``, and
+        O(pages x tokens) in the model."""
         if not hasattr(self, "cache"):
             return
         self.cache.check()
@@ -853,6 +896,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_locked_when_idle(self) -> None:
+        """With no request in flight, no node is locked and ``protected_size`` is 0.  O(nodes)."""
         if not hasattr(self, "cache") or self.requests:
             return
         locked = [n for n in self.cache.tree.nodes() if n.lock_ref]
@@ -881,11 +925,16 @@ class TieredPrefixCacheMachine(PrefixCacheMachine):
     max_len = 20
 
     def make_tiers(self) -> list[Any]:
+        """The tiers below the pool, top first: one ``MemoryTier`` (exact).  Override it to put your own
+        backend under the same checks (``exact_tiers = False`` for a bounded or faulty one).  O(1)."""
         from radixkv.backends import MemoryTier
 
         return [MemoryTier()]
 
     def make_cache(self, page_size: int, num_pages: int) -> PrefixCache:
+        """``PrefixCacheMachine.make_cache``'s cache over ``make_tiers()``, each wrapped in a
+        ``RecordingTier``: chunks of ``chunk_pages`` pages, the class's ``write_policy`` and
+        ``exclusive``.  Cost: ``make_tiers`` and O(num_pages)."""
         from radixkv.testing.contract import RecordingTier
 
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=page_size)
@@ -896,6 +945,8 @@ class TieredPrefixCacheMachine(PrefixCacheMachine):
 
     @initialize(page_size=st.integers(1, 4), num_pages=st.integers(6, 16), chunk_pages=st.integers(2, 3))
     def setup(self, page_size: int, num_pages: int, chunk_pages: int) -> None:   # type: ignore[override]
+        """``PrefixCacheMachine.setup`` with chunks of two or three pages; nothing resident yet, and
+        the tier's access mark for ``evicted_chunks_reach_the_tiers``.  Cost: ``make_cache``'s."""
         self.chunk_pages = chunk_pages
         super().setup(page_size, num_pages)
         self.cs = page_size * chunk_pages
@@ -1032,6 +1083,8 @@ class FaultyPrefixCacheMachine(TieredPrefixCacheMachine):
     exact_tiers = False
 
     def make_tiers(self) -> list[Any]:
+        """One ``FaultyTier`` over a ``MemoryTier`` (kept as ``self.faulty``), failing nothing at
+        first.  O(1)."""
         from radixkv.backends import MemoryTier
         from radixkv.testing.contract import FaultyTier
 
@@ -1046,6 +1099,8 @@ class FaultyPrefixCacheMachine(TieredPrefixCacheMachine):
 
     @rule(failing=st.sets(st.sampled_from(["get", "read", "put_many", "contains_prefix"])))
     def set_faults(self, failing: set[str]) -> None:
+        """From now on the tier's methods in ``failing`` raise (an empty set: none); queued writes land
+        first.  Cost: one ``flush``."""
         self.cache.flush()
         self.faulty.failing = set(failing)
 
@@ -1066,6 +1121,8 @@ class FaultyPrefixCacheMachine(TieredPrefixCacheMachine):
 
     @invariant()
     def faults_are_counted(self) -> None:
+        """After every step, once queued writes landed: the stack's ``errors`` count exactly the faults
+        the tier raised.  Cost: one ``flush`` and one ``stats()``."""
         if not hasattr(self, "cache"):
             return
         self.cache.flush()

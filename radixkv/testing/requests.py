@@ -151,6 +151,9 @@ class RequestMachine(RuleBasedStateMachine):
     exact_tier = True
 
     def make_tiers(self) -> list[Tier]:
+        """The backend below the pool, as a list of one tier (the machine wraps it in a
+        ``RecordingTier`` and a ``GatedTier``): a ``MemoryTier``.  Override it to put your own under
+        the same checks (``exact_tier = False`` for a bounded one).  O(1)."""
         return [MemoryTier()]
 
     #: ``KVLayout.windows`` of each run (``None``: full attention only).
@@ -158,6 +161,10 @@ class RequestMachine(RuleBasedStateMachine):
 
     @initialize(page_size=st.integers(1, 3), num_pages=st.integers(6, 16), data=st.data())
     def setup(self, page_size: int, num_pages: int, data: st.DataObject) -> None:
+        """The run's cache: ``num_pages`` pages of ``page_size`` tokens and a layout drawn from
+        ``layouts``; chunks of two pages, or with sliding layers one or two and maybe a smaller
+        ``window_pages``; over ``make_tiers()`` behind a ``RecordingTier`` and a ``GatedTier`` whose
+        gate is open.  No request in flight.  Cost: O(num_pages x groups)."""
         windows = data.draw(self.layouts, label="windows")
         layout = KVLayout(num_layers=len(windows) if windows else 1, num_kv_heads=1, head_dim=2,
                           dtype=torch.float32, page_size=page_size, windows=windows)
@@ -317,6 +324,12 @@ class RequestMachine(RuleBasedStateMachine):
     @rule(fresh=st.lists(st.integers(0, 2), max_size=10), reuse=st.booleans(), wait=st.booleans(),
           data=st.data())
     def open(self, fresh: list[int], reuse: bool, wait: bool, data: st.DataObject) -> None:
+        """Open a request for fresh tokens, or for a seen sequence cut anywhere (or whole: the next
+        turn) and followed by them; with ``wait`` its load is waited for (the gate opened), else it
+        may stay pending.  It holds whole pages, leaves the last token, covers at least what the pool
+        held and evicts as the ``EvictionModel`` allows; a waited-for load over an exact tier brings
+        back every stored chunk the pool has room for.  Cost: one ``open`` (with ``wait``, its load),
+        and O(pages x tokens) in the model."""
         tokens = fresh
         if reuse and self.seen:              # a seen prefix, cut anywhere or whole (the next turn), and a new suffix
             old = data.draw(st.sampled_from(self.seen))
@@ -346,6 +359,8 @@ class RequestMachine(RuleBasedStateMachine):
 
     @rule(open_gate=st.booleans())
     def gate(self, open_gate: bool) -> None:
+        """Open or close the gate of the tier below: while it is closed, loads stay pending (at most
+        ``GatedTier.max_wait`` seconds).  O(1)."""
         if open_gate:
             self.gated.gate.set()
         else:
@@ -354,6 +369,10 @@ class RequestMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def poll(self, data: st.DataObject) -> None:
+        """Poll a live request (its load waited for first when the gate is open, so that the run does
+        not depend on thread timing): ``True`` exactly when nothing is pending, the held prefix never
+        shrinks, and what it evicts follows the ``EvictionModel``.  Cost: one ``poll`` (landing the
+        load if it arrived), and O(pages x tokens) in the model."""
         live = data.draw(st.sampled_from(self.live))
         before = live.req.num_cached
         pending = live.req._pending
@@ -585,6 +604,8 @@ class RequestMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pinned)
     @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:
+        """Unpin a pinned prefix: ``unpin`` says it was pinned.  Cost: one ``unpin``, O(depth) and a
+        hash pass."""
         key = data.draw(st.sampled_from(sorted(self.pinned)))
         assert self.cache.unpin(self.pinned.pop(key)), f"unpin of pinned {list(key)} said it was not pinned"
 
@@ -692,6 +713,13 @@ class RequestMachine(RuleBasedStateMachine):
 
     @invariant()
     def held_pages_hold_their_tokens(self) -> None:
+        """After every step, once queued tier writes landed: the cache's ``check()``; every live
+        request and pin holds pages with its tokens' KV (in a sliding group, at least its window's),
+        its tokens are the engine's and its node's, and a pin keeps every page it held; the engine's
+        pages are the tails in flight, the live matches the requests, and the hit counters add up; with
+        no request in flight only pins hold tokens; with sliding groups, no sliding page outside every
+        reuse point's window.  Cost: ``check()``, one ``stats()``, O(tokens) per live request and pin,
+        and O(nodes + pages) with groups."""
         if not hasattr(self, "cache"):
             return
         # Queued tier writes land after every step, so that what the tier holds at the next step

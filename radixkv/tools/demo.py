@@ -125,6 +125,12 @@ _PLANS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m radixkv demo``: requests sharing one system prompt served through the cache, then the
+    table of TTFT and where each request's prefix came from (see the module docstring); 0.  ``--phase``
+    (internal) runs one phase and prints its rows for the parent; a failed phase raises
+    ``RuntimeError`` with the end of its stderr.  Cost: four prefills of a prompt of
+    ``--system-tokens`` + ``--question-tokens`` tokens here and two in a restarted process; with
+    ``--cross-instance``, moto's S3 server and one prefill in each of two more processes."""
     ap = Parser(prog="python -m radixkv demo", description=__doc__.split("\n")[0])
     ap.add_argument("--cache-dir", default=None, help="where the LMDB tier lives (default: a new temporary dir)")
     ap.add_argument("--config", default=None, help="build the cache from this YAML/JSON file (see radixkv.config)")
