@@ -122,6 +122,7 @@ class CpuTier(Tier):
 
     @property
     def capacity_bytes(self) -> int:
+        """``max_bytes``, the arena's size (only whole slots of it are used).  O(1)."""
         return self._max_bytes
 
     def _release_slot(self, slot: int) -> None:
@@ -308,6 +309,10 @@ class CpuTier(Tier):
         return iter(held)
 
     def stats(self) -> dict[str, int | float]:
+        """The counters (``hits``, ``misses``, ``puts``, ``evictions``, ``rejected``; ``not_admitted``: puts
+        the policy refused) and ``entries``, ``slots``, ``pins`` (keys pinned), ``slot_bytes``,
+        ``used_bytes``, ``capacity_bytes`` and ``pinned`` (1 if the arena is pinned memory).  O(1) under
+        the lock."""
         with self._lock:
             return {**self._counts, "entries": len(self._lru), "slots": self._num_slots, "pins": len(self._pins),
                     "slot_bytes": self._slot_bytes, "used_bytes": self.used_bytes,

@@ -824,9 +824,16 @@ class LmdbTier(Tier):
 
     @property
     def capacity_bytes(self) -> int:
+        """``max_bytes``: the budget of blob bytes (LMDB's page overhead comes on top, within
+        ``map_size``).  O(1)."""
         return self._max_bytes
 
     def stats(self) -> dict[str, int | float]:
+        """This object's counters (those that happened: ``hits``, ``misses``, ``evictions``, ``expired``,
+        ``map_full``, ...) with the environment's shared ``entries``, ``pinned`` (entries pinned),
+        ``pinned_bytes`` and ``used_bytes``, the limits (``max_pinned_bytes``, ``capacity_bytes``,
+        ``page_limit``, ``limit_bytes``, ``map_size``) and ``pending_touches`` (accesses not written
+        yet).  Two read transactions."""
         used = self.used_bytes
         with self._begin() as txn:
             entries = txn.stat(self._meta)["entries"]

@@ -190,7 +190,7 @@ def _wanted(listeners: tuple[Listener, ...]) -> frozenset[str]:
 class Counts(Listener):
     """A listener that adds events up: pages held and dropped per level, chunks held and dropped
     per tier, io per (level, op, outcome) — count, seconds, bytes, chunks — and tokens served per
-    level.  Thread-safe; each event O(1) (O(keys) for ``chunks``).  The counters of ``stats()``
+    level.  Thread-safe; each event O(1) (O(levels) for ``served``).  The counters of ``stats()``
     agree with it (``tests/core/test_observe.py``)."""
 
     def __init__(self) -> None:
@@ -209,20 +209,26 @@ class Counts(Listener):
         self.served_tokens: Counter[str] = Counter()
 
     def pages(self, level: str, held: int, dropped: int) -> None:
+        """Add ``held`` and ``dropped`` to ``pages_held[level]`` and ``pages_dropped[level]``.  O(1)."""
         with self._lock:
             self.pages_held[level] += held
             self.pages_dropped[level] += dropped
 
     def chunks(self, level: str, namespace: bytes, held: Sequence[bytes], dropped: Sequence[bytes]) -> None:
+        """Count the keys in ``held`` and ``dropped`` per level (``chunks_held``, ``chunks_dropped``), all
+        namespaces together; no key is kept.  O(1)."""
         with self._lock:
             self.chunks_held[level] += len(held)
             self.chunks_dropped[level] += len(dropped)
 
     def cleared(self, level: str, namespace: bytes | None) -> None:
+        """Count one clear in ``clears[level]``, whatever the namespace.  O(1)."""
         with self._lock:
             self.clears[level] += 1
 
     def io(self, level: str, op: str, seconds: float, nbytes: int, items: int, outcome: str) -> None:
+        """Count the event (``ios``) and its chunks (``io_items``) per (level, op, outcome), and its
+        seconds and bytes (``io_seconds``, ``io_bytes``) per (level, op), every outcome together.  O(1)."""
         with self._lock:
             self.ios[level, op, outcome] += 1
             self.io_seconds[level, op] = self.io_seconds.get((level, op), 0.0) + seconds
@@ -230,6 +236,8 @@ class Counts(Listener):
             self.io_items[level, op, outcome] += items
 
     def served(self, query_tokens: int, by_level: Mapping[str, int]) -> None:
+        """Count the request (``requests``), its ``query_tokens`` and the tokens each level served
+        (``served_tokens``).  O(levels)."""
         with self._lock:
             self.requests += 1
             self.query_tokens += query_tokens

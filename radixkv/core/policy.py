@@ -109,14 +109,17 @@ class LRU(Policy):
         self._order: OrderedDict[bytes, None] = OrderedDict()    # oldest first
 
     def inserted(self, key: bytes) -> None:
+        """Put ``key`` at the most recently used end.  O(1)."""
         self._order[key] = None
         self._order.move_to_end(key)
 
     def accessed(self, key: bytes) -> None:
+        """Move ``key`` to the most recently used end; a key not ordered is ignored.  O(1)."""
         if key in self._order:
             self._order.move_to_end(key)
 
     def removed(self, key: bytes) -> None:
+        """Drop ``key`` from the order.  O(1)."""
         self._order.pop(key, None)
 
     def victim(self) -> bytes | None:
@@ -130,6 +133,8 @@ class LRU(Policy):
         return len(self._order)
 
     def check(self, stored: set[bytes] | None = None) -> None:
+        """The base's pin bound and, given ``stored``, that the order holds exactly those keys.  O(1), or
+        O(entries) with ``stored``."""
         super().check(stored)
         if stored is not None:
             assert set(self._order) == stored, "LRU order differs from the tier's keys"
@@ -157,6 +162,8 @@ class S3FIFO(Policy):
         return max(self.capacity, len(self._small) + len(self._main), 1)
 
     def inserted(self, key: bytes) -> None:
+        """Queue ``key`` with frequency 0 in the small FIFO, or in the main FIFO when the ghost FIFO
+        remembers it (it leaves the ghost).  O(1)."""
         self._freq[key] = 0
         if key in self._ghost:
             del self._ghost[key]
@@ -165,6 +172,8 @@ class S3FIFO(Policy):
             self._small[key] = None
 
     def accessed(self, key: bytes) -> None:
+        """Raise ``key``'s frequency by one, up to 3; nothing moves until ``victim`` reads it.  A key not
+        queued is ignored.  O(1)."""
         if key in self._freq:
             self._freq[key] = min(self._freq[key] + 1, 3)
 
@@ -215,6 +224,8 @@ class S3FIFO(Policy):
         return len(self._small) + len(self._main)
 
     def check(self, stored: set[bytes] | None = None) -> None:
+        """The base's pin bound; no key in both FIFOs; a frequency in [0, 3] for exactly the queued keys;
+        given ``stored``, that they are those keys.  O(entries)."""
         super().check(stored)
         assert not set(self._small) & set(self._main), "a key in both FIFOs"
         assert set(self._freq) == set(self._small) | set(self._main), "frequencies for keys not queued"
@@ -238,6 +249,9 @@ class SecondHit(Policy):
         self.pinned = self.inner.pinned
 
     def admit(self, key: bytes) -> bool:
+        """A key offered before (among the last ``memory`` refused keys) or pinned is forgotten and goes to
+        ``inner.admit``; any other is remembered (the oldest past ``memory`` forgotten) and refused.
+        O(1) amortised plus ``inner.admit``."""
         if key in self._seen or key in self.pinned:
             self._seen.pop(key, None)
             return self.inner.admit(key)
@@ -247,27 +261,35 @@ class SecondHit(Policy):
         return False
 
     def inserted(self, key: bytes) -> None:
+        """``inner.inserted``: the filter orders nothing itself.  ``inner``'s cost."""
         self.inner.inserted(key)
 
     def accessed(self, key: bytes) -> None:
+        """``inner.accessed``.  ``inner``'s cost."""
         self.inner.accessed(key)
 
     def removed(self, key: bytes) -> None:
+        """``inner.removed``; the admission memory is left as it is.  ``inner``'s cost."""
         self.inner.removed(key)
 
     def victim(self) -> bytes | None:
+        """``inner.victim``.  ``inner``'s cost."""
         return self.inner.victim()
 
     def pin(self, key: bytes) -> bool:
+        """``inner.pin``: the filter shares ``inner``'s pinned set and ``max_pinned``.  ``inner``'s cost."""
         return self.inner.pin(key)
 
     def unpin(self, key: bytes) -> bool:
+        """``inner.unpin`` (the pinned set is ``inner``'s).  ``inner``'s cost."""
         return self.inner.unpin(key)
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def check(self, stored: set[bytes] | None = None) -> None:
+        """``inner.check`` (the pin bound, and the keys given ``stored``), then the admission memory's
+        bound.  ``inner``'s cost plus O(1)."""
         self.inner.check(stored)
         assert len(self._seen) <= self.memory, "admission memory over its bound"
 

@@ -323,6 +323,8 @@ class MemoryTier(Tier):
         return len([check_key(k) for k in keys])
 
     def unpin(self, keys: Sequence[bytes]) -> int:
+        """Pins are not kept (nothing is ever evicted): checks each key and returns ``len(keys)``, as
+        ``pin`` does.  O(len(keys))."""
         return len([check_key(k) for k in keys])
 
     def __init__(self) -> None:
@@ -331,11 +333,15 @@ class MemoryTier(Tier):
         self._lock = threading.Lock()
 
     def get(self, key: bytes) -> bytes | None:
+        """The stored ``bytes`` object itself (immutable, so no copy), or ``None``.  Not an access: there
+        is no order to refresh.  O(1) under the lock."""
         check_key(key)
         with self._lock:
             return self._data.get(key)
 
     def put(self, key: bytes, blob: Blob) -> bool:
+        """Always stores (``True``): copies ``blob`` into a new ``bytes``, replacing any older one; never
+        evicts.  O(len(blob)), the copy outside the lock."""
         check_key(key)
         value = bytes(blob_view(blob))
         with self._lock:
@@ -345,10 +351,12 @@ class MemoryTier(Tier):
         return True
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """``count_leading`` over the dict, under the lock (every key is checked).  O(len(keys))."""
         with self._lock:
             return count_leading(keys, self._data)
 
     def delete(self, key: bytes) -> bool:
+        """Remove ``key`` and its bytes from the count; ``True`` if it was there.  O(1)."""
         check_key(key)
         with self._lock:
             old = self._data.pop(key, None)
@@ -357,6 +365,8 @@ class MemoryTier(Tier):
         return old is not None
 
     def drop_namespace(self, ns_id: bytes) -> int:
+        """Remove every key of ``ns_id``; how many.  Scans every key held: O(entries), not only the
+        namespace's."""
         check_namespace_id(ns_id)
         with self._lock:
             doomed = [k for k in self._data if k.startswith(ns_id)]
@@ -379,12 +389,17 @@ class MemoryTier(Tier):
 
     @property
     def used_bytes(self) -> int:
+        """The exact sum of the blobs' lengths, kept up to date by every write.  O(1)."""
         return self._bytes
 
     def stats(self) -> dict[str, int | float]:
+        """``used_bytes`` and ``entries`` only: no hit, miss or put counters, no ``capacity_bytes``
+        (unbounded).  O(1)."""
         return {**super().stats(), "entries": len(self._data)}
 
     def check(self) -> None:
+        """The base's byte check, then: the byte count is the sum of the blobs' lengths and every key is
+        24 bytes.  O(entries) under the lock."""
         super().check()
         with self._lock:
             assert self._bytes == sum(map(len, self._data.values())), "memory tier byte count drifted"

@@ -172,14 +172,21 @@ class CacheMetrics(Listener):
         return child
 
     def pages(self, level: str, held: int, dropped: int) -> None:
+        """Count the ``dropped`` pages in ``radixkv_evicted_pages_total`` (pages held are not a
+        counter).  O(1)."""
         if dropped:
             self._child("radixkv_evicted_pages_total", level).inc(dropped)
 
     def chunks(self, level: str, namespace: bytes, held: Sequence[bytes], dropped: Sequence[bytes]) -> None:
+        """Count the chunks stored at ``level`` in ``radixkv_stored_chunks_total``, every namespace
+        together.  O(1)."""
         if held:
             self._child("radixkv_stored_chunks_total", level).inc(len(held))
 
     def io(self, level: str, op: str, seconds: float, nbytes: int, items: int, outcome: str) -> None:
+        """A fault counts in ``radixkv_faults_total`` by outcome (a failed lookup's time still in
+        ``radixkv_lookup_seconds``); else a lookup's time, a miss's chunks, a load's chunks, bytes and
+        time, or a store's time and bytes go to their families.  O(1)."""
         if outcome != "ok":
             self._child("radixkv_faults_total", level, outcome).inc()
             if op == "lookup":
@@ -200,6 +207,8 @@ class CacheMetrics(Listener):
             self._child("radixkv_written_bytes_total", level).inc(nbytes)
 
     def served(self, query_tokens: int, by_level: Mapping[str, int]) -> None:
+        """Count one request, its query tokens and the tokens found cached at every level together.
+        O(levels)."""
         hits = sum(by_level.values())
         with self._lock:
             self.requests += 1

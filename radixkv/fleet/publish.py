@@ -158,6 +158,9 @@ class KVEvents(Listener):
     # -- the seam ------------------------------------------------------------------------------
 
     def span(self, level: str, data: bytes, start: int, stop: int, held: bool) -> None:
+        """Publish the whole chunks that end in tokens ``(start, stop]`` of ``data`` at a level with a
+        medium: ``BlockStored`` for each (and its parent) when held, one ``BlockRemoved`` when not.
+        O(stop) hashing of the chunk keys, and O(chunks) events."""
         medium = self.media.get(level)
         cs = self.chunk_size
         first, last = start // cs, stop // cs            # chunks ending in (start, stop]
@@ -172,6 +175,9 @@ class KVEvents(Listener):
         self._emit([e for e in out if e is not None])
 
     def chunks(self, level: str, namespace: bytes, held: Sequence[bytes], dropped: Sequence[bytes]) -> None:
+        """Publish a tier's stores (those it can name: a ``BlockStored`` each) and removals (one
+        ``BlockRemoved``) of this cache's namespace, and remember what each medium was told, for
+        ``cleared``.  O(len(held) + len(dropped))."""
         medium = self.media.get(level)
         if medium is None or self.ns_id not in (None, namespace):
             return
@@ -189,6 +195,9 @@ class KVEvents(Listener):
         self._emit([e for e in out if e is not None])
 
     def cleared(self, level: str, namespace: bytes | None) -> None:
+        """The pool's clear as vLLM's ``AllBlocksCleared`` (an index clears that medium alone); a
+        tier's as a ``BlockRemoved`` of every chunk told stored there.  O(k log k) in the k chunks told
+        there (sorted)."""
         medium = self.media.get(level)
         if medium is None or not (namespace is None or self.ns_id in (None, namespace)):
             return

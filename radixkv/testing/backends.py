@@ -28,6 +28,7 @@ class MemoryTierContract(TierContract):
     used_bytes_exact = True
 
     def make_tier(self) -> Tier:
+        """A new, empty ``MemoryTier``.  O(1)."""
         return MemoryTier()
 
 
@@ -40,14 +41,19 @@ class CpuTierContract(TierContract):
     reentrant_consume = True
 
     def make_tier(self) -> Tier:
+        """A new ``CpuTier(max_bytes=1024, slot_bytes=256)``: four slots.  Allocates its 1 KiB arena."""
         from radixkv.backends.cpu import CpuTier
 
         return CpuTier(max_bytes=1024, slot_bytes=256)
 
     def entry_bytes(self, size: int) -> int:
+        """The tier's slot size, whatever ``size``: an entry takes a whole slot.  O(1) (builds the tier on
+        first use)."""
         return int(getattr(self.tier, "slot_bytes"))
 
     def should_store(self, size: int) -> bool | None:
+        """``size`` fits a slot; ``None`` before the slot size is set (a batch's later blobs may not fit),
+        ``False`` when the slot is larger than the capacity (no slot was carved).  O(1)."""
         slot = int(getattr(self.tier, "slot_bytes"))
         if not slot:          # the first put sets the slot size when not given: later ones in a batch may not fit
             return None
@@ -64,6 +70,8 @@ class LmdbTierContract(PersistentTierContract):
     used_bytes_exact = True
 
     def make_tier(self) -> Tier:
+        """An ``LmdbTier`` in ``self.path`` (``max_bytes=1000``, a 1 MiB map, no fsync, access times
+        written every 4 reads) on ``self.clock``, with the class's ``ttl``.  Opens the environment."""
         from radixkv.backends.lmdb import LmdbTier
 
         return LmdbTier(self.path, max_bytes=1000, map_size=1 << 20, sync=False, touch_every=4, clock=self.clock,

@@ -955,6 +955,8 @@ class TieredPrefixCacheMachine(PrefixCacheMachine):
         self.faults = 0                           # tier faults seen by the last step
 
     def teardown(self) -> None:
+        """Close the cache (once set up): queued tier writes land, then the tiers close.  Cost: the
+        queued writes."""
         if hasattr(self, "cache"):
             self.cache.close()
 
@@ -1131,5 +1133,7 @@ class FaultyPrefixCacheMachine(TieredPrefixCacheMachine):
             _fail(f"the tier raised {self.faulty.faults} faults, the stack counted {errors} errors")
 
     def teardown(self) -> None:
+        """Stop the faults, so that the queued writes of the closing cache land, then close it as
+        ``TieredPrefixCacheMachine.teardown`` does.  Cost: the queued writes."""
         self.faulty.failing = set()
         super().teardown()

@@ -86,40 +86,58 @@ class GatedTier(Tier):
             raise TimeoutError(f"{self.name}: the gate stayed closed for {self.max_wait} s")
 
     def get(self, key: bytes) -> Blob | None:
+        """``inner.get``, after the gate on a load worker's thread.  ``inner``'s cost, plus the wait."""
         self._wait()
         return self.inner.get(key)
 
     def read(self, key: bytes, consume: Callable[[memoryview], Any]) -> Any:
+        """``inner.read``, after the gate on a load worker's thread.  ``inner``'s cost, plus the wait."""
         self._wait()
         return self.inner.read(key, consume)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """``inner.contains_prefix``, after the gate on a load worker's thread.  ``inner``'s cost, plus
+        the wait."""
         self._wait()
         return self.inner.contains_prefix(keys)
 
     def put(self, key: bytes, blob: Blob) -> bool:
+        """``inner.put``, never gated.  ``inner``'s cost."""
         return self.inner.put(key, blob)
 
     def delete(self, key: bytes) -> bool:
+        """``inner.delete``, never gated.  ``inner``'s cost."""
         return self.inner.delete(key)
 
     def drop_namespace(self, ns_id: bytes) -> int:
+        """``inner.drop_namespace``, never gated.  ``inner``'s cost."""
         return self.inner.drop_namespace(ns_id)
 
+    @property
     def used_bytes(self) -> int:
-        return self.inner.used_bytes()
+        """``inner.used_bytes``, never gated.  ``inner``'s cost."""
+        return self.inner.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """``inner.capacity_bytes``, never gated.  ``inner``'s cost."""
+        return self.inner.capacity_bytes
 
     def expect(self, blob_bytes: int) -> None:
+        """``inner.expect``.  ``inner``'s cost."""
         self.inner.expect(blob_bytes)
 
     def stats(self) -> dict[str, int | float]:
+        """``inner.stats()``: the inner tier's counters (the gate counts nothing).  ``inner``'s cost."""
         return self.inner.stats()
 
     def close(self) -> None:
+        """Open the gate, so that no load waits on it, then ``inner.close``.  ``inner``'s cost."""
         self.gate.set()
         self.inner.close()
 
     def check(self) -> None:
+        """``inner.check`` alone (the base's byte check is not run on the wrapper).  ``inner``'s cost."""
         self.inner.check()
 
 
@@ -194,6 +212,8 @@ class RequestMachine(RuleBasedStateMachine):
         self.mark = self.recorder.mark()
 
     def teardown(self) -> None:
+        """Open the gate, so that pending loads finish, and close the cache (once set up): queued tier
+        writes land, then the tiers close.  Cost: the pending loads and queued writes."""
         if hasattr(self, "cache"):
             self.gated.gate.set()
             self.cache.close()

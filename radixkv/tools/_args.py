@@ -18,4 +18,6 @@ class Parser(argparse.ArgumentParser):
     prints it and exits with status 2)."""
 
     def error(self, message: str) -> NoReturn:
+        """Raise ``Refused`` with ``message`` in one line that points to ``--help``, instead of printing
+        the usage and exiting.  Never returns.  O(1)."""
         raise Refused(f"{self.prog}: {message} (see {self.prog} --help)")

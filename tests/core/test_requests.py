@@ -129,6 +129,16 @@ def closed_gate_over(tokens: list[int], **kw) -> tuple[rk.PrefixCache, GatedTier
     return make(tiers=[gated], **kw), gated
 
 
+def test_the_gated_tier_reports_its_inner_tiers_sizes():
+    """``GatedTier`` passes ``used_bytes`` and ``capacity_bytes`` through as ``Tier``'s properties
+    (``used_bytes`` was a method that called the inner tier's property, and ``repr`` recursed)."""
+    inner = stored_below(list(range(8)))
+    gated = GatedTier(inner, max_wait=1)
+    assert gated.used_bytes == inner.used_bytes > 0
+    assert gated.capacity_bytes == inner.capacity_bytes
+    assert "GatedTier" in repr(gated)
+
+
 def test_extended_pages_are_held_under_pool_pressure():
     cache = make(num_pages=10)
     tokens = list(range(16))
