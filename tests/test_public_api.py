@@ -1,8 +1,9 @@
-"""Every public function, and every public method of a public class, of every module of ``radixkv``
-and ``radixkv.backends`` has a docstring (``inspect.getdoc``: one inherited from the method it
-overrides counts) and type hints on its parameters (but ``self``, ``cls``, ``*args`` and ``**kwargs``)
-and on its return.  Public: no leading underscore, defined in that module (``__module__``).  What a
-docstring says (its cost, its contract) is for review, not for this test."""
+"""Every public function, and every public method and property of a public class, of every module
+of ``radixkv`` and ``radixkv.backends`` has a docstring (``inspect.getdoc``: one inherited from the
+method it overrides counts) and type hints on its parameters (but ``self``, ``cls``, ``*args`` and
+``**kwargs``) and on its return (a property: its getter's).  Public: no leading underscore, defined
+in that module (``__module__``).  What a docstring says (its cost, its contract) is for review, not
+for this test."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def _public(module: ModuleType) -> Iterator[tuple[str, Any]]:
             for attr, member in vars(obj).items():
                 if isinstance(member, (staticmethod, classmethod)):
                     member = member.__func__
+                elif isinstance(member, property) and member.fget is not None:
+                    member = member.fget            # a property's getter: its docstring is the property's
                 if not attr.startswith("_") and inspect.isfunction(member) and defined_here(member):
                     yield f"{module.__name__}.{name}.{attr}", member
 

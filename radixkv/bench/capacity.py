@@ -105,6 +105,8 @@ class Case:
 
     @property
     def ok(self) -> bool:
+        """Whether the tiers kept their promise: neither under the pool alone nor falling as the pool
+        grows by more than ``TOLERANCE``.  O(1)."""
         return self.below <= TOLERANCE and self.fall <= TOLERANCE
 
 

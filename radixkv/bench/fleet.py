@@ -117,6 +117,7 @@ class RouterSpec(NamedTuple):
 
     @property
     def name(self) -> str:
+        """``kind:policy``, as ``--routers`` writes it and the tables label the router.  O(1)."""
         return f"{self.kind}:{self.policy}"
 
 
