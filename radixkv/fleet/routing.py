@@ -33,8 +33,9 @@ Contract:
        the fraction of instances with prefill queued, averaged over the last ``LOAD_ARRIVALS``
        arrivals an instance (sampled at arrivals, so on Poisson arrivals the time average; under
        bursts more, as a burst's later requests see the fleet its first ones made busy: 0.8-0.9
-       where the time average was 0.3-0.5 on workload shapes with bursts of 8 and 16, and a load
-       averaged over time met fewer shapes' cells, docs/pages/fleet-rules.md), and
+       where the time average was 0.3-0.5 on three workload shapes with bursts of 8 and 16 at 4
+       instances and half load, and a load averaged over time met fewer shapes' cells,
+       docs/pages/fleet-rules.md), and
        ``auto_affinity`` maps it from 1 on an idle fleet to ``AUTO_MAX`` when every instance always
        has a queue, and past two thirds of the load to the queue's own growth, ``1 / (1 -
        load)``, at most ``AUTO_CAP``.  On a lightly loaded fleet a request goes where it starts
