@@ -22,7 +22,7 @@ _NAMES = {
     "Clock": "contract", "FaultyTier": "wrappers", "PersistentTierContract": "contract", "RecordingTier": "wrappers",
     "TierContract": "contract", "TierFault": "wrappers", "blobs": "contract", "key_universe": "contract",
     "make_blob": "contract", "namespace_ids": "contract", "tier_keys": "contract",
-    "GatedTier": "requests", "RequestMachine": "requests",
+    "GatedTier": "wrappers", "RequestMachine": "requests",
 }
 _MODULES = {"backends", "settings"}
 

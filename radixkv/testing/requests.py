@@ -39,7 +39,6 @@ Run it as it is (``TestRequests = RequestMachine.TestCase``) or subclass it and 
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Sequence
 
@@ -48,12 +47,12 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixkv.backends import Blob, MemoryTier, Tier
+from radixkv.backends import MemoryTier, Tier
 from radixkv.core.cache import Match, PoolExhausted, PrefixCache
 from radixkv.core.pool import KVGroup, KVLayout
 from radixkv.core.request import Request
 from radixkv.testing.machines import EvictionModel, Held, resident_tokens
-from radixkv.testing.wrappers import RecordingTier
+from radixkv.testing.wrappers import GatedTier, RecordingTier
 
 __all__ = ["GatedTier", "RequestMachine", "SlidingRequestMachine", "layer_windows"]
 
@@ -65,80 +64,6 @@ def layer_windows(max_window: int = 8, plain: bool = True) -> st.SearchStrategy[
     w = st.integers(2, max_window)
     grouped = st.one_of(st.tuples(st.just(0), w), st.tuples(w, st.just(0), w), st.tuples(w, w))
     return st.integers(0 if plain else 1, 2).flatmap(lambda g: grouped if g else st.none())
-
-
-class GatedTier(Tier):
-    """A tier whose reads from the cache's load workers wait for ``gate`` (a ``threading.Event``):
-    clear it and a load stays pending; set it and the load goes on.  Reads from any other thread
-    (the stack's writer) pass straight through.  A read that waits more than ``max_wait`` seconds
-    fails (a fault: the load is a miss), so nothing can hang."""
-
-    def __init__(self, inner: Tier, max_wait: float = 20.0) -> None:
-        self.inner = inner
-        self.gate = threading.Event()
-        self.gate.set()
-        self.max_wait = max_wait
-        self.name = f"gated({inner.name})"
-        self.local, self.victim = inner.local, inner.victim
-
-    def _wait(self) -> None:
-        if threading.current_thread().name.startswith("radixkv-load") and not self.gate.wait(self.max_wait):
-            raise TimeoutError(f"{self.name}: the gate stayed closed for {self.max_wait} s")
-
-    def get(self, key: bytes) -> Blob | None:
-        """``inner.get``, after the gate on a load worker's thread.  ``inner``'s cost, plus the wait."""
-        self._wait()
-        return self.inner.get(key)
-
-    def read(self, key: bytes, consume: Callable[[memoryview], Any]) -> Any:
-        """``inner.read``, after the gate on a load worker's thread.  ``inner``'s cost, plus the wait."""
-        self._wait()
-        return self.inner.read(key, consume)
-
-    def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        """``inner.contains_prefix``, after the gate on a load worker's thread.  ``inner``'s cost, plus
-        the wait."""
-        self._wait()
-        return self.inner.contains_prefix(keys)
-
-    def put(self, key: bytes, blob: Blob) -> bool:
-        """``inner.put``, never gated.  ``inner``'s cost."""
-        return self.inner.put(key, blob)
-
-    def delete(self, key: bytes) -> bool:
-        """``inner.delete``, never gated.  ``inner``'s cost."""
-        return self.inner.delete(key)
-
-    def drop_namespace(self, ns_id: bytes) -> int:
-        """``inner.drop_namespace``, never gated.  ``inner``'s cost."""
-        return self.inner.drop_namespace(ns_id)
-
-    @property
-    def used_bytes(self) -> int:
-        """``inner.used_bytes``, never gated.  ``inner``'s cost."""
-        return self.inner.used_bytes
-
-    @property
-    def capacity_bytes(self) -> int | None:
-        """``inner.capacity_bytes``, never gated.  ``inner``'s cost."""
-        return self.inner.capacity_bytes
-
-    def expect(self, blob_bytes: int) -> None:
-        """``inner.expect``.  ``inner``'s cost."""
-        self.inner.expect(blob_bytes)
-
-    def stats(self) -> dict[str, int | float]:
-        """``inner.stats()``: the inner tier's counters (the gate counts nothing).  ``inner``'s cost."""
-        return self.inner.stats()
-
-    def close(self) -> None:
-        """Open the gate, so that no load waits on it, then ``inner.close``.  ``inner``'s cost."""
-        self.gate.set()
-        self.inner.close()
-
-    def check(self) -> None:
-        """``inner.check`` alone (the base's byte check is not run on the wrapper).  ``inner``'s cost."""
-        self.inner.check()
 
 
 class _Live:
@@ -169,9 +94,10 @@ class RequestMachine(RuleBasedStateMachine):
     exact_tier = True
 
     def make_tiers(self) -> list[Tier]:
-        """The backend below the pool, as a list of one tier (the machine wraps it in a
-        ``RecordingTier`` and a ``GatedTier``): a ``MemoryTier``.  Override it to put your own under
-        the same checks (``exact_tier = False`` for a bounded one).  O(1)."""
+        """The backend below the pool, as a list of exactly one tier (the machine wraps it in a
+        ``RecordingTier`` and a ``GatedTier``; any other length is a ``TypeError`` at setup): a
+        ``MemoryTier``.  Override it to put your own under the same checks (``exact_tier = False``
+        for a bounded one).  O(1)."""
         return [MemoryTier()]
 
     #: ``KVLayout.windows`` of each run (``None``: full attention only).
@@ -192,7 +118,11 @@ class RequestMachine(RuleBasedStateMachine):
                                      label="window_pages")
             chunk_pages = data.draw(st.integers(1, 2), label="chunk_pages")
         #: Every access and write of the tier below, for the recency check of evictions.
-        self.recorder = RecordingTier(*self.make_tiers())
+        tiers = self.make_tiers()
+        if not isinstance(tiers, (list, tuple)) or len(tiers) != 1 or not isinstance(tiers[0], Tier):
+            raise TypeError(f"make_tiers must return a list of exactly one Tier (the machine checks one "
+                            f"backend below the pool), got {tiers!r}")
+        self.recorder = RecordingTier(tiers[0])
         self.gated = GatedTier(self.recorder)
         self.cache = PrefixCache(layout, num_pages=num_pages, chunk_size=chunk_pages * page_size,
                                  tiers=[self.gated], load_timeout=30.0, window_pages=window_pages)

@@ -1,18 +1,20 @@
-"""Tier wrappers for tests: a tier that fails on demand (``FaultyTier``) and one that records what
-is asked of it (``RecordingTier``), both forwarding every call to the tier they wrap (and its kind:
-``local``, ``persistent``, ``victim``, ``in_memory``).  The cache and stack machines put them
-between the cache and your backend; use them the same way in your own tests.
+"""Tier wrappers for tests: a tier that fails on demand (``FaultyTier``), one that records what is
+asked of it (``RecordingTier``) and one whose loads wait for a gate (``GatedTier``), each forwarding
+every call of ``Tier``'s interface to the tier it wraps (``entries``, ``pin``, ``unpin`` and
+``take_evicted`` included) and its kind (``local``, ``persistent``, ``victim``, ``in_memory``,
+``peer``).  The cache, stack and request machines put them between the cache and your backend; use
+them the same way in your own tests.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from radixkv.backends import Blob, Tier
+from radixkv.backends import Blob, Entry, Tier
 
-__all__ = ["FaultyTier", "RecordingTier", "TierFault"]
+__all__ = ["FaultyTier", "GatedTier", "RecordingTier", "TierFault"]
 
 
 class TierFault(OSError):
@@ -24,7 +26,7 @@ class _Wrapper(Tier):
 
     def __init__(self, inner: Tier) -> None:
         self.inner = inner
-        for flag in ("local", "persistent", "victim", "in_memory"):     # what the stack reads of a tier's kind
+        for flag in ("local", "persistent", "victim", "in_memory", "peer"):     # what the stack reads of a tier's kind
             if hasattr(inner, flag):
                 setattr(self, flag, getattr(inner, flag))
 
@@ -63,6 +65,10 @@ class _Wrapper(Tier):
     def drop_namespace(self, ns_id: bytes) -> int:
         self._enter("drop_namespace")
         return self.inner.drop_namespace(ns_id)
+
+    def entries(self, ns_id: bytes | None = None) -> Iterator[Entry]:
+        self._enter("entries")
+        return self.inner.entries(ns_id)
 
     def pin(self, keys: Sequence[bytes]) -> int:
         self._enter("pin", keys)
@@ -138,10 +144,33 @@ class RecordingTier(_Wrapper):
             return next(self._counter)
 
     def _enter(self, method: str, keys: Sequence[bytes] = ()) -> None:
-        if method in ("contains_prefix", "drop_namespace", "close", "delete", "pin", "unpin"):
+        if method in ("contains_prefix", "drop_namespace", "close", "delete", "pin", "unpin", "entries"):
             return
         with self._lock:
             n = next(self._counter)
             target = self.written if method.startswith("put") else self.accessed
             for key in keys:
                 target[key] = n
+
+
+class GatedTier(_Wrapper):
+    """A tier whose reads from the cache's load workers wait for ``gate`` (a ``threading.Event``):
+    clear it and a load stays pending; set it and the load goes on.  Reads (``get``, ``get_many``,
+    ``read``, ``contains_prefix``) from any other thread (the stack's writer) pass straight through,
+    as does every other call.  A read that waits more than ``max_wait`` seconds fails (a fault: the
+    load is a miss), so nothing can hang.  ``close`` opens the gate first, so no load waits on it."""
+
+    def __init__(self, inner: Tier, max_wait: float = 20.0) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.max_wait = max_wait
+        self.name = f"gated({inner.name})"
+
+    def _enter(self, method: str, keys: Sequence[bytes] = ()) -> None:
+        if method == "close":
+            self.gate.set()
+        elif (method in ("get", "get_many", "read", "contains_prefix")
+              and threading.current_thread().name.startswith("radixkv-load")
+              and not self.gate.wait(self.max_wait)):
+            raise TimeoutError(f"{self.name}: the gate stayed closed for {self.max_wait} s")

@@ -982,14 +982,17 @@ MUTANTS = TIER_MUTANTS + ENGINE_MUTANTS + REQUEST_MUTANTS + GROUP_MUTANTS
 MUTANTS += [Mutant(*row) for row in ENGINE_ROWS]      # tests/helpers/mutants_engine.py
 
 
-# The sliding-window rows get three times the examples: their catches hang on a retry landing a
-# page short of a reuse point, which the fixed seed reaches on a loaded machine only sometimes (the
-# tier writer's and loads' timing changes which pages are resident); caught rows stop early anyway.
-_SLIDING = settings(MUTATION, max_examples=3 * MUTATION.max_examples)
+# The request machines' rows get three times the examples.  The sliding-window rows' catches hang on
+# a retry landing a page short of a reuse point, which the fixed seed reaches on a loaded machine
+# only sometimes (the tier writer's and loads' timing changes which pages are resident); and
+# RequestMachine caught ``touch-stamps-leaves-only`` in 18 of 20 runs of 40 examples at random
+# seeds, before and after ``GatedTier`` came to forward ``get_many`` and ``put_many`` whole, but that
+# change made the fixed seed miss it.  Caught rows stop early anyway.
+_REQUESTS = settings(MUTATION, max_examples=3 * MUTATION.max_examples)
 
 
 def _settings_for(mutant: Mutant) -> settings:
-    return _SLIDING if mutant.harness == "SlidingRequestMachine" else MUTATION
+    return _REQUESTS if mutant.harness in ("RequestMachine", "SlidingRequestMachine") else MUTATION
 
 
 def run_mutant(mutant: Mutant, tmp_path: Path) -> tuple[bool, str]:
