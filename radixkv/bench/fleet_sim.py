@@ -504,7 +504,12 @@ def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]
     """``(instances, pool_tokens, [(seed, requests)])`` of the workload ``python -m radixkv.bench
     fleet TEXT`` sends: its instances, its pool (``--pool-blocks`` of vLLM's 128-token blocks), and
     per seed its prompts and arrivals as it sends them (seconds; nothing rescales them), each
-    request generating ``--max-tokens`` (the real requests may stop sooner).  Its flags are refused
+    request generating ``--max-tokens`` (the real requests may stop sooner).  With ``--turns``, each
+    request opens a conversation, as ``bench fleet`` sends it: its next turn arrives when the last
+    one's answer ended (``SimRequest.after``), its prompt the last prompt, that answer (tokens of its
+    own, which no prompt says: the real answer is greedy and its blocks its conversation's alone)
+    and ``radixkv.bench.fleet.question``; the full blocks of the prompt and the answer but its last
+    token are the request's ``answer``, which the engine caches as vLLM does.  Its flags are refused
     as that command refuses them (``radixkv.bench.fleet.refuse``), as ``ValueError``.  O(tokens)."""
     import shlex
 
@@ -518,16 +523,34 @@ def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]
         fleet.refuse(args)
     except ValueError as exc:
         raise ValueError(f"--like-fleet: {exc}") from None
-    if args.turns > 1:
-        raise ValueError("--like-fleet: --turns is not simulated (its next prompts hold the answers the "
-                         "instances generate; fleet_sim's chat workload is its like)")
     bt, out = fleet.BLOCK, []
     for seed in args.seed:
         work, _ = fleet._work(args, seed)
-        ids: dict[tuple[int, ...], int] = {}          # a block id per distinct prefix (chained, as vLLM hashes)
-        reqs = [SimRequest(i, at, [ids.setdefault(tuple(prompt[:(j + 1) * bt]), len(ids))
-                                   for j in range(-(-len(prompt) // bt))], len(prompt), args.max_tokens)
-                for i, (at, prompt) in enumerate(work)]
+        ids: dict[tuple[Any, ...], int] = {}          # a block id per distinct prefix (chained, as vLLM hashes)
+
+        def blocks(tokens: Sequence[Any], start: int = 0) -> list[int]:
+            return [ids.setdefault(tuple(tokens[:(j + 1) * bt]), len(ids)) for j in range(start, -(-len(tokens) // bt))]
+
+        turns: list[tuple[float, int, int, SimRequest]] = []     # (arrival, conversation, turn, request)
+        for i, (at, first) in enumerate(work):
+            tokens: list[Any] = list(first)
+            for turn in range(args.turns):
+                r = SimRequest(-1, at, blocks(tokens), len(tokens), args.max_tokens)
+                turns.append((at, i, turn, r))
+                if turn + 1 == args.turns:
+                    break
+                # the answer (its own tokens, as no prompt says them), cached as vLLM caches a
+                # finished request's blocks: the full ones of the prompt and the answer but its
+                # last token, whose KV is never computed
+                sequence = tokens + [("answer", i, turn, k) for k in range(args.max_tokens)]
+                r.answer = blocks(sequence[:-1], len(tokens) // bt)[:(len(sequence) - 1) // bt - len(tokens) // bt]
+                tokens = sequence + fleet.question(args, seed, i, turn + 1)
+        turns.sort(key=lambda t: t[:3])
+        rid = {(i, turn): k for k, (_, i, turn, _) in enumerate(turns)}
+        reqs = []
+        for k, (_, i, turn, r) in enumerate(turns):
+            r.rid, r.after = k, rid.get((i, turn - 1), -1)
+            reqs.append(r)
         out.append((seed, reqs))
     return args.instances, args.pool_blocks * bt, out
 

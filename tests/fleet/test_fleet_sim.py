@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import event, given, settings, strategies as st
+from hypothesis import event, example, given, settings, strategies as st
 
 pytest.importorskip("simpy")
 pytest.importorskip("msgspec")
@@ -986,6 +986,57 @@ def test_like_fleet_runs_the_requests_bench_fleet_sends(tenants: int, system: in
                     assert (r.blocks[j] == o.blocks[j]) == (p[:(j + 1) * bt] == q[:(j + 1) * bt])
 
 
+@settings(max_examples=15, deadline=None)
+@example(turns=2, tenants=1, system=100, question=28, max_tokens=128, requests=1, burst=1, seed=0)  # answers end on a block
+@given(turns=st.integers(2, 4), tenants=st.integers(1, 3), system=st.integers(1, 400), question=st.integers(1, 200),
+       max_tokens=st.integers(1, 300), requests=st.integers(1, 8), burst=st.integers(1, 3), seed=st.integers(0, 50))
+def test_like_fleet_runs_conversations_as_bench_fleet_sends_them(turns: int, tenants: int, system: int, question: int,
+                                                                 max_tokens: int, requests: int, burst: int,
+                                                                 seed: int) -> None:
+    """``--like-fleet`` with ``--turns``: each request of ``bench fleet``'s opens a conversation whose
+    next turn follows the last one's end (``after``), its prompt the last prompt, that answer
+    (``--max-tokens`` tokens no prompt says) and ``question(i, turn)``; a turn's blocks begin with
+    the last turn's full blocks and the answer's (``answer``: the full blocks of the prompt and the
+    answer but its last token, which vLLM caches), and an answer's blocks are no other
+    conversation's.  The simulator serves it all, each turn after the one before ends."""
+    from radixkv.bench import fleet
+    from radixkv.bench.fleet_sim import like_fleet
+
+    text = (f"--turns {turns} --tenants {tenants} --system-tokens {system} --question-tokens {question} "
+            f"--requests {requests} --burst {burst} --max-tokens {max_tokens} --pool-blocks 40 --seed {seed}")
+    _, _, [(_, reqs)] = like_fleet(text)
+    args = fleet._parser().parse_args(text.split())
+    work, _ = fleet._work(args, seed)
+    bt = fleet.BLOCK
+    assert [r.rid for r in reqs] == list(range(len(reqs))) == list(range(requests * turns))
+    assert [(r.arrival, r.rid) for r in reqs] == sorted((r.arrival, r.rid) for r in reqs)
+    by_rid = {r.rid: r for r in reqs}
+    firsts = [r for r in reqs if r.after == -1]
+    assert [(r.arrival, r.tokens) for r in sorted(firsts, key=lambda r: r.rid)] == [(at, len(p)) for at, p in work]
+    owner: dict[int, int] = {}                    # answer block -> its conversation
+    for k, first in enumerate(sorted(firsts, key=lambda r: r.rid)):
+        chain, r = [first], first
+        while (nxt := [o for o in reqs if o.after == r.rid]):
+            assert len(nxt) == 1
+            r = nxt[0]
+            chain.append(r)
+        assert len(chain) == turns
+        for a, b in zip(chain, chain[1:]):
+            full = a.tokens // bt
+            assert b.arrival == first.arrival and b.output == a.output == max_tokens
+            assert b.tokens == a.tokens + max_tokens + question
+            assert len(a.answer) == (a.tokens + max_tokens - 1) // bt - full
+            assert b.blocks[:full + len(a.answer)] == a.blocks[:full] + a.answer
+            for block in a.answer:
+                assert owner.setdefault(block, k) == k
+        assert chain[-1].answer == [] and by_rid[chain[-1].rid] is chain[-1]
+    prompts = {b for r in firsts for b in r.blocks}
+    assert not prompts & set(owner)
+    s = simulate(reqs, bt, instances=2, policy="cost", model=PROFILES["vllm-cpu-fleet"], pool_tokens=1 << 16,
+                 cpu_tokens=0, budget=2048, check=True, output_pages=True)
+    assert s["served"] and sum(s["served"]) == len(reqs)
+
+
 def test_like_fleet_is_refused_in_one_line_as_bench_fleet_refuses(capsys: pytest.CaptureFixture[str]) -> None:
     """A flag ``bench fleet`` refuses, or one ``--like-fleet`` sets, is one line and exit 2, and so
     is ``--slower`` without ``--like-fleet`` (whose arrivals are not rescaled to a load) or not a
@@ -995,7 +1046,7 @@ def test_like_fleet_is_refused_in_one_line_as_bench_fleet_refuses(capsys: pytest
     for argv in (["--like-fleet=--requests 0"], ["--like-fleet=--bogus 1"], ["--like-fleet=--requests 5", "--seeds", "1"],
                  ["--like-fleet=--requests 5", "--workloads", "tenants"], ["--slower", "2"],
                  *(["--like-fleet=--requests 5", "--slower", bad] for bad in ("0", "nan", "inf")),
-                 ["--summarize", "missing.txt", "--slower", "0"], ["--like-fleet=--requests 5 --turns 2"]):
+                 ["--summarize", "missing.txt", "--slower", "0"]):
         assert fleet_sim.main(argv) == 2, argv
         out = capsys.readouterr()
         named = "--slower" if "--slower" in argv else "--"
