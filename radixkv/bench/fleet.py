@@ -51,7 +51,10 @@ sglang-router (``sglang:cache_aware``, ``cache_aware_low`` — its ``cache_aware
 thresholds lowered to ``--balance-abs-threshold 2 --balance-rel-threshold 1.2`` —, ``round_robin``,
 ``random``, ``power_of_two``; ``pip install sglang-router``, run as its own process) in front.  Each
 run starts fresh instances (in parallel) and sends every router the same prompts per seed
-(``--seed`` takes a list).  sglang-router's ``/v1/completions`` takes text only, so the model
+(``--seed`` takes a list).  A run on real instances does not repeat exactly (which instance a
+request finds free, and when a prefill's events land, depend on timing), so ``--repeat N`` runs the
+routers N times a seed, in turn, and gives every run, the means, and each router's hit rate less the
+first router's, run by run.  sglang-router's ``/v1/completions`` takes text only, so the model
 directory gets a word-per-id tokenizer (``radixkv.testing.word_tokenizer``), the instances start
 with it, and every router is sent the prompts as words (radixkv's with ``--tokenizer``); each
 served request's ``usage.prompt_tokens`` is checked to equal the drawn prompt's length.  The
@@ -165,6 +168,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--routers", type=parse_routers, default=None,
                    help="KIND:POLICY,... (kind radixkv or sglang): each on fresh instances, the same text "
                         "prompts for all (instead of --policies; no run with an instance killed)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="with --routers: run the routers this many times a seed, in turn (A, B, A, B, ...), each "
+                        "run on fresh instances; the table gives every run, then the means with the comparisons "
+                        "on them and each run's hit rate beside the same round's of the others")
     p.add_argument("--burst", type=int, default=1, help="requests of one tenant sent at once, per arrival")
     p.add_argument("--turns", type=int, default=1,
                    help="each request opens a conversation of this many turns: the next sent when the last "
@@ -179,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", choices=("auto", "on", "off"), default="auto",
                    help="give each instance cores of its own (auto: when the machine has one per instance)")
     p.add_argument("--dump", default=None, metavar="DIR",
-                   help="write each run's requests (arrival, TTFT, outcome, instance) to DIR as JSON lines")
+                   help="write each run's requests (arrival, TTFT, outcome, instance; turn and conversation: the "
+                        "index of the request that opened it) to DIR as JSON lines")
     p.add_argument("--out", type=out_file, default=None)
     return p
 
@@ -481,9 +489,10 @@ def _warm(server: Any, text: bool) -> None:
 
 def _measure(args: argparse.Namespace, model: str, servers: list[Any], events: list[str], spec: RouterSpec,
              work: list[tuple[float, list[int]]], log: str, kill: bool = False, text: bool = False,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, run: int | None = None) -> dict[str, Any]:
     """One run of ``work`` through ``spec``'s router in front of ``servers``: its table row (and,
-    with ``--dump``, its requests in ``DIR/<router>-seed<seed>.jsonl``)."""
+    with ``--dump``, its requests in ``DIR/<router>-seed<seed>.jsonl``, or with ``run`` (``--repeat``)
+    ``DIR/<router>-seed<seed>-run<run>.jsonl``)."""
     from radixkv.tools.s3server import free_port, stop_process
 
     port = free_port()
@@ -503,11 +512,12 @@ def _measure(args: argparse.Namespace, model: str, servers: list[Any], events: l
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
         name = spec.name.replace(":", "_") + ("-killed" if kill else "")
-        with open(os.path.join(args.dump, f"{name}-seed{seed}.jsonl"), "w") as f:
-            for res in results:
+        with open(os.path.join(args.dump, f"{name}-seed{seed}{'' if run is None else f'-run{run}'}.jsonl"), "w") as f:
+            for k, res in enumerate(results):       # the first turns in the order sent, then the later ones
                 f.write(json.dumps({"arrival": res.get("arrival"), "tokens": res.get("tokens"),
                                     "outcome": res.get("outcome"), "ttft": res.get("ttft"),
-                                    "instance": res.get("instance"), "turn": res.get("turn", 0)}) + "\n")
+                                    "instance": res.get("instance"), "turn": res.get("turn", 0),
+                                    "conversation": res.get("conversation", k)}) + "\n")
     if text:
         _check_prompt_tokens(results)
     row = _row(spec.name if text else spec.policy + (" (instance killed)" if kill else ""),
@@ -539,12 +549,15 @@ def refuse(args: argparse.Namespace) -> None:
                                ("--system-tokens", args.system_tokens, 1), ("--question-tokens", args.question_tokens, 1),
                                ("--requests", args.requests, 1), ("--max-tokens", args.max_tokens, 1),
                                ("--pool-blocks", args.pool_blocks, 1), ("--burst", args.burst, 1),
-                               ("--turns", args.turns, 1)):
+                               ("--turns", args.turns, 1), ("--repeat", args.repeat, 1)):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if args.pool_blocks * BLOCK <= CONTEXT:          # vLLM refuses to start a pool that holds no whole context
         raise ValueError(f"--pool-blocks must be at least {CONTEXT // BLOCK + 1} (vLLM needs a pool that holds one "
                          f"request of the model's {CONTEXT}-token context and a block more), got {args.pool_blocks}")
+    if args.repeat > 1 and args.routers is None:
+        raise ValueError(f"--repeat: only with --routers (each run of --policies starts its own instances "
+                         f"too, but its rows are not averaged), got --repeat {args.repeat}")
     if args.turns > 1 and args.trace is not None:
         raise ValueError("--turns: a trace's rows are not conversations, so not with --trace")
     if not 0.0 < args.rate < float("inf"):
@@ -658,19 +671,31 @@ def _run(args: argparse.Namespace, argv: list[str] | None, pinned: list[list[int
         for seed in args.seed:
             work = works[seed][0]
             rows: list[dict[str, Any]] = []
-            for spec in args.routers:
-                events = [f"tcp://127.0.0.1:{listen_port()}" for _ in range(args.instances)]
-                servers = _servers(args, model, events, tokenizer=True)
-                up = _start_all(servers, text=True)
-                try:
-                    row = _measure(args, model, servers, events, spec, work, log, text=True, seed=seed)
-                    rows.append({**row, "up": up})
-                finally:
-                    _stop_all(servers)
+            for run in range(args.repeat):          # in turn, so that a slow spell of the machine hits each
+                for spec in args.routers:
+                    events = [f"tcp://127.0.0.1:{listen_port()}" for _ in range(args.instances)]
+                    servers = _servers(args, model, events, tokenizer=True)
+                    up = _start_all(servers, text=True)
+                    try:
+                        row = _measure(args, model, servers, events, spec, work, log, text=True, seed=seed,
+                                       run=run + 1 if args.repeat > 1 else None)
+                        rows.append({**row, "up": up, "run": run + 1})
+                    finally:
+                        _stop_all(servers)
             report()
             ups = ", ".join(f"{r['up']:.0f}" for r in rows)
             report(f"## seed {seed}: servers up in {ups} s")
-            _table(report, rows, _bound(report, rows, work))
+            bound = _bound(report, rows, work)
+            if args.repeat == 1:
+                _table(report, rows, bound)
+                continue
+            _table(report, [{**r, "name": f"{r['name']} (run {r['run']})"} for r in rows])
+            report()
+            report(f"### seed {seed}: means over {args.repeat} runs (outcomes, per instance and routed: summed)")
+            _table(report, means(rows), bound)
+            report()
+            for line in paired(rows):
+                report(line)
         report.save(args.out)
         return 0
     for seed in args.seed:
@@ -694,6 +719,49 @@ def _run(args: argparse.Namespace, argv: list[str] | None, pinned: list[list[int
         _table(report, rows, _bound(report, rows, work))
     report.save(args.out)
     return 0
+
+
+def means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per router (in the order of its first run) with the means of its runs' hit rates,
+    TTFTs, requests a second and preemptions, and the sums of their outcomes, requests per
+    instance and routing reasons (``_table``'s fields).  O(rows)."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["name"], []).append(r)
+    out = []
+    for name, runs in by.items():
+        row: dict[str, Any] = {"name": name, "partial": any(r["partial"] for r in runs)}
+        for key in ("gpu_hit", "all_hit", "p50", "p95", "p99", "rps"):
+            row[key] = statistics.fmean(r[key] for r in runs)
+        row["preempted"] = round(statistics.fmean(r["preempted"] for r in runs))
+        row["outcomes"] = {k: sum(r["outcomes"][k] for r in runs) for k in runs[0]["outcomes"]}
+        row["served_by"] = [sum(col) for col in zip(*(r["served_by"] for r in runs))]
+        reasons: dict[str, float] = {}
+        for r in runs:
+            for k, v in r["reasons"].items():
+                reasons[k] = reasons.get(k, 0.0) + v
+        row["reasons"] = reasons
+        out.append(row)
+    return out
+
+
+def paired(rows: list[dict[str, Any]]) -> list[str]:
+    """For each router after the first, its GPU hit rate less the first router's, run by run (the
+    runs of one round went one after the other), with their mean and range: a difference that
+    holds across the machine's slow and fast spells.  O(rows)."""
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    rounds: dict[int, dict[str, float]] = {}
+    for r in rows:
+        rounds.setdefault(r["run"], {})[r["name"]] = r["gpu_hit"]
+    lines = []
+    for name in names[1:]:
+        diffs = [100 * (hits[names[0]] - hits[name]) for _, hits in sorted(rounds.items())
+                 if name in hits and names[0] in hits]
+        if diffs:
+            lines.append(f"{names[0]} - {name}, GPU hit rate run by run: "
+                         + " / ".join(f"{d:+.1f}" for d in diffs)
+                         + f" points (mean {statistics.fmean(diffs):+.1f}, {min(diffs):+.1f} to {max(diffs):+.1f})")
+    return lines
 
 
 def _bound(report: Report, rows: list[dict[str, Any]], work: list[tuple[float, list[int]]]) -> float:

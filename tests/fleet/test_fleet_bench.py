@@ -158,7 +158,8 @@ def test_ttft_is_timed_to_the_first_data_event_not_the_first_bytes() -> None:
     (["--routers", "vllm:cost"], "--routers"), (["--no-such-flag"], "--no-such-flag"),
     (["--trace", "/no/such/trace.jsonl"], "--trace"), (["--pool-blocks", "32"], "--pool-blocks"),
     (["--turns", "0"], "--turns"), (["--turns", "2", "--trace", "/no/such/trace.jsonl"], "--turns"),
-    (["--turns", "3", "--max-tokens", "900"], "context"),
+    (["--turns", "3", "--max-tokens", "900"], "context"), (["--repeat", "2"], "--repeat"),
+    (["--routers", "radixkv:cost", "--repeat", "0"], "--repeat"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2_before_any_server_starts(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -442,3 +443,51 @@ def test_a_conversation_through_a_text_router_sends_its_answers_as_words_and_end
     assert [p for p in prompts if p[0] == 9] == [[9]]
     assert [r["outcome"] for r in results] == ["served"] * 4
     fleet._check_prompt_tokens(results)
+
+
+def test_repeat_runs_the_routers_in_turn_and_gives_every_run_the_means_and_the_paired_differences(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--repeat N`` with ``--routers``: per seed the routers run in turn N times (A, B, A, B),
+    each on fresh instances; the table has every run, the means (compared as single runs are), and
+    each router's hit rate less the first's, round by round; ``--dump`` names each run's file."""
+    import radixkv.integrations.transformers as transformers
+    import radixkv.testing.word_tokenizer as word_tokenizer
+
+    hits = {"radixkv:cost": [0.80, 0.84], "sglang:cache_aware": [0.82, 0.83]}
+    calls: list[tuple[int, str, int | None, int]] = []
+
+    def measure(args: argparse.Namespace, model: str, servers: Any, events: Any, spec: fleet.RouterSpec,
+                work: Any, log: str, kill: bool = False, text: bool = False, seed: int = 0,
+                run: int | None = None) -> dict[str, Any]:
+        calls.append((seed, spec.name, run, len(servers)))
+        assert run is not None and text
+        hit = hits[spec.name][run - 1]
+        return {"name": spec.name, "gpu_hit": hit, "all_hit": hit, "p50": 0.1 * run, "p95": 0.2, "p99": 0.3,
+                "rps": 2.0, "preempted": run, "outcomes": {"served": 4, "error": 0, "lost": 0}, "served_by": [3, 1],
+                "reasons": {"cost": 4.0} if spec.kind == "radixkv" else {}, "partial": False}
+
+    class Model:
+        def save_pretrained(self, path: str) -> None:
+            os.makedirs(path)
+
+    monkeypatch.setattr(transformers, "random_model", lambda *a, **k: Model())
+    monkeypatch.setattr(word_tokenizer, "save_word_tokenizer", lambda *a, **k: None)
+    monkeypatch.setattr(fleet, "_servers", lambda *a, **k: ["a", "b"])
+    monkeypatch.setattr(fleet, "_start_all", lambda *a, **k: 1.0)
+    monkeypatch.setattr(fleet, "_stop_all", lambda servers: None)
+    monkeypatch.setattr(fleet, "_measure", measure)
+    out = tmp_path / "t.txt"
+    assert fleet.main(["--routers", "radixkv:cost,sglang:cache_aware", "--repeat", "2", "--seed", "0,3",
+                       "--requests", "4", "--pin", "off", "--out", str(out)]) == 0
+    assert calls == [(seed, name, run, 2) for seed in (0, 3) for run in (1, 2)
+                     for name in ("radixkv:cost", "sglang:cache_aware")]
+    text = out.read_text()
+    for name in hits:
+        for run in (1, 2):
+            assert f"{name} (run {run})" in text
+    assert text.count("means over 2 runs") == 2
+    mean_rows = [line for line in text.splitlines() if line.startswith(("radixkv:cost  ", "sglang:cache_aware  "))]
+    assert len(mean_rows) == 4 and all(" 8/0/0  6/2 " in line for line in mean_rows)
+    assert "radixkv:cost vs sglang:cache_aware: GPU hit rate 82.0% vs 82.5% (0.99x)" in text
+    assert ("radixkv:cost - sglang:cache_aware, GPU hit rate run by run: -2.0 / +1.0 points "
+            "(mean -0.5, -2.0 to +1.0)") in text
