@@ -691,7 +691,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None, pinned: list[list[int
                 continue
             _table(report, [{**r, "name": f"{r['name']} (run {r['run']})"} for r in rows])
             report()
-            report(f"### seed {seed}: means over {args.repeat} runs (outcomes, per instance and routed: summed)")
+            report(f"### seed {seed}: means over {args.repeat} runs (outcomes and routed summed; per instance: "
+                   f"each run's busiest first, summed)")
             _table(report, means(rows), bound)
             report()
             for line in paired(rows):
@@ -723,8 +724,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None, pinned: list[list[int
 
 def means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per router (in the order of its first run) with the means of its runs' hit rates,
-    TTFTs, requests a second and preemptions, and the sums of their outcomes, requests per
-    instance and routing reasons (``_table``'s fields).  O(rows)."""
+    TTFTs, requests a second and preemptions, and the sums of their outcomes, routing reasons and
+    requests per instance, the busiest of each run first (``_table``'s fields).  O(rows)."""
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(r["name"], []).append(r)
@@ -735,7 +736,8 @@ def means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[key] = statistics.fmean(r[key] for r in runs)
         row["preempted"] = round(statistics.fmean(r["preempted"] for r in runs))
         row["outcomes"] = {k: sum(r["outcomes"][k] for r in runs) for k in runs[0]["outcomes"]}
-        row["served_by"] = [sum(col) for col in zip(*(r["served_by"] for r in runs))]
+        # each run's instances are fresh ones: their order means nothing, so the busiest first
+        row["served_by"] = [sum(col) for col in zip(*(sorted(r["served_by"], reverse=True) for r in runs))]
         reasons: dict[str, float] = {}
         for r in runs:
             for k, v in r["reasons"].items():
