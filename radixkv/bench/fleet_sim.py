@@ -543,7 +543,7 @@ def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]
                 # finished request's blocks: the full ones of the prompt and the answer but its
                 # last token, whose KV is never computed
                 sequence = tokens + [("answer", i, turn, k) for k in range(args.max_tokens)]
-                r.answer = blocks(sequence[:-1], len(tokens) // bt)[:(len(sequence) - 1) // bt - len(tokens) // bt]
+                r.answer = blocks(sequence[:(len(sequence) - 1) // bt * bt], len(tokens) // bt)
                 tokens = sequence + fleet.question(args, seed, i, turn + 1)
         turns.sort(key=lambda t: t[:3])
         rid = {(i, turn): k for k, (_, i, turn, _) in enumerate(turns)}
