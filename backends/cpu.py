@@ -310,13 +310,13 @@ class CpuTier(Tier):
 
     def stats(self) -> dict[str, int | float]:
         """The counters (``hits``, ``misses``, ``puts``, ``evictions``, ``rejected``; ``not_admitted``: puts
-        the policy refused) and ``entries``, ``slots``, ``pins`` (keys pinned), ``slot_bytes``,
-        ``used_bytes``, ``capacity_bytes`` and ``pinned`` (1 if the arena is pinned memory).  O(1) under
-        the lock."""
+        the policy refused) and ``entries``, ``slots``, ``pinned`` (keys pinned, held now or
+        stored later: ``pin``), ``slot_bytes``, ``used_bytes``, ``capacity_bytes`` and
+        ``pinned_memory`` (1 if the arena is in page-locked memory).  O(1) under the lock."""
         with self._lock:
-            return {**self._counts, "entries": len(self._lru), "slots": self._num_slots, "pins": len(self._pins),
+            return {**self._counts, "entries": len(self._lru), "slots": self._num_slots, "pinned": len(self._pins),
                     "slot_bytes": self._slot_bytes, "used_bytes": self.used_bytes,
-                    "capacity_bytes": self._max_bytes, "pinned": int(self.pinned)}
+                    "capacity_bytes": self._max_bytes, "pinned_memory": int(self.pinned)}
 
     def close(self) -> None:
         """Forget every entry.  The arena is freed when the tier is garbage collected."""

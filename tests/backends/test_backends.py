@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import xxhash
 
@@ -136,12 +137,35 @@ def test_cpu_tier_rejects_blobs_larger_than_a_slot_and_drops_the_old_one() -> No
 
 def test_cpu_tier_arena_is_pinned_only_with_an_accelerator() -> None:
     plain = CpuTier(max_bytes=1024, pinned=False)
-    assert not plain.pinned and plain.stats()["pinned"] == 0
+    assert not plain.pinned and plain.stats()["pinned_memory"] == 0
     default = CpuTier(max_bytes=1024)
     assert default.pinned == torch.accelerator.is_available()
     if not torch.accelerator.is_available():
         with pytest.raises(RuntimeError):
             CpuTier(max_bytes=1024, pinned=True)
+
+
+@settings(max_examples=20, deadline=None)
+@given(stored=st.integers(1, 6), data=st.data())
+def test_cpu_and_lmdb_tiers_count_pinned_entries_alike(stored: int, data: st.DataObject) -> None:
+    """``stats()["pinned"]`` counts pins in both local tiers (the CPU tier's arena memory is
+    ``pinned_memory``): for stored keys pinned in order, the same number, and the entries listed as
+    pinned."""
+    pins = data.draw(st.integers(0, stored), label="pins")
+    with tempfile.TemporaryDirectory() as d:
+        cpu = CpuTier(max_bytes=64 * 64, slot_bytes=64, pinned=False)
+        lmdb = LmdbTier(d, max_bytes=1 << 20)
+        try:
+            for tier in (cpu, lmdb):
+                for i in range(stored):
+                    assert tier.put(key(i), b"x" * 64)
+                assert tier.pin([key(i) for i in range(pins)]) == pins
+                assert tier.stats()["pinned"] == pins == sum(e.pinned for e in tier.entries())
+                tier.check()
+            assert cpu.stats()["pinned_memory"] == 0
+        finally:
+            cpu.close()
+            lmdb.close()
 
 
 def test_cpu_tier_read_leases_its_slot_until_consume_returns() -> None:

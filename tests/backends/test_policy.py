@@ -46,7 +46,7 @@ def test_pinned_keys_are_never_evicted_and_the_tier_stays_consistent(policy, ste
             pinned.discard(k)
             kept.discard(k)
         tier.check()
-        assert len(pinned) <= 2 and tier.stats()["pins"] == len(pinned), f"pins {tier.stats()['pins']} != {pinned}"
+        assert len(pinned) <= 2 and tier.stats()["pinned"] == len(pinned), f"pinned {tier.stats()['pinned']} != {pinned}"
         assert tier.stats()["entries"] <= 4
         lost = [x.hex() for x in kept if not tier.contains_prefix([x])]
         assert not lost, f"pinned keys evicted by {op} {i}: {lost}"

@@ -106,7 +106,7 @@ def test_cache_policy_and_exclusive_reach_the_cpu_tier_and_the_stack():
     base = {"num_pages": 8, "chunk_size": 8, "page_size": 4, "local_cpu": True, "max_local_cpu_size": 0.001,
             "namespace": {"model": "m"}}
     with rk.from_config({**base, "cache_policy": "s3fifo"}, layout) as cache:
-        assert cache.stack.victims == {0} and cache.stack.tiers[0].stats()["pins"] == 0
+        assert cache.stack.victims == {0} and cache.stack.tiers[0].stats()["pinned"] == 0
         assert type(cache.stack.tiers[0]._policy).__name__ == "S3FIFO"
     with rk.from_config({**base, "exclusive": False}, layout) as cache:
         assert cache.stack.victims == frozenset()
