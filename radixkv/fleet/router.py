@@ -651,7 +651,9 @@ def pool_blocks(metrics: str, block_size: int) -> int | None:
     """An instance's KV pool in blocks of ``block_size`` tokens, read from its Prometheus text
     (vLLM's ``vllm:cache_config_info``, labels ``num_gpu_blocks`` and ``block_size``; with several
     engines the smallest pool, since a request runs on one), or ``None`` when the text does not say
-    or cannot be parsed.  O(text)."""
+    or cannot be parsed.  The pool requests can use: vLLM keeps one of its ``num_gpu_blocks`` as
+    its null block, which holds no request's KV (its ``kv_cache_usage_perc`` leaves it out too).
+    O(text)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     pools = []
@@ -661,8 +663,8 @@ def pool_blocks(metrics: str, block_size: int) -> int | None:
                 if not sample.name.startswith("vllm:cache_config_info"):
                     continue
                 blocks, size = sample.labels.get("num_gpu_blocks", ""), sample.labels.get("block_size", "")
-                if blocks.isdigit() and size.isdigit() and int(blocks) > 0 and int(size) > 0:
-                    pools.append(int(blocks) * int(size) // block_size)
+                if blocks.isdigit() and size.isdigit() and int(blocks) > 1 and int(size) > 0:
+                    pools.append((int(blocks) - 1) * int(size) // block_size)      # less the null block
     except ValueError:                    # not Prometheus text (an error page, another server)
         return None
     return min(pools) if pools else None

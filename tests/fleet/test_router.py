@@ -649,12 +649,22 @@ def vllm_metrics(engines: list[tuple[int, int]]) -> str:
        block=st.sampled_from([16, 32, 64, 128, 256]))
 def test_an_instance_pool_is_read_from_its_metrics_in_the_routers_blocks(engines: list[tuple[int, int]],
                                                                           block: int) -> None:
-    """The smallest engine's pool, in the router's blocks (a request runs on one engine); no
-    ``cache_config_info`` or a text that is not Prometheus's: unknown."""
-    expected = min((n * s // block for n, s in engines), default=None)
+    """The smallest engine's pool less vLLM's null block, in the router's blocks (a request runs on
+    one engine); no ``cache_config_info`` or a text that is not Prometheus's: unknown."""
+    expected = min(((n - 1) * s // block for n, s in engines if n > 1), default=None)
     assert pool_blocks(vllm_metrics(engines), block) == expected
     assert pool_blocks("<html>not found</html>", block) is None
     assert pool_blocks('vllm:cache_config_info{block_size="x",num_gpu_blocks="y"} 1.0\n', block) is None
+
+
+@settings(max_examples=20, deadline=None)
+@given(blocks=st.integers(2, 4096))
+def test_the_pool_read_is_what_vllms_block_pool_can_give_requests(blocks: int) -> None:
+    """vLLM's own block pool of ``num_gpu_blocks`` has one block fewer free than it was given (its
+    null block): the pool the router reads from the metrics is that many, not ``num_gpu_blocks``."""
+    vllm_pool = pytest.importorskip("vllm.v1.core.block_pool")
+    pool = vllm_pool.BlockPool(num_gpu_blocks=blocks, enable_caching=True, hash_block_size=16)
+    assert pool_blocks(vllm_metrics([(blocks, 16)]), 16) == pool.get_num_free_blocks() == blocks - 1
 
 
 def test_the_router_reads_each_pool_at_its_health_check_and_forgets_it_when_the_instance_goes_down() -> None:
@@ -662,17 +672,17 @@ def test_the_router_reads_each_pool_at_its_health_check_and_forgets_it_when_the_
 
     async def body(client: TestClient, router: Router, urls: list[str]) -> None:
         a, b, c = router.backends
-        assert (a.pool_blocks, b.pool_blocks, c.pool_blocks) == (72 * 128 // 16, None, None)
+        assert (a.pool_blocks, b.pool_blocks, c.pool_blocks) == (71 * 128 // 16, None, None)
         up["a"] = False
         await router.check_health()
         assert not a.healthy and a.pool_blocks is None, "a pool is forgotten when its instance goes down"
         up["a"] = True
         await router.check_health()
-        assert a.healthy and a.pool_blocks == 72 * 128 // 16, "and read again when it is back"
+        assert a.healthy and a.pool_blocks == 71 * 128 // 16, "and read again when it is back"
         r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
         assert r.status == 200
         metrics = await (await client.get("/metrics")).text()
-        assert f'radixkv_router_pool_blocks{{backend="{a.name}"}} {72 * 128 // 16}.0' in metrics
+        assert f'radixkv_router_pool_blocks{{backend="{a.name}"}} {71 * 128 // 16}.0' in metrics
         assert f'radixkv_router_pool_blocks{{backend="{b.name}"}} 0.0' in metrics, "unknown: 0"
 
     asyncio.run(_with_router({"a": fake_backend("a", metrics=vllm_metrics([(72, 128), (80, 128)]), up=up),
@@ -709,7 +719,7 @@ def test_an_instance_whose_kv_events_restarted_has_its_pool_read_again() -> None
         await router.check_health()
         await router.check_health()
         assert {n: c["/metrics"] for n, c in asked.items()} == {"a": 2, "b": 1}, "a read again, once"
-        assert [b.pool_blocks for b in router.backends] == [72 * 128 // 16] * 2
+        assert [b.pool_blocks for b in router.backends] == [71 * 128 // 16] * 2
         router.check()
 
     asyncio.run(_with_router({"a": fake_backend("a", metrics=vllm_metrics([(72, 128)]), asked=asked["a"]),
@@ -734,7 +744,7 @@ def test_an_instance_that_answers_without_a_pool_is_not_asked_again_until_it_has
         for _ in range(3):
             await router.check_health()
         assert {n: c["/metrics"] for n, c in asked.items()} == {"a": 1, "b": 1, "c": 1, "d": 4}
-        assert [b.pool_blocks for b in router.backends] == [72 * 128 // 16, None, None, None]
+        assert [b.pool_blocks for b in router.backends] == [71 * 128 // 16, None, None, None]
         up["b"] = False
         await router.check_health()
         up["b"] = True
