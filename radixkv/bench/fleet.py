@@ -189,7 +189,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="give each instance cores of its own (auto: when the machine has one per instance)")
     p.add_argument("--dump", default=None, metavar="DIR",
                    help="write each run's requests (arrival, TTFT, outcome, instance; turn and conversation: the "
-                        "index of the request that opened it) to DIR as JSON lines")
+                        "index of the request that opened it; cached: the prompt tokens the instance served from "
+                        "cache) to DIR as JSON lines")
     p.add_argument("--out", type=out_file, default=None)
     return p
 
@@ -296,6 +297,21 @@ def question(args: argparse.Namespace, seed: int, i: int, turn: int) -> list[int
     ids drawn from the seed, the request and the turn alone, the same for every router.  O(tokens)."""
     rng = random.Random(f"radixkv-fleet-turn:{seed}:{i}:{turn}")
     return [rng.randrange(1, 999) for _ in range(args.question_tokens)]
+
+
+def dump_record(res: dict[str, Any], k: int) -> dict[str, Any]:
+    """Request ``k``'s line of ``--dump``, from its result ``res`` (``_drive``'s): its arrival (s
+    after the start), prompt length, outcome, TTFT, the instance that served it (radixkv's router
+    names it; ``None`` behind another router), its turn and conversation (a request without turns
+    is conversation ``k``, turn 0), and ``cached``: the prompt tokens the instance reported it
+    served from cache (``usage.prompt_tokens_details.cached_tokens``; ``None`` where the request
+    got no answer or the instance did not say).  O(1)."""
+    usage = res.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {"arrival": res.get("arrival"), "tokens": res.get("tokens"), "outcome": res.get("outcome"),
+            "ttft": res.get("ttft"), "instance": res.get("instance"), "turn": res.get("turn", 0),
+            "conversation": res.get("conversation", k), "cached": cached if isinstance(cached, int) else None}
 
 
 async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]], max_tokens: int,
@@ -516,10 +532,7 @@ def _measure(args: argparse.Namespace, model: str, servers: list[Any], events: l
         name = spec.name.replace(":", "_") + ("-killed" if kill else "")
         with open(os.path.join(args.dump, f"{name}-seed{seed}{'' if run is None else f'-run{run}'}.jsonl"), "w") as f:
             for k, res in enumerate(results):       # the first turns in the order sent, then the later ones
-                f.write(json.dumps({"arrival": res.get("arrival"), "tokens": res.get("tokens"),
-                                    "outcome": res.get("outcome"), "ttft": res.get("ttft"),
-                                    "instance": res.get("instance"), "turn": res.get("turn", 0),
-                                    "conversation": res.get("conversation", k)}) + "\n")
+                f.write(json.dumps(dump_record(res, k)) + "\n")
     if text:
         _check_prompt_tokens(results)
     row = _row(spec.name if text else spec.policy + (" (instance killed)" if kill else ""),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixkv.bench import fleet
@@ -492,3 +493,27 @@ def test_repeat_runs_the_routers_in_turn_and_gives_every_run_the_means_and_the_p
     assert "radixkv:cost vs sglang:cache_aware: GPU hit rate 82.0% vs 82.5% (0.99x)" in text
     assert ("radixkv:cost - sglang:cache_aware, GPU hit rate run by run: -2.0 / +1.0 points "
             "(mean -0.5, -2.0 to +1.0)") in text
+
+
+@settings(max_examples=50, deadline=None)
+@given(k=st.integers(0, 500), turn=st.one_of(st.none(), st.integers(1, 5)),
+       outcome=st.sampled_from(["served", "error", "lost"]),
+       usage=st.one_of(st.none(), st.just({}), st.just({"prompt_tokens_details": None}),
+                       st.builds(lambda c: {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": c}},
+                                 st.one_of(st.integers(0, 1 << 20), st.none(), st.just("7")))))
+def test_a_dumped_request_names_its_conversation_turn_and_the_tokens_its_instance_served_from_cache(
+        k: int, turn: int | None, outcome: str, usage: Any) -> None:
+    """``--dump``'s line of a request: what ``_drive`` recorded, its conversation (its own index
+    when it opened one) and turn, and ``cached`` as the instance reported it in its usage, or
+    ``None`` where it did not say (no answer, no details, not a count)."""
+    res: dict[str, Any] = {"arrival": 1.5, "tokens": 9, "outcome": outcome, "ttft": 0.1, "instance": "0"}
+    if usage is not None:
+        res["usage"] = usage
+    if turn is not None:
+        res.update(turn=turn, conversation=k // 2)
+    line = fleet.dump_record(res, k)
+    json.dumps(line)                                    # a JSON line
+    reported = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    assert line == {"arrival": 1.5, "tokens": 9, "outcome": outcome, "ttft": 0.1, "instance": "0",
+                    "turn": turn or 0, "conversation": k if turn is None else k // 2,
+                    "cached": reported if isinstance(reported, int) else None}
