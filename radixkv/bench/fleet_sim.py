@@ -503,10 +503,11 @@ def workload(kind: str, n: int, seed: int, trace: str | None = None,
 def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]:
     """``(instances, pool_tokens, [(seed, requests)])`` of the workload ``python -m radixkv.bench
     fleet TEXT`` sends: its instances, its pool (``--pool-blocks`` of vLLM's 128-token blocks less
-    the one vLLM keeps as its null block, as the router reads it: ``radixkv.fleet.router.pool_blocks``), and
-    per seed its prompts and arrivals as it sends them (seconds; nothing rescales them), each
-    request generating ``--max-tokens`` (the real requests may stop sooner).  With ``--turns``, each
-    request opens a conversation, as ``bench fleet`` sends it: its next turn arrives when the last
+    the one vLLM keeps as its null block, as the router reads it:
+    ``radixkv.fleet.router.pool_blocks``), and per seed its prompts and arrivals as it sends them
+    (seconds; nothing rescales them), each request generating ``--max-tokens`` (the real requests
+    may stop sooner).  With ``--turns``, each request opens a conversation, as ``bench fleet``
+    sends it: its next turn arrives when the last
     one's answer ended (``SimRequest.after``), its prompt the last prompt, that answer (tokens of its
     own, which no prompt says: the real answer is greedy and its blocks its conversation's alone)
     and ``radixkv.bench.fleet.question``; the full blocks of the prompt and the answer but its last

@@ -968,12 +968,11 @@ def test_like_fleet_runs_the_requests_bench_fleet_sends(tenants: int, system: in
     and pool (less vLLM's null block, as the router reads it from vLLM's metrics)."""
     from radixkv.bench import fleet
     from radixkv.bench.fleet_sim import like_fleet
+    from radixkv.fleet.router import pool_blocks
 
     text = (f"--tenants {tenants} --system-tokens {system} --question-tokens {question} --requests {requests} "
             f"--burst {burst} --max-tokens 40 --pool-blocks 40 --instances 3 --seed {seed},{seed + 1}")
     instances, pool, runs = like_fleet(text)
-    from radixkv.fleet.router import pool_blocks
-
     vllm_reads = f'vllm:cache_config_info{{block_size="{fleet.BLOCK}",num_gpu_blocks="40"}} 1.0\n'
     assert (instances, pool) == (3, pool_blocks(vllm_reads, fleet.BLOCK) * fleet.BLOCK) == (3, 39 * fleet.BLOCK)
     assert [s for s, _ in runs] == [seed, seed + 1]
