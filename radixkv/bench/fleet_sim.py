@@ -504,7 +504,7 @@ def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]
     """``(instances, pool_tokens, [(seed, requests)])`` of the workload ``python -m radixkv.bench
     fleet TEXT`` sends: its instances, its pool (``--pool-blocks`` of vLLM's 128-token blocks less
     the one vLLM keeps as its null block, as the router reads it:
-    ``radixkv.fleet.router.pool_blocks``), and per seed its prompts and arrivals as it sends them
+    ``radixkv.fleet.routing.vllm_usable_blocks``), and per seed its prompts and arrivals as it sends them
     (seconds; nothing rescales them), each request generating ``--max-tokens`` (the real requests
     may stop sooner).  With ``--turns``, each request opens a conversation, as ``bench fleet``
     sends it: its next turn arrives when the last
@@ -516,6 +516,7 @@ def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]
     import shlex
 
     from radixkv.bench import fleet
+    from radixkv.fleet.routing import vllm_usable_blocks
 
     try:
         args = fleet._parser().parse_args(shlex.split(text))
@@ -554,7 +555,7 @@ def like_fleet(text: str) -> tuple[int, int, list[tuple[int, list[SimRequest]]]]
             r.rid, r.after = k, rid.get((i, turn - 1), -1)
             reqs.append(r)
         out.append((seed, reqs))
-    return args.instances, (args.pool_blocks - 1) * bt, out      # vLLM keeps one block as its null block
+    return args.instances, vllm_usable_blocks(args.pool_blocks) * bt, out
 
 
 def fleet_load(requests: Sequence[SimRequest], block_tokens: int, model: Any, instances: int,

@@ -62,7 +62,7 @@ from typing import Any, Callable, Sequence
 
 from radixkv.core._checks import check_int
 from radixkv.fleet.hashing import ALGOS, request_extra_keys, vllm_block_hashes
-from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser
+from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser, vllm_usable_blocks
 
 __all__ = ["INSTANCE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits", "output_tokens",
            "pool_blocks"]
@@ -651,9 +651,8 @@ def pool_blocks(metrics: str, block_size: int) -> int | None:
     """An instance's KV pool in blocks of ``block_size`` tokens, read from its Prometheus text
     (vLLM's ``vllm:cache_config_info``, labels ``num_gpu_blocks`` and ``block_size``; with several
     engines the smallest pool, since a request runs on one), or ``None`` when the text does not say
-    or cannot be parsed.  The pool requests can use: vLLM keeps one of its ``num_gpu_blocks`` as
-    its null block, which holds no request's KV (its ``kv_cache_usage_perc`` leaves it out too).
-    O(text)."""
+    or cannot be parsed.  The pool requests can use: ``num_gpu_blocks`` less vLLM's null block
+    (``vllm_usable_blocks``).  O(text)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     pools = []
@@ -663,8 +662,8 @@ def pool_blocks(metrics: str, block_size: int) -> int | None:
                 if not sample.name.startswith("vllm:cache_config_info"):
                     continue
                 blocks, size = sample.labels.get("num_gpu_blocks", ""), sample.labels.get("block_size", "")
-                if blocks.isdigit() and size.isdigit() and int(blocks) > 1 and int(size) > 0:
-                    pools.append((int(blocks) - 1) * int(size) // block_size)      # less the null block
+                if blocks.isdigit() and size.isdigit() and vllm_usable_blocks(int(blocks)) > 0 and int(size) > 0:
+                    pools.append(vllm_usable_blocks(int(blocks)) * int(size) // block_size)
     except ValueError:                    # not Prometheus text (an error page, another server)
         return None
     return min(pools) if pools else None

@@ -172,7 +172,7 @@ from radixkv.core._checks import check_int
 from radixkv.fleet.index import Match, medium_rank
 
 __all__ = ["AUTO_CAP", "AUTO_MAX", "Backend", "Chooser", "CostModel", "Demand", "POLICIES", "PROFILES", "Recent",
-           "STREAM_AFTER", "auto_affinity", "pages_alone"]
+           "STREAM_AFTER", "auto_affinity", "pages_alone", "vllm_usable_blocks"]
 
 POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin", "random")
 
@@ -203,6 +203,13 @@ def pages_alone(tokens: int, full_blocks: int, output: int, block_size: int) -> 
     prompt's partial last block and its output's, a page for every ``block_size`` tokens, as
     vLLM allocates them.  O(1)."""
     return max(0, -(-(tokens + output) // block_size) - full_blocks)
+
+
+def vllm_usable_blocks(num_gpu_blocks: int) -> int:
+    """The blocks of a vLLM pool of ``num_gpu_blocks`` that requests can hold: all but the null
+    block its ``BlockPool`` keeps as a placeholder (vLLM's ``kv_cache_usage_perc`` leaves it out
+    too).  O(1)."""
+    return max(0, num_gpu_blocks - 1)
 
 
 def auto_affinity(load: float) -> float:

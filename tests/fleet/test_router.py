@@ -662,9 +662,12 @@ def test_an_instance_pool_is_read_from_its_metrics_in_the_routers_blocks(engines
 def test_the_pool_read_is_what_vllms_block_pool_can_give_requests(blocks: int) -> None:
     """vLLM's own block pool of ``num_gpu_blocks`` has one block fewer free than it was given (its
     null block): the pool the router reads from the metrics is that many, not ``num_gpu_blocks``."""
+    from radixkv.fleet.routing import vllm_usable_blocks
+
     vllm_pool = pytest.importorskip("vllm.v1.core.block_pool")
     pool = vllm_pool.BlockPool(num_gpu_blocks=blocks, enable_caching=True, hash_block_size=16)
-    assert pool_blocks(vllm_metrics([(blocks, 16)]), 16) == pool.get_num_free_blocks() == blocks - 1
+    assert pool_blocks(vllm_metrics([(blocks, 16)]), 16) == pool.get_num_free_blocks() == vllm_usable_blocks(blocks)
+    assert vllm_usable_blocks(blocks) == blocks - 1
 
 
 def test_the_router_reads_each_pool_at_its_health_check_and_forgets_it_when_the_instance_goes_down() -> None:
