@@ -100,7 +100,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from radixkv.bench import Report, out_file
-from radixkv.fleet.router import INSTANCE_HEADER
+from radixkv.fleet.router import INSTANCE_HEADER, ROUTE_HEADER
 from radixkv.fleet.routing import vllm_usable_blocks
 from radixkv.tools._args import Parser, Refused
 
@@ -189,9 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", choices=("auto", "on", "off"), default="auto",
                    help="give each instance cores of its own (auto: when the machine has one per instance)")
     p.add_argument("--dump", default=None, metavar="DIR",
-                   help="write each run's requests (arrival, TTFT, outcome, instance; turn and conversation: the "
-                        "index of the request that opened it; cached: the prompt tokens the instance served from "
-                        "cache) to DIR as JSON lines")
+                   help="write each run's requests (arrival, TTFT, outcome, instance and why: where radixkv's "
+                        "router sent it and why; turn and conversation: the index of the request that opened it; "
+                        "cached: the prompt tokens the instance served from cache) to DIR as JSON lines")
     p.add_argument("--out", type=out_file, default=None)
     return p
 
@@ -302,17 +302,18 @@ def question(args: argparse.Namespace, seed: int, i: int, turn: int) -> list[int
 
 def dump_record(res: dict[str, Any], k: int) -> dict[str, Any]:
     """Request ``k``'s line of ``--dump``, from its result ``res`` (``_drive``'s): its arrival (s
-    after the start), prompt length, outcome, TTFT, the instance that served it (radixkv's router
-    names it; ``None`` behind another router), its turn and conversation (a request without turns
-    is conversation ``k``, turn 0), and ``cached``: the prompt tokens the instance reported it
+    after the start), prompt length, outcome, TTFT, the instance that served it and ``why`` the
+    router sent it there (radixkv's router names both, ``ROUTE_HEADER``; ``None`` behind another
+    router), its turn and conversation (a request without turns is conversation ``k``, turn 0),
+    and ``cached``: the prompt tokens the instance reported it
     served from cache (``usage.prompt_tokens_details.cached_tokens``; ``None`` where the request
     got no answer or the instance did not say).  O(1)."""
     usage = res.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return {"arrival": res.get("arrival"), "tokens": res.get("tokens"), "outcome": res.get("outcome"),
-            "ttft": res.get("ttft"), "instance": res.get("instance"), "turn": res.get("turn", 0),
-            "conversation": res.get("conversation", k), "cached": cached if isinstance(cached, int) else None}
+            "ttft": res.get("ttft"), "instance": res.get("instance"), "why": res.get("why"),
+            "turn": res.get("turn", 0), "conversation": res.get("conversation", k), "cached": cached if isinstance(cached, int) else None}
 
 
 async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]], max_tokens: int,
@@ -346,6 +347,7 @@ async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]
         try:
             async with session.post(f"{router_url}/v1/completions", json=body) as r:
                 res["instance"] = r.headers.get(INSTANCE_HEADER)     # radixkv's router names it
+                res["why"] = r.headers.get(ROUTE_HEADER)             # and why it went there
                 if r.status != 200:
                     res.update(outcome="error", status=r.status)
                     await r.read()

@@ -36,7 +36,8 @@ Contract:
   a byte, is retried on the next candidate (each instance once); when none is left the client gets
   a 503 with a JSON error.  A stream cut after bytes went out ends with an SSE ``error`` event and
   ``[DONE]``.  No request is lost silently: each is answered, and counted under its outcome.
-  An instance's answer carries ``X-Radixkv-Instance``: the instance's position in the list.
+  An instance's answer carries ``X-Radixkv-Instance``: the instance's position in the list, and
+  ``X-Radixkv-Route``: why it went there (the decision's reason, or ``retry``).
 * **Validation.**  A request an instance would choke on is answered 400 by the router and never
   forwarded: a body that is not a JSON object, a token-id prompt that is not a list of ints, an id
   outside the model's vocabulary, a prompt (or prompt and ``max_tokens``) longer than its context
@@ -64,14 +65,20 @@ from radixkv.core._checks import check_int
 from radixkv.fleet.hashing import ALGOS, request_extra_keys, vllm_block_hashes
 from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser, vllm_usable_blocks
 
-__all__ = ["INSTANCE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits", "output_tokens",
-           "pool_blocks"]
+__all__ = ["INSTANCE_HEADER", "ROUTE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits",
+           "output_tokens", "pool_blocks"]
 
 log = logging.getLogger(__name__)
 
 #: The response header that names the instance that answered (its position in ``--backend``'s
 #: list, not its address): what a client or a benchmark reads to see where a request went.
 INSTANCE_HEADER = "X-Radixkv-Instance"
+
+#: The response header that says why the router sent the request there: the routing decision's
+#: reason as ``radixkv_router_routed_total`` counts it (``cost``, ``copy``, ``fit``, ``prefix``,
+#: ``no_match``, ``balance``, ...), or ``retry`` when the instance chosen first failed and a later
+#: one answered.
+ROUTE_HEADER = "X-Radixkv-Route"
 
 
 class Router:
@@ -340,7 +347,8 @@ class Router:
                     self.chooser.prefilled(backend, charge, choice.names, self.clock(), sent_at, length, output)
 
             try:
-                result = await self._forward(request, backend, path, body, stream, prefilled)
+                result = await self._forward(request, backend, path, body, stream, prefilled,
+                                             "retry" if attempt else choice.why)
             finally:
                 # a stream's first token came before its end: the time between shows the decode
                 # steps; a response read whole shows neither
@@ -390,15 +398,16 @@ class Router:
         return _error(web, 400, message)
 
     async def _forward(self, request: Any, backend: Backend, path: str, body: dict[str, Any],
-                       stream: bool, prefilled: Callable[[], None]) -> Any:
+                       stream: bool, prefilled: Callable[[], None], why: str) -> Any:
         """Proxy to ``backend``; the response, or ``None`` when it failed before a byte went to
         the client (the caller tries the next instance).  ``prefilled()`` is called at the first
-        byte of a stream (its first token)."""
+        byte of a stream (its first token); ``why``: the reason the response's ``ROUTE_HEADER``
+        gives."""
         import aiohttp
         from aiohttp import web
 
         out: Any = None
-        named = {INSTANCE_HEADER: str(self.backends.index(backend))}
+        named = {INSTANCE_HEADER: str(self.backends.index(backend)), ROUTE_HEADER: why}
         try:
             async with self._session.post(f"{backend.url}{path}", json=body) as r:
                 if not stream or r.status != 200:

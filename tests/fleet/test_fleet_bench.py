@@ -500,13 +500,17 @@ def test_repeat_runs_the_routers_in_turn_and_gives_every_run_the_means_and_the_p
        outcome=st.sampled_from(["served", "error", "lost"]),
        usage=st.one_of(st.none(), st.just({}), st.just({"prompt_tokens_details": None}),
                        st.builds(lambda c: {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": c}},
-                                 st.one_of(st.integers(0, 1 << 20), st.none(), st.just("7")))))
+                                 st.one_of(st.integers(0, 1 << 20), st.none(), st.just("7")))),
+       why=st.one_of(st.none(), st.sampled_from(["cost", "copy", "fit", "retry"])))
 def test_a_dumped_request_names_its_conversation_turn_and_the_tokens_its_instance_served_from_cache(
-        k: int, turn: int | None, outcome: str, usage: Any) -> None:
-    """``--dump``'s line of a request: what ``_drive`` recorded, its conversation (its own index
-    when it opened one) and turn, and ``cached`` as the instance reported it in its usage, or
-    ``None`` where it did not say (no answer, no details, not a count)."""
+        k: int, turn: int | None, outcome: str, usage: Any, why: str | None) -> None:
+    """``--dump``'s line of a request: what ``_drive`` recorded (``why``: the router's reason,
+    ``None`` behind a router that gives none), its conversation (its own index when it opened one)
+    and turn, and ``cached`` as the instance reported it in its usage, or ``None`` where it did not
+    say (no answer, no details, not a count)."""
     res: dict[str, Any] = {"arrival": 1.5, "tokens": 9, "outcome": outcome, "ttft": 0.1, "instance": "0"}
+    if why is not None:
+        res["why"] = why
     if usage is not None:
         res["usage"] = usage
     if turn is not None:
@@ -514,6 +518,6 @@ def test_a_dumped_request_names_its_conversation_turn_and_the_tokens_its_instanc
     line = fleet.dump_record(res, k)
     json.dumps(line)                                    # a JSON line
     reported = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    assert line == {"arrival": 1.5, "tokens": 9, "outcome": outcome, "ttft": 0.1, "instance": "0",
+    assert line == {"arrival": 1.5, "tokens": 9, "outcome": outcome, "ttft": 0.1, "instance": "0", "why": why,
                     "turn": turn or 0, "conversation": k if turn is None else k // 2,
                     "cached": reported if isinstance(reported, int) else None}

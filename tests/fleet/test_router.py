@@ -284,10 +284,11 @@ def test_plain_and_streaming_requests_are_proxied_and_counted() -> None:
         r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
         assert r.status == 200 and (await r.json())["backend"] == "a"
         assert r.headers["X-Radixkv-Instance"] == "0", "the answer names its instance by position"
+        assert r.headers["X-Radixkv-Route"] == "round_robin", "and why it went there"
         r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "stream": True})
         text = await r.text()
         assert r.status == 200 and text.count("data:") == 4 and '"backend": "b"' in text and text.endswith("[DONE]\n\n")
-        assert r.headers["X-Radixkv-Instance"] == "1"
+        assert r.headers["X-Radixkv-Instance"] == "1" and r.headers["X-Radixkv-Route"] == "round_robin"
         r = await client.post("/v1/chat/completions", json={"messages": [], "stream": False})
         assert (await r.json())["backend"] == "a"
         assert (await client.get("/v1/models")).status == 200
@@ -398,9 +399,12 @@ def test_a_stream_past_its_first_token_is_expected_to_end_and_its_end_shows_the_
 
 def test_an_unreachable_instance_is_retried_elsewhere_and_none_left_is_a_503() -> None:
     async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        whys = []
         for _ in range(4):            # round robin puts the dead one first every other time
             r = await client.post("/v1/completions", json={"prompt": [1], "stream": True})
             assert r.status == 200 and '"backend": "b"' in await r.text()
+            whys.append(r.headers["X-Radixkv-Route"])
+        assert whys.count("retry") == 1, f"the answer after a retry says so: {whys}"
         assert router.backends[0].healthy is False
         metrics = await (await client.get("/metrics")).text()
         assert "radixkv_router_retries_total 1.0" in metrics and f'backend="{urls[0]}",outcome="retried"' in metrics
