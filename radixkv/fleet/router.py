@@ -75,8 +75,8 @@ log = logging.getLogger(__name__)
 INSTANCE_HEADER = "X-Radixkv-Instance"
 
 #: The response header that says why the router sent the request there: the routing decision's
-#: reason as ``radixkv_router_routed_total`` counts it (``cost``, ``copy``, ``fit``, ``prefix``,
-#: ``no_match``, ``balance``, ...), or ``retry`` when the instance chosen first failed and a later
+#: reason as ``radixkv_router_routed_total`` counts it (``cost``, ``idle``, ``copy``, ``fit``,
+#: ``prefix``, ``no_match``, ``balance``, ...), or ``retry`` when the instance chosen first failed and a later
 #: one answered.
 ROUTE_HEADER = "X-Radixkv-Route"
 
@@ -171,8 +171,8 @@ class Router:
     def choose(self, tokens: list[int] | None, salt: str | None = None, model: str | None = None,
                output: int | None = None) -> tuple[list[Backend], str, int]:
         """The healthy instances in the order to try them, why the first was chosen (``"cost"``,
-        ``"copy"``, ``"fit"``, ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``, ``"least_loaded"``,
-        ``"round_robin"``, ``"random"``) and the prefix tokens the first holds, as the router
+        ``"idle"``, ``"copy"``, ``"fit"``, ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``,
+        ``"least_loaded"``, ``"round_robin"``, ``"random"``) and the prefix tokens the first holds, as the router
         believes; ``output``: the tokens the request may generate (``output_tokens``), ``None`` when
         unknown.  O(instances + prompt blocks) plus the lookup."""
         choice = self._choice(tokens, salt, model, output)

@@ -63,10 +63,10 @@ Contract:
        for another holder (``Demand``, rule 6).  A burst's requests arrive at once; a stream's
        keep coming while the first prefill runs, and on workload shapes drawn at random, a prompt
        every request shared queued behind that prefill on one instance while others stood idle.
-    5. **Sooner when idle.**  When a busy instance has the least cost, an idle instance that gives
-       the request its first token sooner than every instance with requests in flight (the
-       expected TTFT unweighted, with ``dup``) goes first, unless that gives up a prefix fewer
-       than two healthy instances hold.  The weight is for work later requests wait behind, and
+    5. **Sooner when idle** (``why`` is ``"idle"``).  When a busy instance has the least cost, an
+       idle instance that gives the request its first token sooner than every instance with
+       requests in flight (the expected TTFT unweighted, with ``dup``) goes first, unless that
+       gives up a prefix fewer than two healthy instances hold.  The weight is for work later requests wait behind, and
        while busy instances queue, an idle one's work delays no one.  Without it, on workload
        shapes drawn at random (``fleet_sim`` ``shapeK``), a prompt every request shares stayed on
        the instances that first held it: half of 16 instances idle at 50% load, p50 7x
@@ -829,13 +829,13 @@ class Chooser:
             scored.append((queue_s + decode_s + weight * own_s + dup_s, -reused, (b.in_flight, oldest),
                            (i - turn) % len(up), b, reused))
         scored.sort(key=lambda s: s[:4])
-        self._sooner_when_idle(scored, ttft, held, tokens)
+        idled = self._sooner_when_idle(scored, ttft, held, tokens)
         copied = self._replicate(scored, ttft, wait, held, indexed, names, len(up))
         fitted = self._fit(scored, names, own, wait, now)
         if len(scored) > 1 and scored[0][:3] == scored[1][:3]:      # the turn broke a tie: it moves on
             self._tie_turn += 1
-        return Choice([s[4] for s in scored], "fit" if fitted else "copy" if copied else "cost", scored[0][5],
-                      names)
+        why = "fit" if fitted else "copy" if copied else "idle" if idled else "cost"
+        return Choice([s[4] for s in scored], why, scored[0][5], names)
 
     def _stream(self, inst: str, held: dict[str, Match], names: list[Hashable], under_way: tuple[int, int],
                 up: list[Backend], now: float) -> bool:
@@ -933,15 +933,15 @@ class Chooser:
             return True
         return False
 
-    def _sooner_when_idle(self, scored: list[Any], ttft: dict[str, float], held: dict[str, Match], tokens: int) -> None:
+    def _sooner_when_idle(self, scored: list[Any], ttft: dict[str, float], held: dict[str, Match], tokens: int) -> bool:
         """Put first (in place) the idle instance that gives the prompt its first token soonest, when
         that is sooner than every instance with requests in flight and the best cost is a busy one's,
-        unless it gives up a prefix that fewer than two healthy instances hold.  ``scored``: the cost
-        policy's rows, sorted; ``ttft``: each instance's expected TTFT, unweighted, an idle one's
-        with the charge for copying work under way.  O(instances)."""
+        unless it gives up a prefix that fewer than two healthy instances hold; whether it did.
+        ``scored``: the cost policy's rows, sorted; ``ttft``: each instance's expected TTFT,
+        unweighted, an idle one's with the charge for copying work under way.  O(instances)."""
         idle = [s for s in scored if not s[4].in_flight]
         if not idle or not scored[0][4].in_flight:
-            return
+            return False
         fastest = min(idle, key=lambda s: ttft[s[4].name])
         best_reuse = max(s[5] for s in scored)
         # the candidates that hold that prefix (an instance that is down does not count)
@@ -951,6 +951,8 @@ class Chooser:
                 ttft[s[4].name] for s in scored if s[4].in_flight):
             scored.remove(fastest)
             scored.insert(0, fastest)
+            return True
+        return False
 
     def _cache_aware(self, up: list[Backend], by_load: list[Backend], tokens: int, names: list[Hashable],
                      now: float, imbalanced: bool) -> Choice:

@@ -137,7 +137,8 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
     for i in range(prior):
         chooser.demand.add([("other", i)], window)
     choice = chooser.choose(fleet, tokens, names, now=0.0)
-    assert choice.why in ("cost", "copy") and sorted(b.name for b in choice.order) == sorted(b.name for b in up)
+    event(f"why: {choice.why}")
+    assert choice.why in ("cost", "idle", "copy") and sorted(b.name for b in choice.order) == sorted(b.name for b in up)
     now_affinity = affinity
     if affinity is None:
         # the load: the fraction of instances with prefill queued, averaged over LOAD_ARRIVALS per instance
@@ -239,7 +240,12 @@ def test_the_cost_policy_picks_the_least_expected_ttft(n: int, data: st.DataObje
     except AssertionError:
         plain = False
     event(f"replicated: {not plain}, prior arrivals: {bool(prior)}")
-    assert choice.why == ("cost" if plain else "copy")
+    assert choice.why in (("cost", "idle") if plain else ("copy",))
+    if choice.why == "idle":        # rule 5 put an idle instance before a busy one its cost ranked first
+        jumper = order[0]
+        assert not jumper.in_flight and may_jump(jumper), "said idle, but not the soonest idle instance"
+        assert any(b.in_flight and costs[b.name][0] <= costs[jumper.name][0] + 1e-12 for b in up), \
+            "said idle, but it was first by its cost"
     if not plain:
         others = replicas(order[1]) if len(order) > 1 else []
         assert order[0] in others, "neither the rules' first nor a replica of its prefix"
@@ -736,6 +742,40 @@ def test_a_leading_part_more_arrivals_share_is_copied_as_its_own_share_calls_for
         assert choice.order[1] is first
     else:
         assert (choice.order[0], choice.why) == (first, "cost")
+    chooser.check(fleet)
+
+
+@settings(max_examples=100, deadline=None)
+@given(queued=st.integers(0, 20_000), prefix=st.integers(1, 40), tail=st.integers(1, 500),
+       affinity=st.floats(1.0, 20.0))
+def test_an_idle_instance_put_before_the_busy_holders_says_idle(queued: int, prefix: int, tail: int,
+                                                                 affinity: float) -> None:
+    """Two busy instances hold the prompt's prefix, a third is idle and holds none of it: the
+    idle one goes first, as ``idle``, exactly when a holder has the least weighted cost and the
+    idle one's expected first token (all of the prompt computed) is sooner than a holder's (its
+    queue and the rest); else a holder goes first, as ``cost``."""
+    bs = 64
+    tokens = prefix * bs + tail
+    names = list(range(tokens // bs))
+    fleet = backends(3)
+    held = {b.name: Match(prefix, "GPU") for b in fleet[:2]}
+    chooser = rare(Chooser("cost", block_size=bs, lookup=lambda _: dict(held), model=MODEL, budget=1 << 30,
+                           affinity=affinity), 3)
+    for b in fleet[:2]:
+        occupy(chooser, b, queued=queued)
+    choice = chooser.choose(fleet, tokens, names, now=0.0)
+    queue = MODEL.prefill(queued)
+    own_hit, own_all = MODEL.fixed_s + MODEL.prefill(tail), MODEL.fixed_s + MODEL.prefill(tokens)
+    holder_cost, idle_cost = queue + affinity * own_hit, (1.0 + affinity) / 2 * own_all
+    holder_ttft, idle_ttft = queue + own_hit, own_all
+    assume(abs(holder_cost - idle_cost) > 1e-9 and abs(holder_ttft - idle_ttft) > 1e-9)
+    if holder_cost < idle_cost and idle_ttft < holder_ttft:
+        assert (choice.order[0], choice.why) == (fleet[2], "idle")
+    elif holder_cost < idle_cost:
+        assert choice.order[0] in fleet[:2] and choice.why == "cost"
+    else:
+        assert (choice.order[0], choice.why) == (fleet[2], "cost")
+    event(f"why: {choice.why}")
     chooser.check(fleet)
 
 
