@@ -33,7 +33,10 @@ when the last one's answer ended, its prompt the last prompt, the token ids that
 (``return_token_ids``; greedy and all ``--max-tokens`` of them, so every router is sent the same
 prompts) and a new question of ``--question-tokens`` drawn from the seed, the request and the
 turn.  vLLM caches the blocks an answer generated, so the next turn reuses them where the last one
-ran; the reuse bound counts them (``reuse_bound`` with ``answers``).  Not with ``--trace``.  With
+ran; the reuse bound counts them (``reuse_bound`` with ``answers``).  Behind radixkv's router a
+row ends with the later turns it *moved* (sent to another instance than the turn before, which
+computes the conversation again there) by the router's reason (``moved_turns``).  Not with
+``--trace``.  With
 ``--routers`` the answer's ids come back the same way through either router, and the answer may not
 use id 0 (``logit_bias``: the word tokenizer's unknown word, which no text prompt can say).
 
@@ -314,6 +317,26 @@ def dump_record(res: dict[str, Any], k: int) -> dict[str, Any]:
     return {"arrival": res.get("arrival"), "tokens": res.get("tokens"), "outcome": res.get("outcome"),
             "ttft": res.get("ttft"), "instance": res.get("instance"), "why": res.get("why"),
             "turn": res.get("turn", 0), "conversation": res.get("conversation", k), "cached": cached if isinstance(cached, int) else None}
+
+
+def moved_turns(results: list[dict[str, Any]]) -> dict[str, int] | None:
+    """The later turns of ``results``' conversations (``_drive``'s, turn > 0) that went to another
+    instance than the turn before them, counted by why the router sent them there (its
+    ``ROUTE_HEADER``; ``"unknown"`` where it gave none); ``None`` when no turn's instance is known
+    (another router names none, or there are no later turns).  A moved turn computes its
+    conversation again where it lands.  O(results)."""
+    where = {(res.get("conversation", k), res.get("turn", 0)): (res.get("instance"), res.get("why"))
+             for k, res in enumerate(results)}
+    pairs = [(where[(c, t - 1)][0], inst, why) for (c, t), (inst, why) in where.items()
+             if t and (c, t - 1) in where]
+    known = [(before, inst, why) for before, inst, why in pairs if before is not None and inst is not None]
+    if not known:
+        return None
+    moved: dict[str, int] = {}
+    for before, inst, why in known:
+        if inst != before:
+            moved[why or "unknown"] = moved.get(why or "unknown", 0) + 1
+    return moved
 
 
 async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]], max_tokens: int,
@@ -762,6 +785,9 @@ def means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for k, v in r["reasons"].items():
                 reasons[k] = reasons.get(k, 0.0) + v
         row["reasons"] = reasons
+        moves: list[dict[str, int]] = [r["moved"] for r in runs if r.get("moved") is not None]
+        if moves:
+            row["moved"] = {k: sum(m.get(k, 0) for m in moves) for k in sorted({k for m in moves for k in m})}
         out.append(row)
     return out
 
@@ -815,7 +841,7 @@ def _row(name: str, results: list[dict[str, Any]], before: dict[str, str], after
             "p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else float("nan"),
             "served_by": served_by,
             "rps": len(results) / results[0]["_wall"], "outcomes": outcomes, "reasons": reasons,
-            "partial": bool(set(before) - set(after))}
+            "moved": moved_turns(results), "partial": bool(set(before) - set(after))}
 
 
 def _table(report: Report, rows: list[dict[str, Any]], bound: float | None = None) -> None:
@@ -826,6 +852,10 @@ def _table(report: Report, rows: list[dict[str, Any]], bound: float | None = Non
         o = r["outcomes"]
         reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["reasons"].items())) or "-"
         note = " (hit rates: the surviving instance)" if r["partial"] else ""
+        if r.get("moved") is not None:      # later turns sent to another instance than the turn before
+            moved = r["moved"]
+            note = (f"  moved {sum(moved.values())}"
+                    + (f" ({', '.join(f'{k} {v}' for k, v in sorted(moved.items()))})" if moved else "") + note)
         report(f"{r['name']:<28} {r['gpu_hit']:>8.1%} {r['all_hit']:>8.1%} {r['p50'] * 1e3:>7.0f}ms "
                f"{r['p95'] * 1e3:>7.0f}ms {r['p99'] * 1e3:>7.0f}ms {r['rps']:>6.2f}  "
                f"{o['served']}/{o['error']}/{o['lost']}  {'/'.join(map(str, r['served_by']))}  {reasons}  "

@@ -466,7 +466,8 @@ def test_repeat_runs_the_routers_in_turn_and_gives_every_run_the_means_and_the_p
         return {"name": spec.name, "gpu_hit": hit, "all_hit": hit, "p50": 0.1 * run, "p95": 0.2, "p99": 0.3,
                 "rps": 2.0, "preempted": run, "outcomes": {"served": 4, "error": 0, "lost": 0},
                 "served_by": [3, 1] if run == 1 else [1, 3],     # fresh instances: the order means nothing
-                "reasons": {"cost": 4.0} if spec.kind == "radixkv" else {}, "partial": False}
+                "reasons": {"cost": 4.0} if spec.kind == "radixkv" else {}, "partial": False,
+                "moved": {"fit": run} if spec.kind == "radixkv" else None}
 
     class Model:
         def save_pretrained(self, path: str) -> None:
@@ -490,6 +491,10 @@ def test_repeat_runs_the_routers_in_turn_and_gives_every_run_the_means_and_the_p
     assert text.count("means over 2 runs") == 2
     mean_rows = [line for line in text.splitlines() if line.startswith(("radixkv:cost  ", "sglang:cache_aware  "))]
     assert len(mean_rows) == 4 and all(" 8/0/0  6/2 " in line for line in mean_rows)
+    # the later turns moved, by reason: each run's behind radixkv's router, summed in the means
+    assert all(line.endswith("moved 3 (fit 3)") for line in mean_rows if line.startswith("radixkv"))
+    assert not any("moved" in line for line in mean_rows if line.startswith("sglang"))
+    assert sum("moved 2 (fit 2)" in line for line in text.splitlines()) == 2      # run 2 of each seed
     assert "radixkv:cost vs sglang:cache_aware: GPU hit rate 82.0% vs 82.5% (0.99x)" in text
     assert ("radixkv:cost - sglang:cache_aware, GPU hit rate run by run: -2.0 / +1.0 points "
             "(mean -0.5, -2.0 to +1.0)") in text
@@ -521,3 +526,36 @@ def test_a_dumped_request_names_its_conversation_turn_and_the_tokens_its_instanc
     assert line == {"arrival": 1.5, "tokens": 9, "outcome": outcome, "ttft": 0.1, "instance": "0", "why": why,
                     "turn": turn or 0, "conversation": k if turn is None else k // 2,
                     "cached": reported if isinstance(reported, int) else None}
+
+
+@settings(max_examples=100, deadline=None)
+@given(convs=st.lists(st.lists(st.tuples(st.sampled_from(["0", "1", None]),
+                                         st.sampled_from(["cost", "idle", "copy", "fit", "retry", None])),
+                               min_size=1, max_size=5), max_size=8),
+       shuffle=st.randoms(use_true_random=False))
+def test_moved_turns_counts_the_later_turns_sent_elsewhere_by_the_routers_reason(convs: list[Any], shuffle: Any) -> None:
+    """A conversation's later turn that went to another instance than the turn before it is counted
+    under the reason the router gave (``unknown`` where none); turns whose instance or whose
+    previous turn's instance is unknown are not; ``None`` when no such pair is known (another
+    router names no instance), whatever order the results come in."""
+    results: list[dict[str, Any]] = []
+    for c, turns in enumerate(convs):
+        for t, (inst, why) in enumerate(turns):
+            res: dict[str, Any] = {"instance": inst, "why": why}
+            if t:
+                res.update(turn=t, conversation=c)
+            results.append(res)
+    # the first turns first, each its own conversation's index, as _drive orders them
+    firsts = [r for r in results if "turn" not in r]
+    later = [r for r in results if "turn" in r]
+    shuffle.shuffle(later)
+    ordered = firsts + later                # conversation c opened by result c
+    expected: dict[str, int] = {}
+    known = 0
+    for turns in convs:
+        for (before, _), (inst, why) in zip(turns, turns[1:]):
+            if before is not None and inst is not None:
+                known += 1
+                if inst != before:
+                    expected[why or "unknown"] = expected.get(why or "unknown", 0) + 1
+    assert fleet.moved_turns(ordered) == (expected if known else None)
