@@ -36,9 +36,9 @@ turn.  vLLM caches the blocks an answer generated, so the next turn reuses them 
 ran; the reuse bound counts them (``reuse_bound`` with ``answers``).  Behind radixkv's router a
 row ends with the later turns it *moved* (sent to another instance than the turn before, which
 computes the conversation again there) by the router's reason (``moved_turns``).  Not with
-``--trace``.  With
-``--routers`` the answer's ids come back the same way through either router, and the answer may not
-use id 0 (``logit_bias``: the word tokenizer's unknown word, which no text prompt can say).
+``--trace``.  With ``--routers`` the answer's ids come back the same way through either router,
+and the answer may not use id 0 (``logit_bias``: the word tokenizer's unknown word, which no text
+prompt can say).
 
 Side by side with sglang-router (commands that produced ``benchmarks/results/fleet_cpu_sglang_*.txt``)::
 
@@ -308,15 +308,16 @@ def dump_record(res: dict[str, Any], k: int) -> dict[str, Any]:
     after the start), prompt length, outcome, TTFT, the instance that served it and ``why`` the
     router sent it there (radixkv's router names both, ``ROUTE_HEADER``; ``None`` behind another
     router), its turn and conversation (a request without turns is conversation ``k``, turn 0),
-    and ``cached``: the prompt tokens the instance reported it
-    served from cache (``usage.prompt_tokens_details.cached_tokens``; ``None`` where the request
-    got no answer or the instance did not say).  O(1)."""
+    and ``cached``: the prompt tokens the instance reported it served from cache
+    (``usage.prompt_tokens_details.cached_tokens``; ``None`` where the request got no answer or
+    the instance did not say).  O(1)."""
     usage = res.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return {"arrival": res.get("arrival"), "tokens": res.get("tokens"), "outcome": res.get("outcome"),
             "ttft": res.get("ttft"), "instance": res.get("instance"), "why": res.get("why"),
-            "turn": res.get("turn", 0), "conversation": res.get("conversation", k), "cached": cached if isinstance(cached, int) else None}
+            "turn": res.get("turn", 0), "conversation": res.get("conversation", k),
+            "cached": cached if isinstance(cached, int) else None}
 
 
 def moved_turns(results: list[dict[str, Any]]) -> dict[str, int] | None:

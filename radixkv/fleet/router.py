@@ -76,8 +76,8 @@ INSTANCE_HEADER = "X-Radixkv-Instance"
 
 #: The response header that says why the router sent the request there: the routing decision's
 #: reason as ``radixkv_router_routed_total`` counts it (``cost``, ``idle``, ``copy``, ``fit``,
-#: ``prefix``, ``no_match``, ``balance``, ...), or ``retry`` when the instance chosen first failed and a later
-#: one answered.
+#: ``prefix``, ``no_match``, ``balance``, ...), or ``retry`` when the instance chosen first failed
+#: and a later one answered.
 ROUTE_HEADER = "X-Radixkv-Route"
 
 
@@ -172,8 +172,8 @@ class Router:
                output: int | None = None) -> tuple[list[Backend], str, int]:
         """The healthy instances in the order to try them, why the first was chosen (``"cost"``,
         ``"idle"``, ``"copy"``, ``"fit"``, ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``,
-        ``"least_loaded"``, ``"round_robin"``, ``"random"``) and the prefix tokens the first holds, as the router
-        believes; ``output``: the tokens the request may generate (``output_tokens``), ``None`` when
+        ``"least_loaded"``, ``"round_robin"``, ``"random"``) and the prefix tokens the first holds,
+        as the router believes; ``output``: the tokens the request may generate (``output_tokens``), ``None`` when
         unknown.  O(instances + prompt blocks) plus the lookup."""
         choice = self._choice(tokens, salt, model, output)
         return choice.order, choice.why, choice.promised
