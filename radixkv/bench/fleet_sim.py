@@ -1197,17 +1197,27 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 def summary(reqs: Sequence[SimRequest], fleet: Fleet) -> dict[str, Any]:
     """The run's results over ``reqs``: the hit rate (reused tokens / prompt tokens), TTFT p50, p95, p99,
-    mean and every request's, requests served and busy seconds per instance, preemptions, and the
-    requests that arrived later than the workload says (``deferred``).  O(n log n) in the requests
-    (each percentile sorts them)."""
+    mean and every request's, requests served and busy seconds per instance, preemptions, the
+    requests that arrived later than the workload says (``deferred``), and ``moved``: the later
+    turns of conversations (``after``) the router sent to another instance than the turn before,
+    by its reason (``Choice.why``; ``None`` without later turns), as ``bench fleet`` counts them.
+    O(n log n) in the requests (each percentile sorts them)."""
     ttft = [r.ttft for r in reqs]
     served = [inst.served for inst in fleet.instances]
+    by_rid = {r.rid: r for r in reqs}
+    later = [(by_rid[r.after], r) for r in reqs if r.after in by_rid]
+    moved: dict[str, int] | None = None
+    if later:
+        moved = {}
+        for before, r in later:
+            if r.instance != before.instance:
+                moved[r.why] = moved.get(r.why, 0) + 1
     return {"hit": sum(r.hit_tokens for r in reqs) / max(1, sum(r.tokens for r in reqs)),
             "p50": _pct(ttft, 0.50), "p95": _pct(ttft, 0.95), "p99": _pct(ttft, 0.99),
             "mean": statistics.fmean(ttft), "served": served, "ttft": ttft,
             "busy": [round(inst.busy_s, 3) for inst in fleet.instances],
             "preempted": sum(inst.preemptions for inst in fleet.instances),
-            "deferred": sum(1 for r in reqs if r.deferred > 0)}
+            "deferred": sum(1 for r in reqs if r.deferred > 0), "moved": moved}
 
 
 # -- calibration -------------------------------------------------------------------------------
@@ -1524,6 +1534,9 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
                          budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
                          output_pages=args.output_pages, preempt=args.preempt, router_model=router_model)
             met = f"  deferred {s['deferred']}, met load {s['met_load']:.2f}" if s["deferred"] else ""
+            if s["moved"] is not None:      # later turns sent to another instance than the turn before
+                met += f"  moved {sum(s['moved'].values())}" + (
+                    f" ({', '.join(f'{k} {v}' for k, v in sorted(s['moved'].items()))})" if s["moved"] else "")
             say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
                 f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}"
                 f"{'  preempted ' + str(s['preempted']) if args.preempt else ''}{met}")

@@ -1038,6 +1038,18 @@ def test_like_fleet_runs_conversations_as_bench_fleet_sends_them(turns: int, ten
     s = simulate(reqs, bt, instances=2, policy="cost", model=PROFILES["vllm-cpu-fleet"], pool_tokens=1 << 16,
                  cpu_tokens=0, budget=2048, check=True, output_pages=True)
     assert s["served"] and sum(s["served"]) == len(reqs)
+    # the later turns moved to the other instance, by the router's reason, as bench fleet counts them
+    assert s["moved"] is not None and set(s["moved"]) <= {"cost", "idle", "copy", "fit"}
+    assert sum(s["moved"].values()) <= requests * (turns - 1)
+    one = simulate(reqs, bt, instances=1, policy="cost", model=PROFILES["vllm-cpu-fleet"], pool_tokens=1 << 16,
+                   cpu_tokens=0, budget=2048, output_pages=True)
+    assert one["moved"] == {}, "one instance: nothing moves"
+    rr = simulate(reqs, bt, instances=2, policy="round_robin", model=PROFILES["vllm-cpu-fleet"], pool_tokens=1 << 16,
+                  cpu_tokens=0, budget=2048, output_pages=True)
+    assert set(rr["moved"] or {}) <= {"round_robin"}
+    single = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output) for r in firsts]
+    assert simulate(single, bt, instances=2, policy="cost", model=PROFILES["vllm-cpu-fleet"], pool_tokens=1 << 16,
+                    cpu_tokens=0, budget=2048)["moved"] is None, "no later turns: nothing to count"
 
 
 def test_like_fleet_is_refused_in_one_line_as_bench_fleet_refuses(capsys: pytest.CaptureFixture[str]) -> None:
