@@ -100,7 +100,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 from radixkv.bench import Report, out_file
 from radixkv.fleet.router import INSTANCE_HEADER, ROUTE_HEADER
@@ -323,21 +323,37 @@ def dump_record(res: dict[str, Any], k: int) -> dict[str, Any]:
 def moved_turns(results: list[dict[str, Any]]) -> dict[str, int] | None:
     """The later turns of ``results``' conversations (``_drive``'s, turn > 0) that went to another
     instance than the turn before them, counted by why the router sent them there (its
-    ``ROUTE_HEADER``; ``"unknown"`` where it gave none); ``None`` when no turn's instance is known
-    (another router names none, or there are no later turns).  A moved turn computes its
-    conversation again where it lands.  O(results)."""
+    ``ROUTE_HEADER``; ``count_moves``).  A moved turn computes its conversation again where it
+    lands.  O(results)."""
     where = {(res.get("conversation", k), res.get("turn", 0)): (res.get("instance"), res.get("why"))
              for k, res in enumerate(results)}
-    pairs = [(where[(c, t - 1)][0], inst, why) for (c, t), (inst, why) in where.items()
-             if t and (c, t - 1) in where]
-    known = [(before, inst, why) for before, inst, why in pairs if before is not None and inst is not None]
-    if not known:
-        return None
-    moved: dict[str, int] = {}
-    for before, inst, why in known:
+    return count_moves((where[(c, t - 1)][0], inst, why) for (c, t), (inst, why) in where.items()
+                       if t and (c, t - 1) in where)
+
+
+def count_moves(turns: Iterable[tuple[Any, Any, str | None]]) -> dict[str, int] | None:
+    """``(instance of the turn before, instance, why)`` for each later turn of a conversation: the
+    turns whose instance differs from the turn before's, by ``why`` (``"unknown"`` where the router
+    gave none); turns where either instance is unknown (``None``) are left out, and ``None`` when
+    no turn is left (another router names no instance, or there are no later turns).  What
+    ``bench fleet`` and ``fleet_sim`` both count.  O(turns)."""
+    moved: dict[str, int] | None = None
+    for before, inst, why in turns:
+        if before is None or inst is None:
+            continue
+        moved = {} if moved is None else moved
         if inst != before:
             moved[why or "unknown"] = moved.get(why or "unknown", 0) + 1
     return moved
+
+
+def moved_text(moved: dict[str, int] | None) -> str:
+    """A row's ending for ``count_moves``'s answer: ``"  moved 4 (fit 3, cost 1)"``, ``"  moved
+    0"``, or ``""`` for ``None``.  O(reasons)."""
+    if moved is None:
+        return ""
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(moved.items()))
+    return f"  moved {sum(moved.values())}" + (f" ({reasons})" if reasons else "")
 
 
 async def _drive(router_url: str, model: str, work: list[tuple[float, list[int]]], max_tokens: int,
@@ -852,11 +868,8 @@ def _table(report: Report, rows: list[dict[str, Any]], bound: float | None = Non
     for r in rows:
         o = r["outcomes"]
         reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["reasons"].items())) or "-"
-        note = " (hit rates: the surviving instance)" if r["partial"] else ""
-        if r.get("moved") is not None:      # later turns sent to another instance than the turn before
-            moved = r["moved"]
-            note = (f"  moved {sum(moved.values())}"
-                    + (f" ({', '.join(f'{k} {v}' for k, v in sorted(moved.items()))})" if moved else "") + note)
+        # later turns sent to another instance than the turn before, by reason
+        note = moved_text(r.get("moved")) + (" (hit rates: the surviving instance)" if r["partial"] else "")
         report(f"{r['name']:<28} {r['gpu_hit']:>8.1%} {r['all_hit']:>8.1%} {r['p50'] * 1e3:>7.0f}ms "
                f"{r['p95'] * 1e3:>7.0f}ms {r['p99'] * 1e3:>7.0f}ms {r['rps']:>6.2f}  "
                f"{o['served']}/{o['error']}/{o['lost']}  {'/'.join(map(str, r['served_by']))}  {reasons}  "

@@ -1202,16 +1202,12 @@ def summary(reqs: Sequence[SimRequest], fleet: Fleet) -> dict[str, Any]:
     turns of conversations (``after``) the router sent to another instance than the turn before,
     by its reason (``Choice.why``; ``None`` without later turns), as ``bench fleet`` counts them.
     O(n log n) in the requests (each percentile sorts them)."""
+    from radixkv.bench.fleet import count_moves
+
     ttft = [r.ttft for r in reqs]
     served = [inst.served for inst in fleet.instances]
     by_rid = {r.rid: r for r in reqs}
-    later = [(by_rid[r.after], r) for r in reqs if r.after in by_rid]
-    moved: dict[str, int] | None = None
-    if later:
-        moved = {}
-        for before, r in later:
-            if r.instance != before.instance:
-                moved[r.why] = moved.get(r.why, 0) + 1
+    moved = count_moves((by_rid[r.after].instance, r.instance, r.why) for r in reqs if r.after in by_rid)
     return {"hit": sum(r.hit_tokens for r in reqs) / max(1, sum(r.tokens for r in reqs)),
             "p50": _pct(ttft, 0.50), "p95": _pct(ttft, 0.95), "p99": _pct(ttft, 0.99),
             "mean": statistics.fmean(ttft), "served": served, "ttft": ttft,
@@ -1500,6 +1496,7 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
     """Run every policy on every cell ``(workload, instances, load, seed, requests, block tokens,
     pool)``, print the table and the goals' check, write it to ``--out``."""
     from radixkv.bench import machine_line
+    from radixkv.bench.fleet import moved_text
     from radixkv.fleet.routing import PROFILES
 
     model = _model(args)
@@ -1534,9 +1531,7 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
                          budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
                          output_pages=args.output_pages, preempt=args.preempt, router_model=router_model)
             met = f"  deferred {s['deferred']}, met load {s['met_load']:.2f}" if s["deferred"] else ""
-            if s["moved"] is not None:      # later turns sent to another instance than the turn before
-                met += f"  moved {sum(s['moved'].values())}" + (
-                    f" ({', '.join(f'{k} {v}' for k, v in sorted(s['moved'].items()))})" if s["moved"] else "")
+            met += moved_text(s["moved"])       # later turns sent to another instance than the turn before
             say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
                 f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}"
                 f"{'  preempted ' + str(s['preempted']) if args.preempt else ''}{met}")
