@@ -1340,7 +1340,7 @@ def _main(argv: list[str] | None) -> int:
     ap = Parser(prog="python -m radixkv.bench fleet_sim", description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default=None,
                     help="mooncake, tenants, hot, fleetwide, chat, or shapeK (K a number: a shape drawn from it); "
-                         "default the first four")
+                         "default the first four with --trace, else tenants, hot and fleetwide")
     ap.add_argument("--trace", default=None, help="a Mooncake-format trace (JSON lines) for the mooncake workload")
     ap.add_argument("--trace-block", type=int, default=None,
                     help="tokens a trace's hash id stands for (default: as its rows' lengths say; 512 in Mooncake's)")
@@ -1428,7 +1428,8 @@ def _main(argv: list[str] | None) -> int:
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag}: not with --like-fleet (its command sets them)")
         return _run_like_fleet(args, argv, policies)
-    args.workloads = (args.workloads or "mooncake,tenants,hot,fleetwide").split(",")
+    # the trace is not shipped: without one, the default runs the synthetic workloads alone
+    args.workloads = (args.workloads or ("mooncake," if args.trace else "") + "tenants,hot,fleetwide").split(",")
     for kind in args.workloads:
         if kind not in WORKLOADS and shape_number(kind) is None:
             raise ValueError(f"--workloads: unknown workload {kind!r} (one of {', '.join(WORKLOADS)}, or shapeK)")

@@ -345,6 +345,24 @@ def test_a_trace_file_of_any_block_size_and_id_type_replays_its_infinite_cache_h
     assert ideal_hits(got, bt) == ideal_hits(reqs, bt)
 
 
+def test_without_workloads_it_runs_the_synthetic_ones_and_the_trace_when_given(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The trace is not shipped with the library: without ``--workloads`` the command runs
+    ``tenants``, ``hot`` and ``fleetwide``, and ``mooncake`` first when ``--trace`` names one."""
+    from radixkv.bench import fleet_sim
+
+    small = ["--instances", "2", "--loads", "0.5", "--seeds", "0", "--requests", "12", "--policies", "round_robin"]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(f'{{"timestamp": {t}, "input_length": 1000, "output_length": 4, "hash_ids": [1, {t + 2}]}}\n'
+                            for t in range(12)))
+    for argv, kinds in ((small, ["tenants", "hot", "fleetwide"]),
+                        ([*small, "--trace", str(path)], ["mooncake", "tenants", "hot", "fleetwide"])):
+        assert fleet_sim.main(argv) == 0
+        out = capsys.readouterr()
+        rows = [line.split()[0] for line in out.out.splitlines() if line and not line.startswith(("#", "goals", "MISSED", "workload"))]
+        assert rows == kinds and not out.err, out
+
+
 def test_a_bad_trace_or_argument_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from radixkv.bench import fleet_sim
 
