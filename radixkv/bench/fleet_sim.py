@@ -1384,6 +1384,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--summarize", default=None, metavar="TABLE[,TABLE]",
                     help="read tables this command wrote and print the goals' check (also printed after a run); "
                          "a later table's rows replace an earlier one's of the same cell, seed and policy")
+    ap.add_argument("--judge", default=None, metavar="POLICY",
+                    help="with --summarize: check the goals for POLICY as if it were the default, against the "
+                         "table's other policies (default cost)")
     ap.add_argument("--calibrate", default=None, metavar="VLLM_TABLE",
                     help="print the fit of bench vllm's table (benchmarks/results/vllm_cpu.txt) and exit")
     ap.add_argument("--decode-table", default=None, metavar="DECODE_TABLE",
@@ -1399,9 +1402,13 @@ def _main(argv: list[str] | None) -> int:
     if args.slower is not None and args.like_fleet is None:
         raise ValueError("--slower: only with --like-fleet (elsewhere arrivals are scaled to each load, "
                          "whatever the steps cost)")
+    if args.judge is not None and not args.summarize:
+        raise ValueError("--judge: only with --summarize")
+    if args.judge is not None and args.judge not in POLICIES:
+        raise ValueError(f"--judge: unknown policy {args.judge!r} (one of {', '.join(POLICIES)})")
     if args.summarize:
         print("\n".join(goals([line for table in args.summarize.split(",")
-                                for line in _read_text("--summarize", table).splitlines()])))
+                                for line in _read_text("--summarize", table).splitlines()], args.judge or "cost")))
         return 0
     if args.calibrate:
         try:

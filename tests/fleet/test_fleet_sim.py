@@ -363,6 +363,23 @@ def test_without_workloads_it_runs_the_synthetic_ones_and_the_trace_when_given(
         assert rows == kinds and not out.err, out
 
 
+def test_summarize_judges_any_policy_as_the_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--summarize TABLE --judge POLICY`` checks the goals for POLICY against the table's other
+    policies, as ``goals(lines, default=POLICY)`` does; without ``--judge``, for ``cost``."""
+    from radixkv.bench import fleet_sim
+
+    table = tmp_path / "t.txt"
+    policies = ["cost", "prefix", "round_robin"]
+    assert fleet_sim.main(["--workloads", "hot", "--instances", "2", "--loads", "0.5,0.9", "--seeds", "0,1",
+                           "--requests", "24", "--policies", ",".join(policies), "--out", str(table)]) == 0
+    capsys.readouterr()
+    lines = table.read_text().splitlines()
+    for judge in [None, *policies]:
+        assert fleet_sim.main(["--summarize", str(table)] + (["--judge", judge] if judge else [])) == 0
+        got = capsys.readouterr().out.splitlines()
+        assert got == fleet_sim.goals(lines, judge or "cost") and f"met by {judge or 'cost'} " in got[-1]
+
+
 def test_a_bad_trace_or_argument_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from radixkv.bench import fleet_sim
 
@@ -387,7 +404,9 @@ def test_a_bad_trace_or_argument_is_one_line_and_exit_2(tmp_path: Path, capsys: 
                        (["--calibrate", str(tmp_path / "t0.jsonl")], "--calibrate"),
                        (["--decode-table", str(tmp_path / "t0.jsonl")], "--decode-table"),
                        (["--out", str(tmp_path / "no" / "such" / "t.txt")], "--out"),
-                       (["--requests", "x"], "--requests"), (["--no-such-flag"], "--no-such-flag")):
+                       (["--requests", "x"], "--requests"), (["--no-such-flag"], "--no-such-flag"),
+                       (["--judge", "prefix"], "--judge"),
+                       (["--summarize", str(tmp_path / "t0.jsonl"), "--judge", "fastest"], "--judge")):
         assert fleet_sim.main(argv) == 2
         out = capsys.readouterr()
         assert says in out.err and out.err.count("\n") == 1 and not out.out, (argv, out)
