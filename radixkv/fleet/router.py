@@ -173,8 +173,8 @@ class Router:
         """The healthy instances in the order to try them, why the first was chosen (``"cost"``,
         ``"idle"``, ``"copy"``, ``"fit"``, ``"prefix"``, ``"balance"``, ``"no_match"``, ``"dynamo"``,
         ``"least_loaded"``, ``"round_robin"``, ``"random"``) and the prefix tokens the first holds,
-        as the router believes; ``output``: the tokens the request may generate (``output_tokens``), ``None`` when
-        unknown.  O(instances + prompt blocks) plus the lookup."""
+        as the router believes; ``output``: the tokens the request may generate
+        (``output_tokens``), ``None`` when unknown.  O(instances + prompt blocks) plus the lookup."""
         choice = self._choice(tokens, salt, model, output)
         return choice.order, choice.why, choice.promised
 

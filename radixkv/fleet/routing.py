@@ -67,11 +67,11 @@ Contract:
        idle instance that gives the request its first token sooner than every instance with
        requests in flight (the expected TTFT unweighted, with ``dup``) goes first, unless that
        gives up a prefix fewer than two healthy instances hold.  The weight is for work later
-       requests wait behind, and while busy instances queue, an idle one's work delays no one.  Without it, on workload
-       shapes drawn at random (``fleet_sim`` ``shapeK``), a prompt every request shares stayed on
-       the instances that first held it: half of 16 instances idle at 50% load, p50 7x
-       round-robin's (their pools full and their decodes long, which the queue of prefill tokens
-       does not show).  The exception keeps a session's follow-up turn, held by one instance,
+       requests wait behind, and while busy instances queue, an idle one's work delays no one.
+       Without it, on workload shapes drawn at random (``fleet_sim`` ``shapeK``), a prompt every
+       request shares stayed on the instances that first held it: half of 16 instances idle at
+       50% load, p50 7x round-robin's (their pools full and their decodes long, which the queue
+       of prefill tokens does not show).  The exception keeps a session's follow-up turn, held by one instance,
        there: without it a production-style trace at 30% load lost hits.
     6. **Copy** (``why`` is ``"copy"``).  When the first choice holds the prompt's prefix, the
        index shows it computed, and fewer instances hold it than its share of the arrivals calls
