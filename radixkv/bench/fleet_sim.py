@@ -49,7 +49,9 @@ metadata only (0.12-0.13: nothing to build here) and pins jax, flax and a nightl
 tensorflow-probability; neither it nor LLMServingSim (cycle-level, per-hardware profiles, a C++
 network backend) runs a router's Python policy unchanged against per-instance caches whose
 evictions and KV events are radixkv's own, which is what the policies are judged on here.  Deterministic per seed: no thread runs behind the simulation (the CPU
-tier's writer is flushed after each step).
+tier's writer is flushed after each step), and ``--jobs`` (default: the CPUs) runs each policy on
+each cell in a process of its own (``in_order``), which changes nothing in the table but its
+timing line.
 
 Load: ``--loads`` are fractions of the fleet's capacity for the workload, the work of every request
 with the trace's infinite-cache hits (``ideal_hits``: with ``--output-pages`` they count the
@@ -98,7 +100,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generator, Iterable, Sequence
+from typing import Any, Callable, Generator, Iterable, Iterator, Sequence
 
 from radixkv.bench import out_file
 from radixkv.core.policy import LRU
@@ -1332,6 +1334,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"python -m radixkv.bench fleet_sim: {exc}", file=sys.stderr)
         return 2
+    except WorkerDied as exc:
+        print(f"python -m radixkv.bench fleet_sim: {exc}", file=sys.stderr)
+        return 1
 
 
 def _main(argv: list[str] | None) -> int:
@@ -1391,8 +1396,13 @@ def _main(argv: list[str] | None) -> int:
                     help="print the fit of bench vllm's table (benchmarks/results/vllm_cpu.txt) and exit")
     ap.add_argument("--decode-table", default=None, metavar="DECODE_TABLE",
                     help="with --calibrate: also fit bench vllm --decode's table (benchmarks/results/vllm_cpu_decode.txt)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes that simulate at once, each a policy on a cell (default: the CPUs this "
+                         "process may use); the table is the same for any number, row for row")
     ap.add_argument("--out", type=out_file, default=None)
     args = ap.parse_args(argv)
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     if args.preempt and not args.output_pages:
         raise ValueError("--preempt: only with --output-pages")
     if args.decode_table is not None and not args.calibrate:
@@ -1499,6 +1509,64 @@ def _run_like_fleet(args: argparse.Namespace, argv: list[str] | None, policies: 
     return _report(args, argv, policies, budget, cells)
 
 
+def cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system says, else every CPU).  O(1)."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:                  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _simulate(kw: dict[str, Any]) -> dict[str, Any]:
+    """``simulate(**kw)``: what a worker process runs (a module-level function, so it pickles)."""
+    return simulate(kw.pop("requests"), kw.pop("block_tokens"), **kw)
+
+
+def in_order(fn: Callable[[Any], Any], items: Iterable[Any], argument: Callable[[Any], Any],
+             jobs: int) -> Iterator[tuple[Any, Any]]:
+    """``(item, fn(argument(item)))`` for each of ``items``, in their order, computed by ``jobs``
+    processes at once (in this one when ``jobs`` is 1).  At most ``2 x jobs`` items are taken from
+    ``items`` ahead of the one yielded, so a generator's items are built as they are needed, not all
+    at once.  A worker that dies (killed, out of memory) is ``WorkerDied``; what ``fn`` raises is
+    raised here.  Each item's
+    cost is ``fn``'s, plus pickling its arguments and answer to and from a worker."""
+    if jobs <= 1:
+        for item in items:
+            yield item, fn(argument(item))
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    # spawn, not fork: a worker starts from a clean interpreter whatever threads this process runs
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        ahead: deque[tuple[Any, Any]] = deque()
+        it = iter(items)
+        try:
+            while True:
+                while len(ahead) < 2 * jobs and (item := next(it, _END)) is not _END:
+                    ahead.append((item, pool.submit(fn, argument(item))))
+                if not ahead:
+                    return
+                item, future = ahead.popleft()
+                yield item, future.result()
+        except BrokenProcessPool:
+            raise WorkerDied("a simulating process died (killed, or out of memory?): rerun with fewer "
+                               "--jobs") from None
+        finally:
+            for _, future in ahead:
+                future.cancel()
+
+
+_END = object()
+
+
+class WorkerDied(RuntimeError):
+    """A process of ``in_order`` died before it answered (killed, or out of memory)."""
+
+
 def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str], budget: int,
             cells: Iterable[tuple[str, int, float, int, list[SimRequest], int, int]]) -> int:
     """Run every policy on every cell ``(workload, instances, load, seed, requests, block tokens,
@@ -1532,18 +1600,24 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
     started = time.perf_counter()
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
         f"{'p99 s':>8}  served min/max")
-    for kind, n, load, seed, reqs, bt, pool in cells:
-        cpu = args.cpu_tokens if args.cpu_tokens is not None else pool
-        for policy in policies:
-            s = simulate(reqs, bt, instances=n, policy=policy, model=model, pool_tokens=pool, cpu_tokens=cpu,
-                         budget=budget, p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
-                         output_pages=args.output_pages, preempt=args.preempt, router_model=router_model)
-            met = f"  deferred {s['deferred']}, met load {s['met_load']:.2f}" if s["deferred"] else ""
-            met += moved_text(s["moved"])       # later turns sent to another instance than the turn before
-            say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
-                f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}"
-                f"{'  preempted ' + str(s['preempted']) if args.preempt else ''}{met}")
-    say(f"# {time.perf_counter() - started:.0f} s")
+    runs = ((kind, n, load, seed, policy, reqs, bt, pool) for kind, n, load, seed, reqs, bt, pool in cells
+            for policy in policies)
+
+    def kwargs(run: tuple[Any, ...]) -> dict[str, Any]:
+        kind, n, load, seed, policy, reqs, bt, pool = run
+        return dict(requests=reqs, block_tokens=bt, instances=n, policy=policy, model=model, pool_tokens=pool,
+                    cpu_tokens=args.cpu_tokens if args.cpu_tokens is not None else pool, budget=budget,
+                    p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
+                    output_pages=args.output_pages, preempt=args.preempt, router_model=router_model)
+
+    jobs = args.jobs or cpus()
+    for (kind, n, load, seed, policy, *_), s in in_order(_simulate, runs, kwargs, jobs):
+        met = f"  deferred {s['deferred']}, met load {s['met_load']:.2f}" if s["deferred"] else ""
+        met += moved_text(s["moved"])       # later turns sent to another instance than the turn before
+        say(f"{kind:10} {n:>3} {load:>5.2f} {seed:>4} {policy:13} {s['hit']:6.1%} {s['p50']:8.3f} "
+            f"{s['p95']:8.3f} {s['p99']:8.3f}  {min(s['served'])}/{max(s['served'])}"
+            f"{'  preempted ' + str(s['preempted']) if args.preempt else ''}{met}")
+    say(f"# {time.perf_counter() - started:.0f} s, {jobs} process{'es' if jobs > 1 else ''}")
     for line in goals(out):
         say(line)
     if args.out:

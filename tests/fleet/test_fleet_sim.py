@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -351,7 +352,8 @@ def test_without_workloads_it_runs_the_synthetic_ones_and_the_trace_when_given(
     ``tenants``, ``hot`` and ``fleetwide``, and ``mooncake`` first when ``--trace`` names one."""
     from radixkv.bench import fleet_sim
 
-    small = ["--instances", "2", "--loads", "0.5", "--seeds", "0", "--requests", "12", "--policies", "round_robin"]
+    small = ["--instances", "2", "--loads", "0.5", "--seeds", "0", "--requests", "12", "--policies", "round_robin",
+             "--jobs", "1"]
     path = tmp_path / "t.jsonl"
     path.write_text("".join(f'{{"timestamp": {t}, "input_length": 1000, "output_length": 4, "hash_ids": [1, {t + 2}]}}\n'
                             for t in range(12)))
@@ -371,7 +373,7 @@ def test_summarize_judges_any_policy_as_the_default(tmp_path: Path, capsys: pyte
     table = tmp_path / "t.txt"
     policies = ["cost", "prefix", "round_robin"]
     assert fleet_sim.main(["--workloads", "hot", "--instances", "2", "--loads", "0.5,0.9", "--seeds", "0,1",
-                           "--requests", "24", "--policies", ",".join(policies), "--out", str(table)]) == 0
+                           "--requests", "24", "--policies", ",".join(policies), "--out", str(table), "--jobs", "1"]) == 0
     capsys.readouterr()
     lines = table.read_text().splitlines()
     for judge in [None, *policies]:
@@ -684,7 +686,7 @@ def test_output_pages_is_a_setting_of_the_run_that_the_goals_check_keeps_apart(t
     for extra in ([], ["--output-pages"]):
         out = tmp_path / f"t{len(tables)}.txt"
         argv = ["--workloads", "tenants", "--instances", "2", "--loads", "0.5", "--seeds", "0", "--requests", "40",
-                "--policies", "cost,round_robin", "--out", str(out), *extra]
+                "--policies", "cost,round_robin", "--out", str(out), "--jobs", "1", *extra]
         assert fleet_sim.main(argv) == 0
         tables.append(out.read_text())
     capsys.readouterr()
@@ -980,7 +982,7 @@ def test_preempt_needs_output_pages_and_is_named_in_the_table(tmp_path: Path, ca
     from radixkv.bench import fleet_sim
 
     argv = ["--workloads", "tenants", "--instances", "2", "--loads", "0.5", "--seeds", "0", "--requests", "40",
-            "--policies", "cost,round_robin"]
+            "--policies", "cost,round_robin", "--jobs", "1"]
     assert fleet_sim.main([*argv, "--preempt"]) == 2
     err = capsys.readouterr().err
     assert "--preempt" in err and err.count("\n") == 1
@@ -1138,7 +1140,7 @@ def test_slower_is_named_in_the_profile_line_with_the_slower_costs(capsys: pytes
     from radixkv.bench import fleet_sim
 
     argv = ["--like-fleet=--requests 6 --tenants 2 --system-tokens 300 --max-tokens 20 --pool-blocks 33 --seed 0",
-            "--policies", "cost", "--slower", "2"]
+            "--policies", "cost", "--jobs", "1", "--slower", "2"]
     assert fleet_sim.main(argv) == 0
     profile = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("# profile"))
     base = PROFILES["vllm-cpu-fleet"]           # --like-fleet's instances: the model bench fleet serves
@@ -1286,3 +1288,37 @@ def test_a_run_whose_turns_waited_for_their_answers_reports_the_load_they_met(
     if out["deferred"]:
         assert out["met_load"] <= load * (1 + 1e-9)
     event(f"deferred: {'some' if out['deferred'] else 'none'}")
+
+
+def test_jobs_change_the_time_alone_and_a_dead_worker_is_named(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``--jobs N`` runs N simulations at once: the table is the same, row for row, as one process
+    writes it (a grid with shapes and preemption, and ``--like-fleet``); ``--jobs 0`` is one line and
+    exit 2; a worker that dies is ``WorkerDied``, which the command prints in one line (exit 1)."""
+    import signal
+
+    from radixkv.bench import fleet_sim
+
+    grid = ["--workloads", "hot,shape64", "--instances", "2,3", "--loads", "0.9", "--seeds", "0,1", "--requests", "30",
+            "--policies", "cost,cache_aware,round_robin", "--output-pages", "--preempt"]
+    like = ["--like-fleet=--requests 10 --tenants 2 --system-tokens 300 --max-tokens 20 --pool-blocks 33 --seed 0,1",
+            "--policies", "cost,prefix"]
+    for argv in (grid, like):
+        tables = []
+        for jobs in ("1", "2"):
+            out = tmp_path / f"t{jobs}.txt"
+            assert fleet_sim.main([*argv, "--jobs", jobs, "--out", str(out)]) == 0
+            lines = out.read_text().splitlines()
+            timing = [i for i, line in enumerate(lines) if re.fullmatch(r"# \d+ s, .*", line)]
+            assert len(timing) == 1 and lines[timing[0]].endswith("2 processes" if jobs == "2" else "1 process")
+            tables.append([line for i, line in enumerate(lines[1:], 1) if i not in timing])
+        assert tables[0] == tables[1] and sum(1 for line in tables[0] if line.startswith(("hot ", "shape64 ", "fleet "))) >= 4
+    capsys.readouterr()
+    assert fleet_sim.main([*grid, "--jobs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--jobs" in err and err.count("\n") == 1
+    # a worker killed mid-run: named, not a hang, not a traceback
+    with pytest.raises(fleet_sim.WorkerDied):
+        list(fleet_sim.in_order(signal.raise_signal, range(3), lambda _: signal.SIGKILL, 2))
+    assert [r for _, r in fleet_sim.in_order(abs, [-1, 2, -3], lambda x: x, 2)] == [1, 2, 3]
+    assert [r for _, r in fleet_sim.in_order(abs, [-1, 2, -3], lambda x: x, 1)] == [1, 2, 3]
