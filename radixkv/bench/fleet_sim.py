@@ -978,7 +978,8 @@ class Fleet:
 
     def __init__(self, instances: int, policy: str, model: Any, block_tokens: int, *, pool_tokens: int,
                  cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False, affinity: float | None = None,
-                 seed: int = 0, output_pages: bool = False, preempt: bool = False, router_model: Any = None) -> None:
+                 seed: int = 0, output_pages: bool = False, preempt: bool = False, router_model: Any = None,
+                 balance_abs: int = 16, balance_rel: float = 1.5) -> None:
         import simpy
 
         from radixkv.core.hashing import Namespace
@@ -1001,7 +1002,8 @@ class Fleet:
         self._shared: set[Any] = set()
         self.chooser = Chooser(policy, block_size=block_tokens, lookup=self.index.lookup,
                                spread=self.index.lookup_spread, model=router_model or model,
-                               affinity=affinity, p2p=p2p, shared=self._shared_run if shared else None, seed=seed)
+                               affinity=affinity, p2p=p2p, shared=self._shared_run if shared else None, seed=seed,
+                               balance_abs=balance_abs, balance_rel=balance_rel)
         #: the CPU tiers' keys of the generated blocks cached so far, which the tiers decline
         self.generated_keys: set[bytes] = set()
         #: with ``output_pages`` and a CPU tier: the tier keys of the prompts that arrived, which the
@@ -1173,16 +1175,19 @@ class Fleet:
 def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, policy: str, model: Any,
              pool_tokens: int, cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False,
              affinity: float | None = None, seed: int = 0, check: bool = False,
-             output_pages: bool = False, preempt: bool = False, router_model: Any = None) -> dict[str, Any]:
+             output_pages: bool = False, preempt: bool = False, router_model: Any = None,
+             balance_abs: int = 16, balance_rel: float = 1.5) -> dict[str, Any]:
     """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary (with
     ``deferred``, the requests that arrived later than the workload says because their previous
     turn had not ended, and ``met_load``, the load they met as they arrived, ``fleet_load``, when
     any did).  The instances cost ``model``; the router estimates with ``router_model`` (default:
-    ``model``)."""
+    ``model``); ``balance_abs`` and ``balance_rel`` are the imbalance thresholds of ``prefix`` and
+    ``cache_aware`` (``Chooser``'s, the HTTP router's defaults; sglang-router's are 64 and 1.5).
+    Cost: the simulation's, about O(requests x (instances + prompt blocks)) events and lookups."""
     reqs = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output, r.answer, r.after) for r in requests]
     fleet = Fleet(instances, policy, model, block_tokens, pool_tokens=pool_tokens, cpu_tokens=cpu_tokens,
                   budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed, output_pages=output_pages,
-                  preempt=preempt, router_model=router_model)
+                  preempt=preempt, router_model=router_model, balance_abs=balance_abs, balance_rel=balance_rel)
     fleet.run(reqs)
     if check:
         fleet.check()
@@ -1377,6 +1382,13 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--cpu-tokens", type=int, default=None, help="CPU tier per instance (default: as the pool)")
     ap.add_argument("--budget", type=int, default=None, help="prompt tokens a step computes (default: the profile's)")
     ap.add_argument("--affinity", type=float, default=None, help="the cost policy's affinity (default: by load)")
+    ap.add_argument("--balance-abs", type=int, default=16,
+                    help="prefix and cache_aware: imbalance past this many requests in flight between the most and "
+                         "least loaded instances (and --balance-rel) sends a request to the least loaded (default 16, "
+                         "as the router's; sglang-router's own default is 64)")
+    ap.add_argument("--balance-rel", type=float, default=1.5,
+                    help="prefix and cache_aware: ... and the most loaded past this many times the least (default 1.5, "
+                         "as the router's and sglang-router's)")
     ap.add_argument("--p2p", action="store_true", help="an instance loads a prefix another's pool holds (PEER cost)")
     ap.add_argument("--shared", action="store_true",
                     help="a shared tier (S3-like, unbounded) holds every block once computed (SHARED cost)")
@@ -1401,6 +1413,10 @@ def _main(argv: list[str] | None) -> int:
                          "process may use); the table is the same for any number, row for row")
     ap.add_argument("--out", type=out_file, default=None)
     args = ap.parse_args(argv)
+    if args.balance_abs < 0:
+        raise ValueError(f"--balance-abs must be at least 0 (requests in flight), got {args.balance_abs}")
+    if not 1.0 <= args.balance_rel < math.inf:
+        raise ValueError(f"--balance-rel must be a finite number at least 1 (a ratio), got {args.balance_rel}")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     if args.preempt and not args.output_pages:
@@ -1596,6 +1612,7 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
         f"{', p2p' if args.p2p else ''}{', shared tier' if args.shared else ''}"
         f"{', output pages' if args.output_pages else ''}{' taken as decoded, preempting' if args.preempt else ''}"
         f", affinity {args.affinity}"
+        f"{'' if (args.balance_abs, args.balance_rel) == (16, 1.5) else f', imbalance {args.balance_abs}/{args.balance_rel:g}'}"
         f"{f'; the router estimates with the {router} profile' if router_model not in (None, model) else ''}")
     started = time.perf_counter()
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
@@ -1608,7 +1625,8 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
         return dict(requests=reqs, block_tokens=bt, instances=n, policy=policy, model=model, pool_tokens=pool,
                     cpu_tokens=args.cpu_tokens if args.cpu_tokens is not None else pool, budget=budget,
                     p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
-                    output_pages=args.output_pages, preempt=args.preempt, router_model=router_model)
+                    output_pages=args.output_pages, preempt=args.preempt, router_model=router_model,
+                    balance_abs=args.balance_abs, balance_rel=args.balance_rel)
 
     jobs = args.jobs or cpus()
     for (kind, n, load, seed, policy, *_), s in in_order(_simulate, runs, kwargs, jobs):

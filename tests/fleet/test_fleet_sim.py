@@ -1322,3 +1322,35 @@ def test_jobs_change_the_time_alone_and_a_dead_worker_is_named(tmp_path: Path,
         list(fleet_sim.in_order(signal.raise_signal, range(3), lambda _: signal.SIGKILL, 2))
     assert [r for _, r in fleet_sim.in_order(abs, [-1, 2, -3], lambda x: x, 2)] == [1, 2, 3]
     assert [r for _, r in fleet_sim.in_order(abs, [-1, 2, -3], lambda x: x, 1)] == [1, 2, 3]
+
+
+def test_the_references_imbalance_thresholds_are_flags_named_in_the_table(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``--balance-abs``/``--balance-rel`` set ``prefix``'s and ``cache_aware``'s imbalance thresholds
+    (sglang-router's default 64 against the router's 16): the profile line names them when they are
+    not the default, so the goals check keeps the runs apart; the default's rows do not change (its
+    rule has no such threshold); a bad value is one line and exit 2."""
+    from radixkv.bench import fleet_sim
+    from radixkv.bench.fleet_sim import goals
+
+    argv = ["--workloads", "hot", "--instances", "4", "--loads", "0.9", "--seeds", "0", "--requests", "120",
+            "--policies", "cost,cache_aware", "--jobs", "1"]
+    tables = {}
+    for extra in ([], ["--balance-abs", "64"], ["--balance-abs", "0", "--balance-rel", "1"]):
+        out = tmp_path / "t.txt"
+        assert fleet_sim.main([*argv, *extra, "--out", str(out)]) == 0
+        tables[" ".join(extra)] = out.read_text().splitlines()
+    capsys.readouterr()
+    profile = {k: next(line for line in t if line.startswith("# profile ")) for k, t in tables.items()}
+    assert "imbalance" not in profile[""]
+    assert profile["--balance-abs 64"].endswith("imbalance 64/1.5")
+    assert profile["--balance-abs 0 --balance-rel 1"].endswith("imbalance 0/1")
+    rows = {k: {line.split()[4]: line for line in t if line.startswith("hot ")} for k, t in tables.items()}
+    assert len({r["cost"] for r in rows.values()}) == 1
+    # balancing on any imbalance at all is another rule than balancing past 64 requests
+    assert rows["--balance-abs 64"]["cache_aware"] != rows["--balance-abs 0 --balance-rel 1"]["cache_aware"]
+    assert " of 3 (run, workload" in goals([line for t in tables.values() for line in t])[-1]
+    for bad in (["--balance-abs", "-1"], ["--balance-rel", "0.9"], ["--balance-rel", "nan"], ["--balance-rel", "inf"]):
+        assert fleet_sim.main([*argv, *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert bad[0] in err and err.count("\n") == 1, bad
