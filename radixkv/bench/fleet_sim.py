@@ -1546,8 +1546,8 @@ def in_order(fn: Callable[[Any], Any], items: Iterable[Any], argument: Callable[
     processes at once (in this one when ``jobs`` is 1).  At most ``2 x jobs`` items are taken from
     ``items`` ahead of the one yielded, so a generator's items are built as they are needed, not all
     at once.  A worker that dies (killed, out of memory) is ``WorkerDied``; what ``fn`` raises is
-    raised here.  Each item's
-    cost is ``fn``'s, plus pickling its arguments and answer to and from a worker."""
+    raised here.  Each item's cost is ``fn``'s, plus pickling its arguments and answer to and from
+    a worker (and a worker's start, about 2 s of imports, once per process)."""
     if jobs <= 1:
         for item in items:
             yield item, fn(argument(item))
@@ -1570,7 +1570,7 @@ def in_order(fn: Callable[[Any], Any], items: Iterable[Any], argument: Callable[
                 yield item, future.result()
         except BrokenProcessPool:
             raise WorkerDied("a simulating process died (killed, or out of memory?): rerun with fewer "
-                               "--jobs") from None
+                             "--jobs") from None
         finally:
             for _, future in ahead:
                 future.cancel()
