@@ -104,6 +104,7 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Sequence
 
 from radixkv.bench import out_file
 from radixkv.core.policy import LRU
+from radixkv.fleet.routing import BALANCE_ABS, BALANCE_REL
 from radixkv.tools._args import Parser, Refused
 
 __all__ = ["Fleet", "SimRequest", "default_pool", "fit_vllm_cpu", "fit_vllm_cpu_decode", "ideal_hits", "ideal_work",
@@ -979,7 +980,7 @@ class Fleet:
     def __init__(self, instances: int, policy: str, model: Any, block_tokens: int, *, pool_tokens: int,
                  cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False, affinity: float | None = None,
                  seed: int = 0, output_pages: bool = False, preempt: bool = False, router_model: Any = None,
-                 balance_abs: int = 16, balance_rel: float = 1.5) -> None:
+                 balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL) -> None:
         import simpy
 
         from radixkv.core.hashing import Namespace
@@ -1176,7 +1177,7 @@ def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, p
              pool_tokens: int, cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False,
              affinity: float | None = None, seed: int = 0, check: bool = False,
              output_pages: bool = False, preempt: bool = False, router_model: Any = None,
-             balance_abs: int = 16, balance_rel: float = 1.5) -> dict[str, Any]:
+             balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL) -> dict[str, Any]:
     """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary (with
     ``deferred``, the requests that arrived later than the workload says because their previous
     turn had not ended, and ``met_load``, the load they met as they arrived, ``fleet_load``, when
@@ -1382,13 +1383,13 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--cpu-tokens", type=int, default=None, help="CPU tier per instance (default: as the pool)")
     ap.add_argument("--budget", type=int, default=None, help="prompt tokens a step computes (default: the profile's)")
     ap.add_argument("--affinity", type=float, default=None, help="the cost policy's affinity (default: by load)")
-    ap.add_argument("--balance-abs", type=int, default=16,
+    ap.add_argument("--balance-abs", type=int, default=BALANCE_ABS,
                     help="prefix and cache_aware: imbalance past this many requests in flight between the most and "
-                         "least loaded instances (and --balance-rel) sends a request to the least loaded (default 16, "
-                         "as the router's; sglang-router's own default is 64)")
-    ap.add_argument("--balance-rel", type=float, default=1.5,
-                    help="prefix and cache_aware: ... and the most loaded past this many times the least (default 1.5, "
-                         "as the router's and sglang-router's)")
+                         "least loaded instances (and --balance-rel) sends a request to the least loaded (default "
+                         f"{BALANCE_ABS}, as the router's; sglang-router's own default is 64)")
+    ap.add_argument("--balance-rel", type=float, default=BALANCE_REL,
+                    help="prefix and cache_aware: ... and the most loaded past this many times the least (default "
+                         f"{BALANCE_REL:g}, as the router's and sglang-router's)")
     ap.add_argument("--p2p", action="store_true", help="an instance loads a prefix another's pool holds (PEER cost)")
     ap.add_argument("--shared", action="store_true",
                     help="a shared tier (S3-like, unbounded) holds every block once computed (SHARED cost)")
@@ -1612,7 +1613,7 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
         f"{', p2p' if args.p2p else ''}{', shared tier' if args.shared else ''}"
         f"{', output pages' if args.output_pages else ''}{' taken as decoded, preempting' if args.preempt else ''}"
         f", affinity {args.affinity}"
-        f"{'' if (args.balance_abs, args.balance_rel) == (16, 1.5) else f', imbalance {args.balance_abs}/{args.balance_rel:g}'}"
+        f"{'' if (args.balance_abs, args.balance_rel) == (BALANCE_ABS, BALANCE_REL) else f', imbalance {args.balance_abs}/{args.balance_rel:g}'}"
         f"{f'; the router estimates with the {router} profile' if router_model not in (None, model) else ''}")
     started = time.perf_counter()
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "

@@ -63,7 +63,7 @@ from typing import Any, Callable, Sequence
 
 from radixkv.core._checks import check_int
 from radixkv.fleet.hashing import ALGOS, request_extra_keys, vllm_block_hashes
-from radixkv.fleet.routing import POLICIES, PROFILES, Backend, Chooser, vllm_usable_blocks
+from radixkv.fleet.routing import BALANCE_ABS, BALANCE_REL, POLICIES, PROFILES, Backend, Chooser, vllm_usable_blocks
 
 __all__ = ["INSTANCE_HEADER", "ROUTE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits",
            "output_tokens", "pool_blocks"]
@@ -98,7 +98,7 @@ class Router:
                  block_size: int = 16, hash_algo: str = "sha256", hash_seed: str | None = None,
                  names: Callable[[list[int], str | None], list[Any]] | None = None,
                  tokenize: Callable[[dict[str, Any], bool], list[int]] | None = None,
-                 balance_abs: int = 16, balance_rel: float = 1.5, health_interval_s: float = 2.0,
+                 balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL, health_interval_s: float = 2.0,
                  health_timeout_s: float = 2.0, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 600.0, seed: int = 0, vocab_size: int | None = None,
                  max_model_len: int | None = None, profile: str = "h100-8b", affinity: float | None = None,
@@ -571,8 +571,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lora-modules", action="append", default=[], metavar="NAME=PATH",
                     help="a LoRA adapter the instances serve, as given to vllm serve --lora-modules (repeat for each): "
                          "a request whose model is NAME is routed by the block hashes vLLM gives it")
-    ap.add_argument("--balance-abs", type=int, default=16)
-    ap.add_argument("--balance-rel", type=float, default=1.5)
+    ap.add_argument("--balance-abs", type=int, default=BALANCE_ABS)
+    ap.add_argument("--balance-rel", type=float, default=BALANCE_REL)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                     help="the prompt tokens an instance's engine step computes, as its vllm serve "
                          "--max-num-batched-tokens (default 2048, vLLM's on CPU; 8192 on an H100 or H200): the "

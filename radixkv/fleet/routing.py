@@ -171,7 +171,7 @@ from typing import Any, Hashable, Mapping, Sequence
 from radixkv.core._checks import check_int
 from radixkv.fleet.index import Match, medium_rank
 
-__all__ = ["AUTO_CAP", "AUTO_MAX", "Backend", "Chooser", "CostModel", "Demand", "POLICIES", "PROFILES", "Recent",
+__all__ = ["AUTO_CAP", "AUTO_MAX", "BALANCE_ABS", "BALANCE_REL", "Backend", "Chooser", "CostModel", "Demand", "POLICIES", "PROFILES", "Recent",
            "STREAM_AFTER", "auto_affinity", "pages_alone", "vllm_usable_blocks"]
 
 POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin", "random")
@@ -192,6 +192,12 @@ STREAM_AFTER = 0.1
 #: Arrivals per instance over which the cost policy averages the fleet's load (``Chooser.load``:
 #: each arrival moves it ``1 / (LOAD_ARRIVALS x instances)`` of the way to the fraction busy now).
 LOAD_ARRIVALS = 8
+
+#: ``prefix``'s and ``cache_aware``'s imbalance: past this many more requests in flight on the most
+#: loaded instance than on the least (``BALANCE_ABS``) and this many times as many (``BALANCE_REL``),
+#: a request goes to the least loaded.  sglang-router 0.3.2's own defaults are 64 and 1.5.
+BALANCE_ABS = 16
+BALANCE_REL = 1.5
 
 #: Dynamo's published overlap credit per medium (its KV router documentation).
 DYNAMO_CREDIT = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
@@ -482,7 +488,7 @@ class Chooser:
 
     def __init__(self, policy: str = "cost", *, block_size: int = 16, lookup: Any = None, spread: Any = None,
                  model: CostModel | None = None, affinity: float | None = None, p2p: bool = False,
-                 shared: Any = None, balance_abs: int = 16, balance_rel: float = 1.5,
+                 shared: Any = None, balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL,
                  cache_threshold: float = 0.3, overlap_weight: float = 1.0, recent: Recent | None = None,
                  budget: int = 2048, seed: int = 0) -> None:
         if policy not in POLICIES:
