@@ -964,14 +964,17 @@ class _Instance:
                 else:
                     r.ttft = env.now - r.arrival
                     f.chooser.prefilled(f.backend[self.name], r.charge, r.names, env.now, r.sent_at, r.tokens,
-                                        f.told(r))
+                                        f.told(r), key=r.rid)
                     r.left = r.output - 1
                 self.running.append(r)
             self.finishing = []
-            for r in [r for r in self.running if r.left <= 1e-9]:
+            ends = [r for r in self.running if r.left <= 1e-9]
+            for r in ends:
                 self.running.remove(r)
                 self.end(r)
             self.publish()
+            if done or ends:        # the router heard a first token or an end
+                f.rebalance()
 
 
 class Fleet:
@@ -980,7 +983,7 @@ class Fleet:
     def __init__(self, instances: int, policy: str, model: Any, block_tokens: int, *, pool_tokens: int,
                  cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False, affinity: float | None = None,
                  seed: int = 0, output_pages: bool = False, preempt: bool = False, router_model: Any = None,
-                 balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL) -> None:
+                 balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL, rebalance: bool = False) -> None:
         import simpy
 
         from radixkv.core.hashing import Namespace
@@ -992,6 +995,8 @@ class Fleet:
         if preempt and not output_pages:
             raise ValueError("preempt: only with output_pages (without them a request takes no page as it decodes)")
         self.preempt = preempt
+        self.rebalanced = 0         # requests moved while they waited (``rebalance``)
+        self._by_rid: dict[Any, SimRequest] = {}
         self.env = simpy.Environment()
         self.model, self.block_tokens, self.budget = model, block_tokens, budget
         self.pool_blocks = max(2, pool_tokens // block_tokens)
@@ -1004,7 +1009,7 @@ class Fleet:
         self.chooser = Chooser(policy, block_size=block_tokens, lookup=self.index.lookup,
                                spread=self.index.lookup_spread, model=router_model or model,
                                affinity=affinity, p2p=p2p, shared=self._shared_run if shared else None, seed=seed,
-                               balance_abs=balance_abs, balance_rel=balance_rel)
+                               balance_abs=balance_abs, balance_rel=balance_rel, rebalance=rebalance)
         #: the CPU tiers' keys of the generated blocks cached so far, which the tiers decline
         self.generated_keys: set[bytes] = set()
         #: with ``output_pages`` and a CPU tier: the tier keys of the prompts that arrived, which the
@@ -1105,11 +1110,30 @@ class Fleet:
         choice = self.chooser.choose(self.backends, r.tokens, r.names, now, output=self.told(r))
         backend = choice.order[0]
         r.instance, r.why = backend.name, choice.why
-        r.charge, r.sent_at = self.chooser.sent(backend, r.tokens, choice.promised, r.names, now, self.told(r)), now
+        r.charge, r.sent_at = self.chooser.sent(backend, r.tokens, choice.promised, r.names, now, self.told(r),
+                                                key=r.rid), now
         inst = self.by_name[backend.name]
         inst.waiting.append(r)
         if not inst.wake.triggered:
             inst.wake.succeed()
+
+    def rebalance(self) -> None:
+        """Move the requests the router takes from one instance's queue to another's
+        (``Chooser.rebalance``), none that its engine has started (a real router cannot tell, and
+        would drop one's work).  O(instances ** 2 x a choice) at most."""
+        def movable(rid: int) -> bool:
+            r = self._by_rid[rid]
+            return not r.started and r in self.by_name[r.instance].waiting
+
+        for m in self.chooser.rebalance(self.backends, self.env.now, movable):
+            r = self._by_rid[m.key]
+            self.by_name[m.source.name].waiting.remove(r)
+            r.instance, r.why, r.charge, r.sent_at = m.target.name, "rebalance", m.charge, m.sent_at
+            self.rebalanced += 1
+            inst = self.by_name[m.target.name]
+            inst.waiting.append(r)
+            if not inst.wake.triggered:
+                inst.wake.succeed()
 
     def run(self, requests: Sequence[SimRequest]) -> None:
         """Serve ``requests`` (arrival order) to the end; one whose previous turn (``after``) has
@@ -1117,7 +1141,7 @@ class Fleet:
         never start, and a request after one that is not an earlier request of the run could never
         arrive: ``ValueError`` before anything runs."""
         check_pool(requests, self.block_tokens, self.pool_blocks, self.output_pages)
-        by_rid = {r.rid: r for r in requests}
+        by_rid = self._by_rid = {r.rid: r for r in requests}
         for r in requests:
             first = by_rid.get(r.after)
             if r.after != -1 and (first is None or (first.arrival, first.rid) >= (r.arrival, r.rid)):
@@ -1177,18 +1201,21 @@ def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, p
              pool_tokens: int, cpu_tokens: int, budget: int, p2p: bool = False, shared: bool = False,
              affinity: float | None = None, seed: int = 0, check: bool = False,
              output_pages: bool = False, preempt: bool = False, router_model: Any = None,
-             balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL) -> dict[str, Any]:
+             balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL,
+             rebalance: bool = False) -> dict[str, Any]:
     """Run one fleet over ``requests`` (copied: the caller's are not changed); the summary (with
     ``deferred``, the requests that arrived later than the workload says because their previous
     turn had not ended, and ``met_load``, the load they met as they arrived, ``fleet_load``, when
     any did).  The instances cost ``model``; the router estimates with ``router_model`` (default:
     ``model``); ``balance_abs`` and ``balance_rel`` are the imbalance thresholds of ``prefix`` and
-    ``cache_aware`` (``Chooser``'s, the HTTP router's defaults; sglang-router's are 64 and 1.5).
+    ``cache_aware`` (``Chooser``'s, the HTTP router's defaults; sglang-router's are 64 and 1.5);
+    ``rebalance``: the cost policy's rule 9 (``Chooser.rebalance``).
     Cost: the simulation's, about O(requests x (instances + prompt blocks)) events and lookups."""
     reqs = [SimRequest(r.rid, r.arrival, r.blocks, r.tokens, r.output, r.answer, r.after) for r in requests]
     fleet = Fleet(instances, policy, model, block_tokens, pool_tokens=pool_tokens, cpu_tokens=cpu_tokens,
                   budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed, output_pages=output_pages,
-                  preempt=preempt, router_model=router_model, balance_abs=balance_abs, balance_rel=balance_rel)
+                  preempt=preempt, router_model=router_model, balance_abs=balance_abs, balance_rel=balance_rel,
+                  rebalance=rebalance)
     fleet.run(reqs)
     if check:
         fleet.check()
@@ -1390,6 +1417,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--balance-rel", type=float, default=BALANCE_REL,
                     help="prefix and cache_aware: ... and the most loaded past this many times the least (default "
                          f"{BALANCE_REL:g}, as the router's and sglang-router's)")
+    ap.add_argument("--rebalance", action="store_true",
+                    help="the cost policy moves a request still waiting on one instance to one that fell free "
+                         "(rule 9, Chooser.rebalance; as radixkv route --rebalance)")
     ap.add_argument("--p2p", action="store_true", help="an instance loads a prefix another's pool holds (PEER cost)")
     ap.add_argument("--shared", action="store_true",
                     help="a shared tier (S3-like, unbounded) holds every block once computed (SHARED cost)")
@@ -1614,6 +1644,7 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
         f"{', output pages' if args.output_pages else ''}{' taken as decoded, preempting' if args.preempt else ''}"
         f", affinity {args.affinity}"
         f"{'' if (args.balance_abs, args.balance_rel) == (BALANCE_ABS, BALANCE_REL) else f', imbalance {args.balance_abs}/{args.balance_rel:g}'}"
+        f"{', rebalancing' if args.rebalance else ''}"
         f"{f'; the router estimates with the {router} profile' if router_model not in (None, model) else ''}")
     started = time.perf_counter()
     say(f"{'workload':10} {'n':>3} {'load':>5} {'seed':>4} {'policy':13} {'hit':>6} {'p50 s':>8} {'p95 s':>8} "
@@ -1627,7 +1658,7 @@ def _report(args: argparse.Namespace, argv: list[str] | None, policies: list[str
                     cpu_tokens=args.cpu_tokens if args.cpu_tokens is not None else pool, budget=budget,
                     p2p=args.p2p, shared=args.shared, affinity=args.affinity, seed=seed,
                     output_pages=args.output_pages, preempt=args.preempt, router_model=router_model,
-                    balance_abs=args.balance_abs, balance_rel=args.balance_rel)
+                    balance_abs=args.balance_abs, balance_rel=args.balance_rel, rebalance=args.rebalance)
 
     jobs = args.jobs or cpus()
     for (kind, n, load, seed, policy, *_), s in in_order(_simulate, runs, kwargs, jobs):

@@ -37,13 +37,20 @@ Contract:
   a 503 with a JSON error.  A stream cut after bytes went out ends with an SSE ``error`` event and
   ``[DONE]``.  No request is lost silently: each is answered, and counted under its outcome.
   An instance's answer carries ``X-Radixkv-Instance``: the instance's position in the list, and
-  ``X-Radixkv-Route``: why it went there (the decision's reason, or ``retry``).
+  ``X-Radixkv-Route``: why it went there (the decision's reason, ``retry``, or ``rebalance``).
+* **Rebalancing** (``--rebalance``, the cost policy's rule 9, ``Chooser.rebalance``).  When a first
+  token or an end comes back, an instance with nothing waiting may take the request sent last to
+  an instance where two or more wait for their first token.  The router drops that upstream
+  request (vLLM aborts a request whose connection closes) and sends it on; the client's response
+  starts only with an instance's first byte, so it has been sent nothing.  The dropped attempt is
+  counted under the outcome ``rebalanced``, the decision under the reason ``rebalance``.
 * **Validation.**  A request an instance would choke on is answered 400 by the router and never
   forwarded: a body that is not a JSON object, a token-id prompt that is not a list of ints, an id
   outside the model's vocabulary, a prompt (or prompt and ``max_tokens``) longer than its context
   (``vocab_size`` / ``max_model_len``, from the model's ``config.json``).  Every request is
   counted under its real outcome: ``ok`` (2xx/3xx), ``http_<status>`` (an instance's 4xx or 5xx,
-  and the router's own 400s under the backend ``none``), ``retried``, ``cut``, ``unavailable``.
+  and the router's own 400s under the backend ``none``), ``retried``, ``cut``, ``unavailable``
+  (and an attempt dropped for another instance, ``rebalanced``).
 * **Bounds.**  Connecting to an instance waits ``connect_timeout_s``; a whole request
   ``request_timeout_s``.  Naming a prompt costs one hash per block (microseconds each); the index
   lookup O(matched blocks + instances).
@@ -56,6 +63,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import logging
 import time
@@ -63,7 +72,7 @@ from typing import Any, Callable, Sequence
 
 from radixkv.core._checks import check_int
 from radixkv.fleet.hashing import ALGOS, request_extra_keys, vllm_block_hashes
-from radixkv.fleet.routing import BALANCE_ABS, BALANCE_REL, POLICIES, PROFILES, Backend, Chooser, vllm_usable_blocks
+from radixkv.fleet.routing import BALANCE_ABS, BALANCE_REL, POLICIES, PROFILES, Backend, Chooser, Move, vllm_usable_blocks
 
 __all__ = ["INSTANCE_HEADER", "ROUTE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits",
            "output_tokens", "pool_blocks"]
@@ -103,7 +112,8 @@ class Router:
                  request_timeout_s: float = 600.0, seed: int = 0, vocab_size: int | None = None,
                  max_model_len: int | None = None, profile: str = "h100-8b", affinity: float | None = None,
                  p2p: bool = False, lora_modules: dict[str, str] | None = None,
-                 max_num_batched_tokens: int = 2048, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_num_batched_tokens: int = 2048, clock: Callable[[], float] = time.monotonic,
+                 rebalance: bool = False) -> None:
         if not backends:
             raise ValueError("backends: give at least one instance URL")
         for url in backends:
@@ -146,10 +156,14 @@ class Router:
                                lookup=None if follower is None else follower.lookup,
                                spread=getattr(follower, "lookup_spread", None), model=PROFILES[profile],
                                affinity=affinity, p2p=p2p, balance_abs=balance_abs, balance_rel=balance_rel,
-                               budget=max_num_batched_tokens, seed=seed)
+                               budget=max_num_batched_tokens, seed=seed, rebalance=rebalance)
         self._session: Any = None
         self._health_task: asyncio.Task[None] | None = None
         self._metrics = _Metrics([b.name for b in self.backends])
+        #: Each request waiting for its first token (by its key for ``Chooser.sent``): the future
+        #: ``_rebalance`` sets when an instance that fell free takes it.
+        self._moves: dict[Any, asyncio.Future[Any]] = {}
+        self._keys = itertools.count()
         #: Instances whose ``GET /metrics`` answered since they last came up: an answer without a
         #: pool (an engine that is not vLLM, a 404) is not asked again until the instance has been
         #: down or its KV events restarted; a request that failed or a 5xx is asked again at the
@@ -331,35 +345,62 @@ class Router:
         self._metrics.routed(choice.why, choice.promised)
         stream = bool(body.get("stream"))
         length = len(tokens or ())
+        key = next(self._keys)
         for attempt, backend in enumerate(choice.order):
             if attempt:
                 self._metrics.retry()
             sent_at = self.clock()
             charge = self.chooser.sent(backend, length, choice.promised if attempt == 0 else 0, choice.names, sent_at,
-                                       output)
+                                       output, key=key)
             self._metrics.in_flight(backend.name, backend.in_flight)
-            first = [False]
+            why = "retry" if attempt else choice.why
+            while True:
+                first = [False]
+                moved = self._moves[key] = asyncio.get_running_loop().create_future()
 
-            def prefilled(backend: Backend = backend, charge: int = charge, first: list[bool] = first,
-                          sent_at: float = sent_at) -> None:
-                if not first[0]:
-                    first[0] = True
-                    self.chooser.prefilled(backend, charge, choice.names, self.clock(), sent_at, length, output)
+                def prefilled(backend: Backend = backend, charge: int = charge, first: list[bool] = first,
+                              sent_at: float = sent_at) -> None:
+                    if not first[0]:
+                        first[0] = True
+                        self._moves.pop(key, None)
+                        self.chooser.prefilled(backend, charge, choice.names, self.clock(), sent_at, length, output,
+                                               key=key)
+                        self._rebalance()
 
-            try:
-                result = await self._forward(request, backend, path, body, stream, prefilled,
-                                             "retry" if attempt else choice.why)
-            finally:
-                # a stream's first token came before its end: the time between shows the decode
-                # steps; a response read whole shows neither
-                streamed = first[0]
-                prefilled()
-                self.chooser.ended(backend, length, choice.names, output, self.clock() if streamed else None)
+                result: Any = None
+                try:
+                    result = await self._forward(request, backend, path, body, stream, prefilled, why, moved)
+                finally:
+                    self._moves.pop(key, None)
+                    if not isinstance(result, Move):
+                        # a stream's first token came before its end: the time between shows the
+                        # decode steps; a response read whole shows neither
+                        streamed = first[0]
+                        prefilled()
+                        self.chooser.ended(backend, length, choice.names, output, self.clock() if streamed else None)
+                        self._metrics.in_flight(backend.name, backend.in_flight)
+                        self._rebalance()
+                if not isinstance(result, Move):
+                    break
+                # taken by an instance that fell free (the router's counts already moved it)
+                self._metrics.request(backend.name, "rebalanced")
+                self._metrics.in_flight(backend.name, backend.in_flight)
+                backend, charge, sent_at, why = result.target, result.charge, result.sent_at, "rebalance"
                 self._metrics.in_flight(backend.name, backend.in_flight)
             if result is not None:
                 return result
         self._metrics.request("none", "unavailable")
         return _error(web, 503, "no instance could serve the request", "unavailable")
+
+    def _rebalance(self) -> None:
+        """Rule 9 of the cost policy (``Chooser.rebalance``): each request an instance that fell
+        free takes is told to move (its ``_forward`` drops the upstream request, which vLLM
+        aborts, and it is sent on).  Called when the router hears a first token or an end.
+        O(instances ** 2 x a choice) at most."""
+        for move in self.chooser.rebalance(self.backends, self.clock(),
+                                           lambda key: key in self._moves and not self._moves[key].done()):
+            self._metrics.routed("rebalance", 0)
+            self._moves[move.key].set_result(move)
 
     def invalid(self, body: dict[str, Any], tokens: list[int] | None) -> str | None:
         """Why the router refuses ``body`` (its prompt ``tokens`` when known), or ``None``: a
@@ -398,20 +439,51 @@ class Router:
         return _error(web, 400, message)
 
     async def _forward(self, request: Any, backend: Backend, path: str, body: dict[str, Any],
-                       stream: bool, prefilled: Callable[[], None], why: str) -> Any:
-        """Proxy to ``backend``; the response, or ``None`` when it failed before a byte went to
-        the client (the caller tries the next instance).  ``prefilled()`` is called at the first
-        byte of a stream (its first token); ``why``: the reason the response's ``ROUTE_HEADER``
-        gives."""
+                       stream: bool, prefilled: Callable[[], None], why: str, moved: asyncio.Future[Any]) -> Any:
+        """Proxy to ``backend``; the response, ``None`` when it failed before a byte went to the
+        client (the caller tries the next instance), or the ``Move`` that ``moved`` gave before
+        the instance answered (its upstream request dropped: vLLM aborts it).  ``prefilled()`` is
+        called at the first byte of a stream (its first token); ``why``: the reason the
+        response's ``ROUTE_HEADER`` gives.  The client's response starts only with the instance's
+        first byte, so a request that moves has sent the client nothing."""
         import aiohttp
         from aiohttp import web
 
         out: Any = None
         named = {INSTANCE_HEADER: str(self.backends.index(backend)), ROUTE_HEADER: why}
-        try:
-            async with self._session.post(f"{backend.url}{path}", json=body) as r:
+
+        async def answer() -> tuple[Any, bytes | None, Any, bytes]:
+            """The upstream response and either its whole body or its stream's first piece; once
+            either is here, the request can no longer move (unless it already did)."""
+            r = await self._session.post(f"{backend.url}{path}", json=body)
+            try:
                 if not stream or r.status != 200:
-                    data = await r.read()
+                    data, pieces, piece = await r.read(), None, b""
+                else:
+                    data, pieces = None, r.content.iter_any().__aiter__()
+                    piece = await anext(pieces, b"")
+            except BaseException:
+                r.close()
+                raise
+            if not moved.done():
+                moved.cancel()          # here first: it stays, whatever the router does next
+                if data is None:
+                    prefilled()         # a stream's first token (a whole answer's comes at its end)
+            return r, data, pieces, piece
+
+        upstream = asyncio.ensure_future(answer())
+        r: Any = None
+        try:
+            await asyncio.wait({upstream, moved}, return_when=asyncio.FIRST_COMPLETED)
+            if moved.done() and not moved.cancelled():      # moved: whatever the instance said is dropped
+                upstream.cancel()
+                with contextlib.suppress(BaseException):
+                    got = await upstream
+                    got[0].close()
+                return moved.result()
+            r, data, pieces, piece = await upstream
+            try:
+                if data is not None:
                     self._metrics.request(backend.name, "ok" if r.status < 400 else f"http_{r.status}")
                     if r.status >= 500:
                         return None if r.status in (502, 503) else web.Response(
@@ -420,12 +492,16 @@ class Router:
                 out = web.StreamResponse(status=200, headers={"Content-Type": r.headers.get(
                     "Content-Type", "text/event-stream"), "Cache-Control": "no-cache", **named})
                 await out.prepare(request)
-                async for piece in r.content.iter_any():
-                    prefilled()
+                if piece:
                     await out.write(piece)
+                    async for piece in pieces:
+                        prefilled()
+                        await out.write(piece)
                 await out.write_eof()
                 self._metrics.request(backend.name, "ok")
                 return out
+            finally:
+                r.release()
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             backend.healthy = False
             self._metrics.healthy(backend.name, False)
@@ -442,6 +518,9 @@ class Router:
             except (ConnectionError, RuntimeError):
                 pass
             return out
+        finally:
+            if not upstream.done():     # the client went away: so does the upstream request
+                upstream.cancel()
 
     async def _models(self, request: Any) -> Any:
         from aiohttp import web
@@ -480,7 +559,7 @@ class _Metrics:
 
         self.registry = CollectorRegistry()
         self._requests = Counter("radixkv_router_requests_total", "Requests by instance and outcome "
-                                 "(ok, http_<status>, retried, cut, unavailable)", ["backend", "outcome"],
+                                 "(ok, http_<status>, retried, cut, unavailable, rebalanced)", ["backend", "outcome"],
                                  registry=self.registry)
         self._routed = Counter("radixkv_router_routed_total", "Routing decisions by reason", ["reason"],
                                registry=self.registry)
@@ -573,6 +652,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "a request whose model is NAME is routed by the block hashes vLLM gives it")
     ap.add_argument("--balance-abs", type=int, default=BALANCE_ABS)
     ap.add_argument("--balance-rel", type=float, default=BALANCE_REL)
+    ap.add_argument("--rebalance", action="store_true",
+                    help="cost policy: a request still waiting for its first token on one instance moves to an "
+                         "instance that fell free when it would be sooner there (the upstream request is dropped, "
+                         "which vLLM aborts; the client has been sent nothing)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                     help="the prompt tokens an instance's engine step computes, as its vllm serve "
                          "--max-num-batched-tokens (default 2048, vLLM's on CPU; 8192 on an H100 or H200): the "
@@ -629,7 +712,7 @@ def build(args: argparse.Namespace) -> Router:
                       vocab_size=args.vocab_size if args.vocab_size is not None else vocab,
                       max_model_len=args.max_model_len if args.max_model_len is not None else context,
                       profile=args.cost_profile, affinity=args.affinity, p2p=args.p2p, lora_modules=lora,
-                      max_num_batched_tokens=args.max_num_batched_tokens)
+                      max_num_batched_tokens=args.max_num_batched_tokens, rebalance=args.rebalance)
     except (TypeError, ValueError, OSError):
         if follower is not None:
             follower.close()

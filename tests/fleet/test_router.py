@@ -322,6 +322,39 @@ def test_the_cost_policy_counts_the_queued_tokens_of_requests_in_flight() -> Non
                              policy="cost"))
 
 
+def test_a_request_waiting_on_a_busy_instance_moves_to_one_that_fell_free() -> None:
+    """Three cold prompts wait on a slow instance while the other is down; it comes back, serves a
+    short request, and as that ends the router moves the last of the three there (rule 9): the
+    client gets that instance's answer, routed ``rebalance``, and nothing of the first; the first
+    of the three never moves (it is not the last of two or more), and every count is back to 0."""
+    async def body(client: TestClient, router: Router, urls: list[str]) -> None:
+        a, b = router.backends
+        b.healthy = False
+        sent = [asyncio.ensure_future(client.post("/v1/completions", json={
+            "prompt": list(range(1000 * k, 1000 * k + 640)), "stream": k % 2 == 0})) for k in range(3)]
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if a.waiting == 3:
+                break
+        assert (a.waiting, b.waiting) == (3, 0)
+        b.healthy = True
+        short = await client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+        assert (await short.json())["backend"] == "b"
+        answers = [await r for r in sent]
+        served = [(await r.text(), r.headers["X-Radixkv-Route"]) for r in answers]
+        assert all(r.status == 200 for r in answers)
+        assert '"backend": "a"' in served[0][0] and served[0][1] == "cost", "the first never moves"
+        assert '"backend": "b"' in served[2][0] and served[2][1] == "rebalance", "the last moved"
+        assert '"backend": "a"' not in served[2][0], "nothing of the first instance's reached the client"
+        moved = sum(1 for _, why in served if why == "rebalance")
+        metrics = await (await client.get("/metrics")).text()
+        assert f'radixkv_router_requests_total{{backend="{urls[0]}",outcome="rebalanced"}} {moved}.0' in metrics
+        assert f'radixkv_router_routed_total{{reason="rebalance"}} {moved}.0' in metrics
+
+    asyncio.run(_with_router({"a": fake_backend("a", delay_s=1.0), "b": fake_backend("b", delay_s=0.05)}, body,
+                             policy="cost", rebalance=True))
+
+
 absent = object()
 
 

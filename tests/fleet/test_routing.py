@@ -1236,3 +1236,96 @@ def test_a_request_that_ends_frees_none_of_the_blocks_the_waiting_prompt_reuses(
     expected = 0.0 if need <= 0 else max(0.0, 0.5 + (output - 1) * step - 1.0) if need <= alone else None
     got = chooser.page_wait(b, names, own, 1.0)
     assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected)), (got, expected)
+
+
+def test_an_instance_that_falls_free_takes_the_last_request_waiting_where_it_is_sooner() -> None:
+    """Three cold prompts wait on one instance, the other has nothing waiting: rebalancing moves the
+    last of them there (its queue ahead of it on the first is longer than its own prefill on the
+    second), the router's counts follow it, and its first token is then told with the move's charge
+    and send time.  A request ``movable`` refuses stays; no other policy moves anything, nor the
+    cost policy unless asked to."""
+    a, b = backends(2)
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL, rebalance=True)
+    names = {k: [("p", k, j) for j in range(60)] for k in range(3)}
+    charges = {k: chooser.sent(a, 1000, 0, names[k], now=float(k), key=k) for k in range(3)}
+    assert chooser.rebalance([a, b], 5.0, movable=lambda key: key != 2) == [], "the last one is not movable"
+    chooser.check([a, b])
+    moves = chooser.rebalance([a, b], 5.0)
+    assert moves and moves[0].key == 2 and moves[0].source is a and moves[0].target is b
+    assert moves[0].charge == 1000 and moves[0].sent_at == 5.0
+    assert (a.waiting, b.waiting) == (3 - len(moves), len(moves)) and a.queued_tokens + b.queued_tokens == 3000
+    chooser.check([a, b])
+    assert chooser.rebalance([a, b], 5.0) == [], "what moved is where it is sooner: nothing more moves"
+    moved = {m.key: m for m in moves}
+    for k in range(3):
+        where, charge, sent_at = (b, moved[k].charge, 5.0) if k in moved else (a, charges[k], float(k))
+        chooser.prefilled(where, charge, names[k], 6.0, sent_at, 1000, None, key=k)
+        chooser.ended(where, 1000, names[k], None, 7.0)
+        chooser.check([a, b])
+    assert all(x.in_flight == x.waiting == x.queued_tokens == 0 for x in (a, b))
+    for policy in ("prefix", "cache_aware", "dynamo", "least_loaded", "round_robin"):
+        a, b = backends(2)
+        other = Chooser(policy, block_size=16, lookup=lambda _: {}, model=MODEL, rebalance=True)
+        for k in range(3):
+            other.sent(a, 1000, 0, names[k], now=float(k), key=k)
+        assert other.rebalance([a, b], 5.0) == [], policy
+    a, b = backends(2)
+    off = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL)
+    for k in range(3):
+        off.sent(a, 1000, 0, names[k], now=float(k), key=k)
+    assert off.rebalance([a, b], 5.0) == [], "off unless asked for"
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(2, 4), ops=st.lists(st.tuples(st.sampled_from("ssspper"), st.integers(0, 10**6)), max_size=40))
+def test_rebalancing_keeps_every_count_and_moves_only_from_two_waiting_to_none(n: int, ops: list[tuple[str, int]]) -> None:
+    """Requests sent (prompts of shared and own blocks, some with pages for their output; chosen or
+    sent anywhere), first tokens,
+    ends and rebalancing in any order: after each step the router's counts pass ``check``; a move
+    takes the request sent last to an instance where two or more wait, to one where none did, and
+    its record goes with it; rebalancing again at once moves nothing."""
+    bs = backends(n)
+    pool = [None, 40, 400]
+    for i, b in enumerate(bs):
+        b.pool_blocks = pool[i % len(pool)]
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL, rebalance=True)
+    # waiting: where, charge, sent_at, names, tokens, output, and when it got there (moves too)
+    where: dict[int, tuple[Backend, int, float, list[Any], int, int | None, int]] = {}
+    turn = itertools.count()
+    decoding: list[tuple[Backend, list[Any], int, int | None]] = []
+    now = 0.0
+    for k, (op, x) in enumerate(ops):
+        now += 0.01
+        if op == "s":
+            tokens = 16 * (1 + x % 12)
+            names = [("shared", j) for j in range(x % 3)] + [("own", k, j) for j in range(tokens // 16 - x % 3)]
+            output = None if x % 2 else 1 + x % 50
+            # chosen, or (as a retry or the instance's own choice would) any instance
+            b = chooser.choose(bs, tokens, names, now, output).order[0] if x % 3 else bs[x // 3 % n]
+            where[k] = (b, chooser.sent(b, tokens, 0, names, now, output, key=k), now, names, tokens, output, next(turn))
+        elif op == "p" and where:
+            key = sorted(where)[x % len(where)]
+            b, charge, sent_at, names, tokens, output, _ = where.pop(key)
+            chooser.prefilled(b, charge, names, now, sent_at, tokens, output, key=key)
+            decoding.append((b, names, tokens, output))
+        elif op == "e" and decoding:
+            b, names, tokens, output = decoding.pop(x % len(decoding))
+            chooser.ended(b, tokens, names, output, now)
+        elif op == "r":
+            free = {b.name for b in bs if not b.waiting}
+            last = {b.name: max((key for key, w in where.items() if w[0] is b), key=lambda key: where[key][6],
+                                default=None) for b in bs}
+            for move in chooser.rebalance(bs, now):
+                assert move.target.name in free and move.source.name not in free
+                assert move.key == last[move.source.name], "the request sent last there moves"
+                _, _, _, names, tokens, output, _ = where[move.key]
+                where[move.key] = (move.target, move.charge, move.sent_at, names, tokens, output, next(turn))
+                last = {b.name: max((key for key, w in where.items() if w[0] is b), key=lambda key: where[key][6],
+                                    default=None) for b in bs}
+            event("a move" if any(w[2] == now for w in where.values()) else "no move")
+            assert chooser.rebalance(bs, now) == []
+        chooser.check(bs)
+        for b in bs:
+            mine = [key for key, w in where.items() if w[0] is b]
+            assert b.waiting == len(mine) and list(chooser._waiting.get(b.name, {})) == sorted(
+                mine, key=lambda key: where[key][6]), f"{b.name}: the requests waiting there"
