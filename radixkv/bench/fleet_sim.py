@@ -1175,6 +1175,12 @@ class Fleet:
         if end is not None:
             end.succeed()
 
+    def close(self) -> None:
+        """Close every instance's cache (its CPU tier's writer and loader threads stop): a fleet
+        left open keeps its caches, their threads and every request alive.  O(instances)."""
+        for inst in self.instances:
+            inst.cache.close()
+
     def check(self) -> None:
         """Every instance's cache and the index pass their ``check()``; the router's counters; the
         pages each instance's requests took and have not given to the pool (a started prompt's
@@ -1216,9 +1222,12 @@ def simulate(requests: list[SimRequest], block_tokens: int, *, instances: int, p
                   budget=budget, p2p=p2p, shared=shared, affinity=affinity, seed=seed, output_pages=output_pages,
                   preempt=preempt, router_model=router_model, balance_abs=balance_abs, balance_rel=balance_rel,
                   rebalance=rebalance)
-    fleet.run(reqs)
-    if check:
-        fleet.check()
+    try:
+        fleet.run(reqs)
+        if check:
+            fleet.check()
+    finally:
+        fleet.close()
     out = summary(reqs, fleet)
     # the load the requests met as they arrived, when a turn waited for its answer (``after``)
     out["met_load"] = fleet_load(reqs, block_tokens, model, instances, output_pages) if out["deferred"] else None

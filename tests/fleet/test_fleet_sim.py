@@ -1388,3 +1388,24 @@ def test_requests_a_busy_instance_queued_move_to_one_that_fell_free_and_are_serv
     assert len(moved) <= fleet.rebalanced and all(r.ttft == r.ttft for r in reqs)
     again, reqs2 = once()
     assert summary(reqs, fleet)["ttft"] == summary(reqs2, again)["ttft"] and fleet.rebalanced == again.rebalanced
+
+
+def test_a_simulation_leaves_no_thread_and_no_fleet_behind() -> None:
+    """``simulate`` closes its fleet's caches: their CPU tiers' writer and loader threads stop, and
+    nothing of the fleet stays alive (a process running hundreds of cells, as ``--jobs``' workers
+    do, once grew by 10-30 MB a cell until the kernel killed it)."""
+    import gc
+    import threading
+
+    from radixkv.bench.fleet_sim import default_pool
+
+    gc.collect()
+    before = {t.ident for t in threading.enumerate()}
+    fleets = sum(1 for o in gc.get_objects() if isinstance(o, Fleet))       # other tests' own
+    reqs, bt = workload("shape61", 60, 0)
+    pool = default_pool("shape61", reqs, bt)
+    scale_to_load(reqs, bt, MODEL, 3, 0.8)
+    simulate(reqs, bt, instances=3, policy="cost", model=MODEL, pool_tokens=pool, cpu_tokens=pool, budget=8192)
+    gc.collect()
+    assert [t.name for t in threading.enumerate() if t.ident not in before] == []
+    assert sum(1 for o in gc.get_objects() if isinstance(o, Fleet)) <= fleets, "a fleet outlived its simulation"
