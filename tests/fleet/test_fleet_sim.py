@@ -1401,11 +1401,11 @@ def test_a_simulation_leaves_no_thread_and_no_fleet_behind() -> None:
 
     gc.collect()
     before = {t.ident for t in threading.enumerate()}
-    fleets = sum(1 for o in gc.get_objects() if isinstance(o, Fleet))       # other tests' own
+    fleets = sum(1 for o in gc.get_objects() if type(o) is Fleet)       # other tests' own
     reqs, bt = workload("shape61", 60, 0)
     pool = default_pool("shape61", reqs, bt)
     scale_to_load(reqs, bt, MODEL, 3, 0.8)
     simulate(reqs, bt, instances=3, policy="cost", model=MODEL, pool_tokens=pool, cpu_tokens=pool, budget=8192)
     gc.collect()
     assert [t.name for t in threading.enumerate() if t.ident not in before] == []
-    assert sum(1 for o in gc.get_objects() if isinstance(o, Fleet)) <= fleets, "a fleet outlived its simulation"
+    assert sum(1 for o in gc.get_objects() if type(o) is Fleet) <= fleets, "a fleet outlived its simulation"
