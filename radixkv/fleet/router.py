@@ -72,7 +72,8 @@ from typing import Any, Callable, Sequence
 
 from radixkv.core._checks import check_int
 from radixkv.fleet.hashing import ALGOS, request_extra_keys, vllm_block_hashes
-from radixkv.fleet.routing import BALANCE_ABS, BALANCE_REL, POLICIES, PROFILES, Backend, Chooser, Move, vllm_usable_blocks
+from radixkv.fleet.routing import (BALANCE_ABS, BALANCE_REL, POLICIES, PROFILES, Backend, Chooser, Move,
+                                   vllm_usable_blocks)
 
 __all__ = ["INSTANCE_HEADER", "ROUTE_HEADER", "Backend", "Router", "add_arguments", "main", "model_limits",
            "output_tokens", "pool_blocks"]

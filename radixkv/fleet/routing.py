@@ -139,18 +139,18 @@ Contract:
        multiple of the instances: on two instances with bursts of 6, every new tenant).
     9. **Rebalancing** (``Chooser.rebalance``; ``why`` is ``"rebalance"``; off unless asked for:
        ``Chooser(rebalance=True)``, ``radixkv route --rebalance``, ``fleet_sim --rebalance``).
-       When the router hears a first token or an end, an instance with no request waiting for its first token
-       may take the request sent last to an instance where two or more wait: if, chosen for
-       again as if it arrived now (rules 1 to 8, with the queue it would leave ahead of it and
-       the work its move would copy), the instance with nothing waiting comes before the one
-       it waits on.  It is the last of two or more, so the engine has most likely not started
-       it (the HTTP router drops the upstream request, which vLLM aborts, and sends it on; the
-       simulator moves none an engine started).  A choice is made with what the router knows
-       when the request arrives; a queue built by a burst, or behind a prefill that ran longer
-       than its estimate, shows only when an instance falls free.  On workload shapes drawn at
-       random it met 21 more of 1,026 cells (12 more of the 432 held out, none fewer) and
-       lowered TTFT by 1-3%, but lost a cell of the real fleet's bursty conversations in the
-       simulator by the median (docs/pages/fleet-rules.md): off by default.
+       When the router hears a first token or an end, an instance with no request waiting for its
+       first token may take the request sent last to an instance where two or more wait: if, chosen
+       for again as if it arrived now (rules 1 to 8, with the queue it would leave ahead of it and
+       the work its move would copy), the instance with nothing waiting comes before the one it
+       waits on.  It is the last of two or more, so the engine has most likely not started it (the
+       HTTP router drops the upstream request, which vLLM aborts, and sends it on; the simulator
+       moves none an engine started).  A choice is made with what the router knows when the request
+       arrives; a queue built by a burst, or behind a prefill that ran longer than its estimate,
+       shows only when an instance falls free.  On workload shapes drawn at random it met 21 more
+       of 1,026 cells (12 more of the 432 held out, none fewer) and lowered TTFT by 1-3%, but lost
+       a cell of the real fleet's bursty conversations in the simulator by the median
+       (docs/pages/fleet-rules.md): off by default.
 
   - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
     imbalance first (``balance_abs``/``balance_rel``, on requests in flight); no match goes to
@@ -185,8 +185,9 @@ from typing import Any, Hashable, Mapping, Sequence
 from radixkv.core._checks import check_int
 from radixkv.fleet.index import Match, medium_rank
 
-__all__ = ["AUTO_CAP", "AUTO_MAX", "BALANCE_ABS", "BALANCE_REL", "Backend", "Chooser", "CostModel", "Demand", "MOVES_AT_ONCE",
-           "Move", "POLICIES", "PROFILES", "Recent", "STREAM_AFTER", "Waiting", "auto_affinity", "pages_alone", "vllm_usable_blocks"]
+__all__ = ["AUTO_CAP", "AUTO_MAX", "BALANCE_ABS", "BALANCE_REL", "Backend", "Chooser", "CostModel", "Demand",
+           "MOVES_AT_ONCE", "Move", "POLICIES", "PROFILES", "Recent", "STREAM_AFTER", "Waiting", "auto_affinity",
+           "pages_alone", "vllm_usable_blocks"]
 
 POLICIES = ("cost", "prefix", "cache_aware", "dynamo", "least_loaded", "round_robin", "random")
 
@@ -370,7 +371,8 @@ class Recent:
         while len(self._names) > self.max_names:
             self._forget(self._names.popitem(last=False)[1])
 
-    def take(self, instance: str, names: Sequence[Hashable], since: float) -> list[tuple[Hashable, tuple[float, float]]]:
+    def take(self, instance: str, names: Sequence[Hashable],
+             since: float) -> list[tuple[Hashable, tuple[float, float]]]:
         """Drop ``instance``'s records of ``names`` that began at ``since`` or later (a request
         sent then, taken back: what it alone began is not held there), returning them for
         ``put_back``.  O(names)."""
@@ -584,7 +586,8 @@ class Chooser:
         self.load = 0.0             # the fraction of instances with prefill queued, averaged over arrivals
         self.demand = Demand()
         self._sent_at: dict[str, deque[float]] = {}     # instance -> when its requests waiting were sent
-        self._waiting: dict[str, dict[Hashable, Waiting]] = {}     # instance -> its keyed requests waiting, sent last last
+        # instance -> its requests waiting that were sent with a key, the one sent last last
+        self._waiting: dict[str, dict[Hashable, Waiting]] = {}
         self._pinned: dict[str, Counter[Hashable]] = {}  # instance -> block names its requests in flight hold
         self._private: dict[str, int] = {}          # instance -> pages its requests in flight hold alone (``pages``)
         # instance -> (first token, decode steps, pages held alone, block names) of its requests

@@ -1278,7 +1278,8 @@ def test_an_instance_that_falls_free_takes_the_last_request_waiting_where_it_is_
 
 @settings(max_examples=150, deadline=None)
 @given(n=st.integers(2, 4), ops=st.lists(st.tuples(st.sampled_from("ssspper"), st.integers(0, 10**6)), max_size=40))
-def test_rebalancing_keeps_every_count_and_moves_only_from_two_waiting_to_none(n: int, ops: list[tuple[str, int]]) -> None:
+def test_rebalancing_keeps_every_count_and_moves_only_from_two_waiting_to_none(n: int,
+                                                                            ops: list[tuple[str, int]]) -> None:
     """Requests sent (prompts of shared and own blocks, some with pages for their output; chosen or
     sent anywhere), first tokens,
     ends and rebalancing in any order: after each step the router's counts pass ``check``; a move
@@ -1302,7 +1303,8 @@ def test_rebalancing_keeps_every_count_and_moves_only_from_two_waiting_to_none(n
             output = None if x % 2 else 1 + x % 50
             # chosen, or (as a retry or the instance's own choice would) any instance
             b = chooser.choose(bs, tokens, names, now, output).order[0] if x % 3 else bs[x // 3 % n]
-            where[k] = (b, chooser.sent(b, tokens, 0, names, now, output, key=k), now, names, tokens, output, next(turn))
+            charge = chooser.sent(b, tokens, 0, names, now, output, key=k)
+            where[k] = (b, charge, now, names, tokens, output, next(turn))
         elif op == "p" and where:
             key = sorted(where)[x % len(where)]
             b, charge, sent_at, names, tokens, output, _ = where.pop(key)
