@@ -672,6 +672,10 @@ class Chooser:
                 if now is not None and steps > 0 and now >= first:
                     seen, step = (now - first) / steps, self._step_s.get(backend.name)
                     self._step_s[backend.name] = seen if step is None else step + (seen - step) / LOAD_ARRIVALS
+        self._unpin(backend, names)
+
+    def _unpin(self, backend: Backend, names: Sequence[Hashable]) -> None:
+        """A request of block names ``names`` on ``backend`` no longer pins them.  O(names)."""
         pinned = self._pinned.get(backend.name)
         if pinned is not None:
             for name in names:
@@ -682,9 +686,8 @@ class Chooser:
                     pinned.pop(name, None)
 
     def _withdraw(self, backend: Backend, w: Waiting) -> None:
-        """Undo ``sent`` of the waiting request ``w`` on ``backend`` but for ``Recent`` (the
-        record of what was sent there stays until it expires or settles).  O(names + requests
-        waiting there)."""
+        """Undo ``sent`` of the waiting request ``w`` on ``backend`` but for ``Recent`` (what
+        ``rebalance`` does with that record is its own).  O(names + requests waiting there)."""
         self._waiting[backend.name].pop(w.key)
         backend.in_flight -= 1
         backend.waiting -= 1
@@ -692,13 +695,7 @@ class Chooser:
         backend.active_tokens -= w.tokens
         self._private[backend.name] -= self.pages(w.tokens, w.names, w.output)
         self._sent_at[backend.name].remove(w.sent_at)
-        pinned = self._pinned[backend.name]
-        for name in w.names:
-            left = pinned[name] - 1
-            if left > 0:
-                pinned[name] = left
-            else:
-                del pinned[name]
+        self._unpin(backend, w.names)
 
     def _restore(self, backend: Backend, w: Waiting) -> None:
         """Undo ``_withdraw``: ``w`` waits on ``backend`` as before, sent last.  O(names)."""
