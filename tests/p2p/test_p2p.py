@@ -250,10 +250,13 @@ def test_b_gets_as_chunks_exactly_and_a_forged_peer_is_a_miss(fleet: Fleet, tran
         pytest.skip("NIXL does not load here")
     fleet.start("a", seed=1, transport=transport)
     fleet.start("f", seed=2, mode="forge", transport=transport)
-    b = fleet.reader("b", transport)
+    # Exactness, not the bound (test_a_stopped_peer_costs_a_request_at_most_remote_timeout): b's
+    # first NIXL read starts its agent inside the read's deadline, which took over 2 s beside a
+    # loaded test run.
+    b = fleet.reader("b", transport, timeout=20.0)
     where, chunks = _load(b, 1)
     assert where == [1] * CHUNKS                         # the peer tier, below b's own CPU tier
-    assert len(chunks) == CHUNKS
+    assert len(chunks) == CHUNKS, b.tiers[1].stats()
     for i, chunk in enumerate(chunks):
         assert torch.equal(chunk, chunk_kv(1, i))
     peer = b.tiers[1]
@@ -280,6 +283,22 @@ def test_a_peer_killed_mid_transfer_or_restarted_or_stale_is_a_miss(fleet: Fleet
     where, chunks = _load(b, 3)
     assert len(chunks) == CHUNKS and torch.equal(chunks[-1], chunk_kv(3, CHUNKS - 1))
     b.check()
+
+
+def test_a_nixl_reader_starts_its_agent_before_its_first_read(fleet: Fleet) -> None:
+    """Starting NIXL takes most of a read's default bound: the tier starts it when it is built."""
+    if not _have_nixl():
+        pytest.skip("NIXL does not load here")
+    peer = fleet.reader("b", "nixl").tiers[1]
+    deadline = time.monotonic() + 60
+    while True:
+        with peer._agent_lock:
+            if peer._agent is not None:
+                break
+        assert time.monotonic() < deadline, "the agent never started"
+        time.sleep(0.05)
+    assert peer.stats()["nixl_reads"] == 0
+    peer.check()
 
 
 def test_nixl_a_peer_killed_between_pin_and_read_is_a_miss(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
