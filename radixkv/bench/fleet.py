@@ -52,7 +52,9 @@ Side by side with sglang-router (commands that produced ``benchmarks/results/fle
 ``--routers KIND:POLICY,...`` puts either radixkv's router (``radixkv:`` and one of its policies) or
 sglang-router (``sglang:cache_aware``, ``cache_aware_low`` — its ``cache_aware`` with the balance
 thresholds lowered to ``--balance-abs-threshold 2 --balance-rel-threshold 1.2`` —, ``round_robin``,
-``random``, ``power_of_two``; ``pip install sglang-router``, run as its own process) in front.  Each
+``random``, ``power_of_two``; ``pip install sglang-router``, run as its own process) in front; a
+radixkv policy followed by ``+rebalance`` (``radixkv:cost+rebalance``) starts its router with
+``--rebalance``, rule 9 of the cost policy (a waiting request moves to an instance that fell free).  Each
 run starts fresh instances (in parallel) and sends every router the same prompts per seed
 (``--seed`` takes a list).  A run on real instances does not repeat exactly (which instance a
 request finds free, and when a prefill's events land, depend on timing), so ``--repeat N`` runs the
@@ -116,6 +118,10 @@ SGLANG_POLICIES = {"cache_aware": (), "round_robin": (), "random": (), "power_of
                    "cache_aware_low": ("--balance-abs-threshold", "2", "--balance-rel-threshold", "1.2")}
 
 
+#: A radixkv policy ending so starts its router with ``--rebalance`` (rule 9 of the cost policy).
+REBALANCE = "+rebalance"
+
+
 class RouterSpec(NamedTuple):
     """One router in front of the fleet: ``kind`` is ``radixkv`` or ``sglang``."""
 
@@ -136,10 +142,11 @@ def parse_routers(text: str) -> list[RouterSpec]:
     out = []
     for item in text.split(","):
         kind, sep, policy = item.strip().partition(":")
-        if not sep or kind not in known or policy not in known[kind]:
+        bare = policy.removesuffix(REBALANCE) if kind == "radixkv" else policy
+        if not sep or kind not in known or bare not in known[kind]:
             raise argparse.ArgumentTypeError(
                 f"--routers: {item!r} is not KIND:POLICY with " + "; ".join(
-                    f"{k}: {', '.join(v)}" for k, v in known.items()))
+                    f"{k}: {', '.join(v)}" for k, v in known.items()) + f" (a radixkv policy may end {REBALANCE})")
         out.append(RouterSpec(kind, policy))
     return out
 
@@ -451,9 +458,12 @@ def _start_router(args: argparse.Namespace, urls: list[str], events: list[str], 
                "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1", "--log-level", "warn"]
         ready = f"http://127.0.0.1:{port}/v1/models"
     else:
-        cmd = [sys.executable, "-m", "radixkv", "route", "--port", str(port), "--policy", spec.policy,
-               "--cost-profile", "vllm-cpu", "--block-size", str(BLOCK), "--balance-abs", str(args.balance_abs),
+        cmd = [sys.executable, "-m", "radixkv", "route", "--port", str(port),
+               "--policy", spec.policy.removesuffix(REBALANCE), "--cost-profile", "vllm-cpu",
+               "--block-size", str(BLOCK), "--balance-abs", str(args.balance_abs),
                "--balance-rel", str(args.balance_rel)]
+        if spec.policy.endswith(REBALANCE):
+            cmd.append("--rebalance")
         if args.affinity is not None:
             cmd += ["--affinity", str(args.affinity)]
         for url, ep in zip(urls, events):

@@ -21,13 +21,15 @@ from radixkv.bench import fleet
 
 
 def test_routers_and_seeds_parse_and_bad_items_are_named() -> None:
-    args = fleet._parser().parse_args(["--routers", "radixkv:cost,sglang:cache_aware_low,sglang:round_robin",
-                                       "--seed", "0,1,2"])
-    assert [r.name for r in args.routers] == ["radixkv:cost", "sglang:cache_aware_low", "sglang:round_robin"]
+    args = fleet._parser().parse_args(["--routers", "radixkv:cost,sglang:cache_aware_low,sglang:round_robin,"
+                                       "radixkv:cost+rebalance", "--seed", "0,1,2"])
+    assert [r.name for r in args.routers] == ["radixkv:cost", "sglang:cache_aware_low", "sglang:round_robin",
+                                              "radixkv:cost+rebalance"]
     assert args.seed == [0, 1, 2]
     plain = fleet._parser().parse_args([])
     assert plain.routers is None and plain.seed == [0] and plain.policies == ",".join(fleet.POLICIES)
-    for bad in ("cost", "sglang:cost", "radixkv:cache_aware_low", "vllm:round_robin"):
+    for bad in ("cost", "sglang:cost", "radixkv:cache_aware_low", "vllm:round_robin", "sglang:cache_aware+rebalance",
+                "radixkv:cost+other", "radixkv:+rebalance"):
         with pytest.raises(argparse.ArgumentTypeError, match="KIND:POLICY"):
             fleet.parse_routers(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="--seed"):
