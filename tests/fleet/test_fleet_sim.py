@@ -541,7 +541,8 @@ def test_a_stream_of_one_prompt_on_a_cold_fleet_is_computed_on_every_instance_be
     reqs, bt = workload("shape5", 150, seed)
     scale_to_load(reqs, bt, MODEL, instances, load)
     pool = default_pool("shape5", reqs, bt)
-    fleet = Fleet(instances, "cost", MODEL, bt, pool_tokens=pool, cpu_tokens=pool, budget=8192, seed=seed)
+    fleet = Fleet(instances, "cost", MODEL, bt, pool_tokens=pool, cpu_tokens=pool, budget=8192, seed=seed,
+                      rebalance=True)
     fleet.run(reqs)
     fleet.check()
     first_token = min(r.arrival + r.ttft for r in reqs)
@@ -1356,38 +1357,53 @@ def test_the_references_imbalance_thresholds_are_flags_named_in_the_table(tmp_pa
         assert bad[0] in err and err.count("\n") == 1, bad
 
 
+def _burst_run(seed: int, instances: int, load: float, rebalance: bool) -> tuple[Fleet, list[SimRequest]]:
+    """Shape 49 (bursts of one tenant's long prompt), 160 requests, run with ``Fleet.check`` after
+    every step; asserts each request was served where the router last sent it."""
+    from radixkv.bench.fleet_sim import default_pool
+
+    reqs, bt = workload("shape49", 160, seed)
+    scale_to_load(reqs, bt, MODEL, instances, load)
+    pool = default_pool("shape49", reqs, bt)
+    fleet = Fleet(instances, "cost", MODEL, bt, pool_tokens=pool, cpu_tokens=pool, budget=8192, seed=seed,
+                  rebalance=rebalance)
+    served: dict[int, str] = {}
+    finish = __import__("radixkv.bench.fleet_sim", fromlist=["_Instance"])._Instance.finish_prefill
+
+    def finish_prefill(inst: Any, r: SimRequest) -> None:
+        served[r.rid] = inst.name
+        finish(inst, r)
+
+    run_checked(fleet, reqs, finish_prefill=finish_prefill)
+    assert all(served[r.rid] == r.instance for r in reqs), "a request was served where the router did not send it"
+    return fleet, reqs
+
+
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**16), instances=st.sampled_from([2, 4]), load=st.sampled_from([0.5, 0.95]))
 def test_requests_a_busy_instance_queued_move_to_one_that_fell_free_and_are_served_there(
         seed: int, instances: int, load: float) -> None:
-    """Bursts of one tenant's long prompt (shape 49): an instance that falls free takes requests
-    still waiting on another (``Chooser.rebalance``, rule 9), never one its engine started; the
-    pages and counts stay exact after every step (``Fleet.check``), each moved request is served
-    where it moved, and the run is the same run again (deterministic with the moves)."""
-    from radixkv.bench.fleet_sim import default_pool, summary
+    """Bursts of one tenant's long prompt (shape 49), rebalancing on: an instance that falls free
+    takes requests still waiting on another (``Chooser.rebalance``, rule 9), never one its engine
+    started; the pages and counts stay exact after every step (``Fleet.check``), each moved request
+    is served where it moved, and the run is the same run again (deterministic with the moves)."""
+    from radixkv.bench.fleet_sim import summary
 
-    def once() -> tuple[Fleet, list[SimRequest]]:
-        reqs, bt = workload("shape49", 160, seed)
-        scale_to_load(reqs, bt, MODEL, instances, load)
-        pool = default_pool("shape49", reqs, bt)
-        fleet = Fleet(instances, "cost", MODEL, bt, pool_tokens=pool, cpu_tokens=pool, budget=8192, seed=seed)
-        served: dict[int, str] = {}
-        finish = __import__("radixkv.bench.fleet_sim", fromlist=["_Instance"])._Instance.finish_prefill
-
-        def finish_prefill(inst: Any, r: SimRequest) -> None:
-            served[r.rid] = inst.name
-            finish(inst, r)
-
-        run_checked(fleet, reqs, finish_prefill=finish_prefill)
-        assert all(served[r.rid] == r.instance for r in reqs), "a request was served where the router did not send it"
-        return fleet, reqs
-
-    fleet, reqs = once()
+    fleet, reqs = _burst_run(seed, instances, load, rebalance=True)
     moved = [r for r in reqs if r.why == "rebalance"]
     event(f"moved: {min(len(moved), 5)}")
     assert len(moved) <= fleet.rebalanced and all(r.ttft == r.ttft for r in reqs)
-    again, reqs2 = once()
+    again, reqs2 = _burst_run(seed, instances, load, rebalance=True)
     assert summary(reqs, fleet)["ttft"] == summary(reqs2, again)["ttft"] and fleet.rebalanced == again.rebalanced
+
+
+def test_the_simulator_moves_requests_only_with_rebalancing_on() -> None:
+    """The same bursts at 95% load on two instances: requests move with ``rebalance=True``, none
+    without (the default)."""
+    on, reqs = _burst_run(0, 2, 0.95, rebalance=True)
+    assert on.rebalanced > 0 and any(r.why == "rebalance" for r in reqs)
+    off, reqs = _burst_run(0, 2, 0.95, rebalance=False)
+    assert off.rebalanced == 0 and not any(r.why == "rebalance" for r in reqs)
 
 
 def test_a_simulation_leaves_no_thread_and_no_fleet_behind() -> None:

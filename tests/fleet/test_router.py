@@ -323,15 +323,16 @@ def test_the_cost_policy_counts_the_queued_tokens_of_requests_in_flight() -> Non
 
 
 def test_a_request_waiting_on_a_busy_instance_moves_to_one_that_fell_free() -> None:
-    """Three cold prompts wait on a slow instance while the other is down; it comes back, serves a
-    short request, and as that ends the router moves the last of the three there (rule 9): the
+    """Three cold prompts wait on a slow instance while the other is down (more than a step's
+    budget, 2,048 tokens, ahead of the last); it comes back, serves a short request, and as that
+    ends the router moves the last of the three there (rule 9): the
     client gets that instance's answer, routed ``rebalance``, and nothing of the first; the first
     of the three never moves (it is not the last of two or more), and every count is back to 0."""
     async def body(client: TestClient, router: Router, urls: list[str]) -> None:
         a, b = router.backends
         b.healthy = False
         sent = [asyncio.ensure_future(client.post("/v1/completions", json={
-            "prompt": list(range(1000 * k, 1000 * k + 640)), "stream": k % 2 == 0})) for k in range(3)]
+            "prompt": list(range(2000 * k, 2000 * k + 1100)), "stream": k % 2 == 0})) for k in range(3)]
         for _ in range(200):
             await asyncio.sleep(0.01)
             if a.waiting == 3:

@@ -1243,10 +1243,21 @@ def test_an_instance_that_falls_free_takes_the_last_request_waiting_where_it_is_
     last of them there (its queue ahead of it on the first is longer than its own prefill on the
     second), the router's counts follow it, and its first token is then told with the move's charge
     and send time.  A request ``movable`` refuses stays; no other policy moves anything, nor the
-    cost policy unless asked to."""
+    cost policy unless asked to.  With less than a step's budget of prompt tokens ahead of it, the
+    engine has it in the step under way or the next: it stays, unless it does not fit the pool."""
     a, b = backends(2)
-    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL, rebalance=True)
     names = {k: [("p", k, j) for j in range(60)] for k in range(3)}
+    starting = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL, rebalance=True, budget=2001)
+    for k in range(3):
+        starting.sent(a, 1000, 0, names[k], now=float(k), key=k)
+    assert starting.rebalance([a, b], 5.0) == [], "2000 tokens ahead of it, a step of 2001: it is starting"
+    starting.check([a, b])
+    a.pool_blocks = 150             # the three prompts' 180 blocks do not fit: it waits for pages
+    moves = starting.rebalance([a, b], 5.0)
+    assert [(m.key, m.source, m.target) for m in moves] == [(2, a, b)]
+    starting.check([a, b])
+    a, b = backends(2)
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL, rebalance=True, budget=2000)
     charges = {k: chooser.sent(a, 1000, 0, names[k], now=float(k), key=k) for k in range(3)}
     assert chooser.rebalance([a, b], 5.0, movable=lambda key: key != 2) == [], "the last one is not movable"
     chooser.check([a, b])
@@ -1276,20 +1287,22 @@ def test_an_instance_that_falls_free_takes_the_last_request_waiting_where_it_is_
     assert off.rebalance([a, b], 5.0) == [], "off unless asked for"
 
 
-@settings(max_examples=150, deadline=None)
-@given(n=st.integers(2, 4), ops=st.lists(st.tuples(st.sampled_from("ssspper"), st.integers(0, 10**6)), max_size=40))
-def test_rebalancing_keeps_every_count_and_moves_only_from_two_waiting_to_none(n: int,
-                                                                            ops: list[tuple[str, int]]) -> None:
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(2, 4), ops=st.lists(st.tuples(st.sampled_from("ssspper"), st.integers(0, 10**6)), max_size=40),
+       budget=st.sampled_from((16, 16, 160, 2048)))
+def test_rebalancing_keeps_every_count_and_moves_only_from_two_waiting_to_none(n: int, ops: list[tuple[str, int]],
+                                                                            budget: int) -> None:
     """Requests sent (prompts of shared and own blocks, some with pages for their output; chosen or
     sent anywhere), first tokens,
     ends and rebalancing in any order: after each step the router's counts pass ``check``; a move
     takes the request sent last to an instance where two or more wait, to one where none did, and
-    its record goes with it; rebalancing again at once moves nothing."""
+    its record goes with it, from behind a step's budget of prompt tokens or more unless the
+    instance has a pool (where it may not fit); rebalancing again at once moves nothing."""
     bs = backends(n)
     pool = [None, 40, 400]
     for i, b in enumerate(bs):
         b.pool_blocks = pool[i % len(pool)]
-    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL, rebalance=True)
+    chooser = Chooser("cost", block_size=16, lookup=lambda _: {}, model=MODEL, rebalance=True, budget=budget)
     # waiting: where, charge, sent_at, names, tokens, output, and when it got there (moves too)
     where: dict[int, tuple[Backend, int, float, list[Any], int, int | None, int]] = {}
     turn = itertools.count()
@@ -1317,9 +1330,14 @@ def test_rebalancing_keeps_every_count_and_moves_only_from_two_waiting_to_none(n
             free = {b.name for b in bs if not b.waiting}
             last = {b.name: max((key for key, w in where.items() if w[0] is b), key=lambda key: where[key][6],
                                 default=None) for b in bs}
+            queued = {b.name: b.queued_tokens for b in bs}
             for move in chooser.rebalance(bs, now):
                 assert move.target.name in free and move.source.name not in free
                 assert move.key == last[move.source.name], "the request sent last there moves"
+                ahead = queued[move.source.name] - where[move.key][1]
+                assert ahead >= budget or move.source.pool_blocks is not None, "a request starting moved"
+                queued[move.source.name] = ahead
+                queued[move.target.name] += move.charge
                 _, _, _, names, tokens, output, _ = where[move.key]
                 where[move.key] = (move.target, move.charge, move.sent_at, names, tokens, output, next(turn))
                 last = {b.name: max((key for key, w in where.items() if w[0] is b), key=lambda key: where[key][6],
