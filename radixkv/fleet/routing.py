@@ -149,12 +149,12 @@ Contract:
        tokens waits ahead of it and it fits the pool there: the engine admits waiting requests
        while a step's budget lasts, so it is in the step under way or the next (on the real fleet
        a burst's last request moved cold to an idle instance as its prefix's prefill ended, and
-       came out later there than where it was).  A choice is made with what the router knows when the request
-       arrives; a queue built by a burst, or behind a prefill that ran longer than its estimate,
-       shows only when an instance falls free.  On workload shapes drawn at random it met 21 more
-       of 1,026 cells (12 more of the 432 held out, none fewer) and lowered TTFT by 1-3%, but lost
-       a cell of the real fleet's bursty conversations in the simulator by the median
-       (docs/pages/fleet-rules.md): off by default.
+       came out later there than where it was).  A choice is made with what the router knows
+       when the request arrives; a queue built by a burst, or behind a prefill that ran longer
+       than its estimate, shows only when an instance falls free.  On workload shapes drawn at
+       random it met 12 more of 1,026 cells (9 more of the 432 held out, none fewer) and lowered
+       TTFT at p95 and p99 by 1-2%, but lost a cell of the real fleet's bursty conversations in
+       the simulator by the median (docs/pages/fleet-rules.md): off by default.
 
   - ``prefix``: the longest prefix wins (a faster medium, then fewer in flight break ties);
     imbalance first (``balance_abs``/``balance_rel``, on requests in flight); no match goes to
