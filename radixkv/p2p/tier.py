@@ -27,7 +27,9 @@ Storage contract:
   read is copied out into new ``bytes`` instead.  What keeps a blob past the load copies it (the
   stack's promotion does).
 * **Faults.**  Every wait ends at the caller's deadline (``radixkv.backends.bounded``, else
-  ``timeout_s``): a peer that died or hangs mid-transfer is a miss.  A breaker per peer
+  ``timeout_s``): a peer that died or hangs mid-transfer is a miss, and so is a NIXL read that
+  cannot have the agent by then (another read's transfer or the agent's start holds it; counted in
+  ``agent_busy``, the peer's breaker not told).  A breaker per peer
   (``CircuitBreaker``: 2 failures in a row open it, for 1 s doubling to 5 s) keeps requests away
   from a failing peer; the next request after the back-off probes it.  A controller that does not
   answer means no peer (asked again after 1 s).
@@ -116,7 +118,8 @@ class PeerTier(Tier):
         self._ring: StagingRing | None = None     # with the agent
         self._counts: Counter[str] = Counter(dict.fromkeys(
             ("lookups", "lookup_hits", "gets", "hits", "misses", "skipped", "failures", "nixl_reads", "zmq_reads",
-             "coded_reads", "coded_blobs", "bytes_read", "oversize", "abandoned", "nixl_lent", "nixl_copied"), 0))
+             "coded_reads", "coded_blobs", "bytes_read", "oversize", "abandoned", "nixl_lent", "nixl_copied",
+             "agent_busy"), 0))
         self._read_seconds = 0.0        # time in NIXL READs (the transfers alone)
         self._closed = False
         if transport == "nixl":
@@ -244,7 +247,13 @@ class PeerTier(Tier):
                 return []
             lengths = [n for _, n in spans]
             total = sum(lengths)
-            with self._agent_lock:
+            # The agent lock is held by a read's transfer or by the agent's start (1.7 s here): a
+            # read waits for it no longer than its own deadline, and is a miss if it must (not the
+            # peer's fault: its breaker is not told).
+            if not self._agent_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                self._count(agent_busy=1)
+                return []
+            try:
                 agent, ring = self._nixl_agent()
                 agent.add_peer(pinned.agent, peer.answer.metadata)
                 staging = ring.take(total)
@@ -262,6 +271,8 @@ class PeerTier(Tier):
                     self._retire(ring, staging)
                     return None
                 blobs: list[Blob] = list(ring.lend(staging, lengths) if lent else ring.copy_out(staging, lengths))
+            finally:
+                self._agent_lock.release()
             self._count(nixl_reads=1, bytes_read=total, nixl_lent=int(lent), nixl_copied=int(not lent))
             return blobs
         finally:
@@ -337,7 +348,8 @@ class PeerTier(Tier):
 
     def stats(self) -> dict[str, int | float]:
         """Counters (lookups, hits, misses, reads per transport, NIXL reads lent as views or copied
-        out, failures, skipped by a breaker, abandoned transfers), the time spent in NIXL READs,
+        out, failures, skipped by a breaker, abandoned transfers, reads that could not have the NIXL
+        agent within their deadline), the time spent in NIXL READs,
         the staging buffers held by callers, and the peers known.  O(peers + staging buffers)."""
         with self._lock:
             counts = dict(self._counts)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -285,20 +286,61 @@ def test_a_peer_killed_mid_transfer_or_restarted_or_stale_is_a_miss(fleet: Fleet
     b.check()
 
 
+def _agent_started(peer: Any) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        with peer._agent_lock:
+            if peer._agent is not None:
+                return
+        assert time.monotonic() < deadline, "the agent never started"
+        time.sleep(0.05)
+
+
 def test_a_nixl_reader_starts_its_agent_before_its_first_read(fleet: Fleet) -> None:
     """Starting NIXL takes most of a read's default bound: the tier starts it when it is built."""
     if not _have_nixl():
         pytest.skip("NIXL does not load here")
     peer = fleet.reader("b", "nixl").tiers[1]
-    deadline = time.monotonic() + 60
-    while True:
-        with peer._agent_lock:
-            if peer._agent is not None:
-                break
-        assert time.monotonic() < deadline, "the agent never started"
-        time.sleep(0.05)
+    _agent_started(peer)
     assert peer.stats()["nixl_reads"] == 0
     peer.check()
+
+
+def test_a_nixl_read_waits_for_the_agent_no_longer_than_its_bound(fleet: Fleet) -> None:
+    """The agent is held (as by another read's transfer or the agent's start) far past the read's
+    bound: the read is a miss by its bound, not a wait for the agent, and the peer is not blamed
+    for it (its breaker stays closed); once the agent is free the same read is served."""
+    if not _have_nixl():
+        pytest.skip("NIXL does not load here")
+    fleet.start("a", seed=1, transport="nixl")
+    b = fleet.reader("b", "nixl", timeout=1.0)
+    peer = b.tiers[1]
+    _agent_started(peer)
+    held, free = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with peer._agent_lock:
+            held.set()
+            free.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    try:
+        t0 = time.monotonic()
+        where, chunks = _load(b, 1)
+        waited = time.monotonic() - t0
+    finally:
+        free.set()
+        holder.join(10)
+    assert where == [1] * CHUNKS and chunks == []
+    assert waited < 30.0, waited                # the agent was held for up to 60 s
+    stats = peer.stats()
+    assert stats["agent_busy"] >= 1 and stats["failures"] == 0 and stats["breakers_open"] == 0, stats
+    where, chunks = _load(b, 1)
+    assert len(chunks) == CHUNKS, peer.stats()
+    assert torch.equal(chunks[-1], chunk_kv(1, CHUNKS - 1))
+    b.check()
 
 
 def test_nixl_a_peer_killed_between_pin_and_read_is_a_miss(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
