@@ -657,6 +657,7 @@ class _Instance:
         self.cache.observers.add(KVEvents(sink, namespace=self.namespace, chunk_size=1))
         self.waiting: deque[SimRequest] = deque()
         self.finishing: list[SimRequest] = []
+        self.scheduling = False     # a step ended and the next is not scheduled yet (no rebalancing then)
         self.running: list[SimRequest] = []
         self.wake = fleet.env.event()
         self.busy_s = 0.0
@@ -902,8 +903,18 @@ class _Instance:
 
     def run(self) -> Generator[Any, Any, None]:
         env, model, f = self.fleet.env, self.fleet.model, self.fleet
+        # The router hears a step's first tokens and ends after the engine has scheduled its next
+        # step (vLLM admits the waiting requests the step's budget and pool allow before the
+        # outputs reach the router): the rebalancing they set off comes after that admission, so
+        # it cannot take a request the next step starts.
+        heard = False
         while True:
             if not self.waiting and not self.running:
+                self.scheduling = False
+                if heard:
+                    heard = False
+                    f.rebalance()
+                    continue
                 self.wake = env.event()
                 yield self.wake
                 continue
@@ -929,6 +940,10 @@ class _Instance:
                 if r.remaining:
                     break
                 done.append(self.waiting.popleft())
+            self.scheduling = False
+            if heard:
+                heard = False
+                f.rebalance()
             decoding = len(self.running)
             if tokens or done:
                 dt = model.fixed_s + model.prefill(tokens) + load_s
@@ -968,13 +983,13 @@ class _Instance:
                     r.left = r.output - 1
                 self.running.append(r)
             self.finishing = []
+            self.scheduling = True
             ends = [r for r in self.running if r.left <= 1e-9]
             for r in ends:
                 self.running.remove(r)
                 self.end(r)
             self.publish()
-            if done or ends:        # the router heard a first token or an end
-                f.rebalance()
+            heard = bool(done or ends)      # the router heard a first token or an end
 
 
 class Fleet:
@@ -1120,7 +1135,10 @@ class Fleet:
     def rebalance(self) -> None:
         """Move the requests the router takes from one instance's queue to another's
         (``Chooser.rebalance``), none that its engine has started (a real router cannot tell, and
-        would drop one's work).  O(instances ** 2 x a choice) at most."""
+        would drop one's work).  Called when the router hears a first token or an end, after the
+        instance that made it has scheduled its next step, as vLLM does before its outputs reach
+        the router (``scheduling`` is then false on every instance).  O(instances ** 2 x a choice)
+        at most."""
         def movable(rid: int) -> bool:
             r = self._by_rid[rid]
             return not r.started and r in self.by_name[r.instance].waiting

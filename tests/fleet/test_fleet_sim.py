@@ -1397,6 +1397,24 @@ def test_requests_a_busy_instance_queued_move_to_one_that_fell_free_and_are_serv
     assert summary(reqs, fleet)["ttft"] == summary(reqs2, again)["ttft"] and fleet.rebalanced == again.rebalanced
 
 
+def test_the_simulator_rebalances_only_after_the_instance_that_spoke_scheduled_its_next_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM schedules its next step before its outputs reach the router, so rebalancing never
+    takes a request that step admits: in the simulator every rebalancing comes while no instance
+    is between a step's end and its next step's admission, and the bursts still move requests."""
+    calls: list[bool] = []
+    rebalance = Fleet.rebalance
+
+    def checked(fleet: Fleet) -> None:
+        calls.append(any(inst.scheduling for inst in fleet.instances))
+        rebalance(fleet)
+
+    monkeypatch.setattr(Fleet, "rebalance", checked)
+    fleet, reqs = _burst_run(0, 2, 0.95, rebalance=True)
+    assert calls and not any(calls), f"{sum(calls)} of {len(calls)} rebalancings came before a step was scheduled"
+    assert fleet.rebalanced > 0
+
+
 def test_the_simulator_moves_requests_only_with_rebalancing_on() -> None:
     """The same bursts at 95% load on two instances: requests move with ``rebalance=True``, none
     without (the default)."""
