@@ -604,6 +604,27 @@ def test_the_router_pins_what_each_instances_requests_in_flight_hold_and_sends_a
     assert any(moved), "the fit rule moved no prompt to where it fits: the check checked nothing"
 
 
+@pytest.fixture(autouse=True)
+def _fleets_closed(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Every ``Fleet`` a test builds is closed after it (``simulate`` closes its own; a test that
+    builds one left its caches' threads to the interpreter's exit)."""
+    import weakref
+
+    made: list[weakref.ref[Fleet]] = []
+    init = Fleet.__init__
+
+    def tracked(self: Fleet, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(Fleet, "__init__", tracked)
+    yield
+    for ref in made:
+        fleet = ref()
+        if fleet is not None:
+            fleet.close()
+
+
 def run_checked(fleet: Fleet, reqs: list[SimRequest], also: Any = None, **patches: Any) -> None:
     """Run ``reqs`` on ``fleet`` with ``Fleet.check`` (and ``also()``, given) after every engine
     step (as each instance publishes its events) and ``_Instance``'s methods named in ``patches``
