@@ -736,17 +736,18 @@ class Chooser:
                     w = next(reversed(self._waiting[source.name].values()))
                     if movable is not None and not movable(w.key):
                         continue
+                    # less than a step's prompt tokens ahead of it, with room in the pool: the
+                    # engine has it in the step under way or the next (it admits waiting requests
+                    # while the step's budget lasts), which a move would only repeat.  (The pool
+                    # counts it already: it fits there as the pool's requests in flight fit.)
+                    if source.queued_tokens - w.charge < self.budget and self.fits(source, (), 0):
+                        continue
                     self._withdraw(source, w)
                     # what its own send began there is not held there (other requests' sends are)
                     pinned: Mapping[Hashable, int] = self._pinned.get(source.name) or {}
                     taken = self.recent.take(source.name, [n for n in w.names if n not in pinned], w.sent_at)
-                    # less than a step's prompt tokens ahead of it, with room in the pool: the
-                    # engine has it in the step under way or the next (it admits waiting requests
-                    # while the step's budget lasts), which a move would only repeat
-                    starting = (source.queued_tokens < self.budget
-                                and self.fits(source, w.names, self.pages(w.tokens, w.names, w.output)))
-                    choice = None if starting else self.choose(backends, w.tokens, w.names, now, w.output, again=True)
-                    if choice is not None and choice.order.index(thief) < choice.order.index(source):
+                    choice = self.choose(backends, w.tokens, w.names, now, w.output, again=True)
+                    if choice.order.index(thief) < choice.order.index(source):
                         charge = self.sent(thief, w.tokens, choice.promised, w.names, now, w.output, key=w.key)
                         move = Move(w.key, source, thief, charge, now)
                         break
