@@ -658,6 +658,7 @@ class _Instance:
         self.waiting: deque[SimRequest] = deque()
         self.finishing: list[SimRequest] = []
         self.scheduling = False     # a step ended and the next is not scheduled yet (no rebalancing then)
+        self.prefilling = False     # the step scheduled or in flight computes prompt tokens (one moved here waits for it)
         self.running: list[SimRequest] = []
         self.wake = fleet.env.event()
         self.busy_s = 0.0
@@ -922,28 +923,33 @@ class _Instance:
             done: list[SimRequest] = []
             self.finishing = done           # prefilled by the step in flight: no longer waiting, not yet running
             preempted = self._grow() if f.preempt else False
-            while self.waiting and budget > 0:
-                r = self.waiting[0]
-                if not r.started:
-                    if preempted:           # vLLM admits no request in a step that preempted one
+            while True:
+                while self.waiting and budget > 0:
+                    r = self.waiting[0]
+                    if not r.started:
+                        if preempted:           # vLLM admits no request in a step that preempted one
+                            break
+                        cost = self.start(r)
+                        if cost is None:
+                            break
+                        load_s += cost
+                    take = min(r.remaining, budget)
+                    r.remaining -= take
+                    budget -= take
+                    tokens += take
+                    computed = r.tokens + r.recompute - r.remaining
+                    self.commit(r, min(computed // f.block_tokens, full_blocks(r, f.block_tokens)))
+                    if r.remaining:
                         break
-                    cost = self.start(r)
-                    if cost is None:
-                        break
-                    load_s += cost
-                take = min(r.remaining, budget)
-                r.remaining -= take
-                budget -= take
-                tokens += take
-                computed = r.tokens + r.recompute - r.remaining
-                self.commit(r, min(computed // f.block_tokens, full_blocks(r, f.block_tokens)))
-                if r.remaining:
+                    done.append(self.waiting.popleft())
+                self.scheduling, self.prefilling = False, bool(tokens or done)
+                if not heard:
                     break
-                done.append(self.waiting.popleft())
-            self.scheduling = False
-            if heard:
                 heard = False
-                f.rebalance()
+                # A request moved here joins the next step; a step that only decodes is fluid here
+                # (an arrival starts at once), so one moved here then starts now, as an arrival would.
+                if self.name not in f.rebalance() or tokens or done:
+                    break
             decoding = len(self.running)
             if tokens or done:
                 dt = model.fixed_s + model.prefill(tokens) + load_s
@@ -951,6 +957,7 @@ class _Instance:
                     dt += model.decode_step_s + model.decode_s_per_seq * decoding
                 start = env.now
                 yield env.timeout(dt)
+                self.prefilling = False
                 self.computing.clear()
                 self.busy_s += env.now - start
                 for r in self.running:
@@ -1132,17 +1139,18 @@ class Fleet:
         if not inst.wake.triggered:
             inst.wake.succeed()
 
-    def rebalance(self) -> None:
+    def rebalance(self) -> set[str]:
         """Move the requests the router takes from one instance's queue to another's
         (``Chooser.rebalance``), none that its engine has started (a real router cannot tell, and
-        would drop one's work).  Called when the router hears a first token or an end, after the
-        instance that made it has scheduled its next step, as vLLM does before its outputs reach
-        the router (``scheduling`` is then false on every instance).  O(instances ** 2 x a choice)
-        at most."""
+        would drop one's work); the names of the instances that took one.  Called when the router
+        hears a first token or an end, after the instance that made it has scheduled its next
+        step, as vLLM does before its outputs reach the router (``scheduling`` is then false on
+        every instance).  O(instances ** 2 x a choice) at most."""
         def movable(rid: int) -> bool:
             r = self._by_rid[rid]
             return not r.started and r in self.by_name[r.instance].waiting
 
+        targets: set[str] = set()
         for m in self.chooser.rebalance(self.backends, self.env.now, movable):
             r = self._by_rid[m.key]
             self.by_name[m.source.name].waiting.remove(r)
@@ -1150,8 +1158,10 @@ class Fleet:
             self.rebalanced += 1
             inst = self.by_name[m.target.name]
             inst.waiting.append(r)
+            targets.add(inst.name)
             if not inst.wake.triggered:
                 inst.wake.succeed()
+        return targets
 
     def run(self, requests: Sequence[SimRequest]) -> None:
         """Serve ``requests`` (arrival order) to the end; one whose previous turn (``after``) has

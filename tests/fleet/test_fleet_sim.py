@@ -1426,14 +1426,56 @@ def test_the_simulator_rebalances_only_after_the_instance_that_spoke_scheduled_i
     calls: list[bool] = []
     rebalance = Fleet.rebalance
 
-    def checked(fleet: Fleet) -> None:
+    def checked(fleet: Fleet) -> set[str]:
         calls.append(any(inst.scheduling for inst in fleet.instances))
-        rebalance(fleet)
+        return rebalance(fleet)
 
     monkeypatch.setattr(Fleet, "rebalance", checked)
     fleet, reqs = _burst_run(0, 2, 0.95, rebalance=True)
     assert calls and not any(calls), f"{sum(calls)} of {len(calls)} rebalancings came before a step was scheduled"
     assert fleet.rebalanced > 0
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16), instances=st.sampled_from([2, 4]))
+def test_a_request_moved_to_an_instance_that_only_decodes_starts_at_once(seed: int, instances: int) -> None:
+    """The first request moved to an instance with nothing waiting whose step scheduled or in
+    flight computes no prompt is tried there at the moment it moves, as an arrival would be (the
+    simulator's decode is fluid; the next ones moved with it may find that step's budget spent);
+    none is tried before it moves."""
+    from radixkv.bench.fleet_sim import _Instance
+
+    moved: dict[int, tuple[float, bool]] = {}       # rid: (when, its new instance was free then)
+    tried: dict[int, list[tuple[str, float]]] = {}
+    rebalance, start = Fleet.rebalance, _Instance.start
+
+    def watched(fleet: Fleet) -> set[str]:
+        free = {i.name: not i.waiting and not i.prefilling for i in fleet.instances}
+        before = {r.rid: r.instance for i in fleet.instances for r in i.waiting}
+        targets = rebalance(fleet)
+        for i in fleet.instances:
+            first = True        # the first moved to a free instance is tried at once; the next may find the step full
+            for r in i.waiting:
+                if before.get(r.rid, i.name) != i.name:
+                    moved[r.rid] = (fleet.env.now, free[i.name] and first)
+                    first = False
+        return targets
+
+    def tried_start(inst: Any, r: SimRequest) -> Any:
+        tried.setdefault(r.rid, []).append((inst.name, inst.fleet.env.now))
+        return start(inst, r)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Fleet, "rebalance", watched)
+        mp.setattr(_Instance, "start", tried_start)
+        _, reqs = _burst_run(seed, instances, 0.95, rebalance=True)
+    by_rid = {r.rid: r for r in reqs}
+    for rid, (when, free) in moved.items():
+        there = [t for name, t in tried[rid] if name == by_rid[rid].instance]
+        assert there and there[0] >= when, (rid, when, tried[rid])
+        if free:
+            assert there[0] == when, f"request {rid} moved at {when} to a free instance, first tried there at {there[0]}"
+    event(f"moved to a free instance: {min(5, sum(free for _, free in moved.values()))}")
 
 
 def test_the_simulator_moves_requests_only_with_rebalancing_on() -> None:
